@@ -1,0 +1,45 @@
+# hpcrl: `make demo` runs the whole system locally; `make test` runs the whole suite.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+SERVICES := services/benchmarker services/sqd_scheduler services/learner services/generator
+PACKAGES := libs/common $(SERVICES)
+PYPROJECTS := $(addsuffix /pyproject.toml,$(PACKAGES))
+
+.PHONY: install system test lint demo clean help
+
+help:
+	@echo "make install  - system packages, RabbitMQ, .venv with every package (editable)"
+	@echo "make test     - install, then run the whole test suite"
+	@echo "make lint     - ruff"
+	@echo "make demo     - not yet: comes with the demo issue (#9)"
+
+install: system $(STAMP)
+
+system:
+	@bash deploy/local/ensure-system.sh
+
+$(STAMP): $(PYPROJECTS) requirements-dev.txt
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -r requirements-dev.txt $(addprefix -e ,$(SERVICES))
+	@# Services name libs/common by path (so `pip install ./services/X` works alone); that
+	@# installs it as a copy, so make it editable again last.
+	$(BIN)/python -m pip install -q --no-deps -e libs/common
+	@touch $@
+
+test: install
+	$(BIN)/python -m pytest
+
+lint: install
+	$(BIN)/ruff check .
+
+demo:
+	@echo "make demo is not implemented yet: it comes with the demo issue (#9)." >&2
+	@exit 2
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

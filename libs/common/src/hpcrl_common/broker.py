@@ -1,0 +1,579 @@
+"""Reliable RabbitMQ messaging on pika, shared by every service.
+
+The guarantees, end to end at-least-once and effectively-once with id-keyed consumers:
+
+* publisher confirms + persistent messages + ``mandatory`` routing: a publish returns only
+  once the broker has taken responsibility for the message;
+* manual acks, sent only after the handler's own outputs are confirmed;
+* handlers run on worker threads while the connection's I/O loop keeps the heartbeat alive;
+* a body that is not a valid message is dead-lettered at once with the reason in the
+  ``x-hpcrl-reason`` header; a handler that keeps raising is dead-lettered after
+  ``delivery_limit`` tries (the quorum queue's own delivery limit is the backstop for a
+  message that kills its consumer);
+* on a lost connection the consumer reconnects with exponential backoff; unacked messages
+  come back from the broker, and a message whose outputs were already produced is not
+  handled again (an id-keyed memory of completed messages), so nothing is lost and nothing
+  is done twice in effect.
+
+All channel operations happen on the thread that calls :meth:`Consumer.run`; other threads
+talk to it through a queue of actions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import random
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import pika
+import pika.exceptions
+import structlog
+from pika.adapters.blocking_connection import BlockingChannel
+from prometheus_client import Counter, Gauge, Histogram
+
+from hpcrl_common.config import BrokerSettings
+from hpcrl_common.messages import Message, MessageError, decode, encode
+from hpcrl_common.topology import (
+    CONSUMER_HEADER,
+    REASON_HEADER,
+    SOURCE_QUEUE_HEADER,
+    Topology,
+)
+
+log = structlog.get_logger("hpcrl.broker")
+
+CONSUMED = Counter(
+    "hpcrl_broker_consumed_total",
+    "Messages taken off a queue, by how they were settled",
+    ["queue", "outcome"],
+)
+PUBLISHED = Counter(
+    "hpcrl_broker_published_total", "Messages confirmed by the broker", ["routing_key"]
+)
+RECONNECTS = Counter("hpcrl_broker_reconnects_total", "Connection losses recovered", ["client"])
+CONNECTED = Gauge("hpcrl_broker_connected", "1 while connected to the broker", ["client"])
+HANDLER_SECONDS = Histogram(
+    "hpcrl_broker_handler_seconds",
+    "Time a handler took per message",
+    ["queue"],
+    buckets=(0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 300),
+)
+
+# Connection-level trouble that a reconnect cures. Unroutable/nacked publishes are not in it.
+RECOVERABLE = (
+    pika.exceptions.AMQPConnectionError,
+    pika.exceptions.AMQPChannelError,
+    pika.exceptions.ConnectionWrongStateError,
+    pika.exceptions.StreamLostError,
+    ConnectionError,
+)
+_COMPLETED_MEMORY = 50_000
+_LOOP_TICK_S = 0.05
+
+
+@dataclass(frozen=True)
+class Publish:
+    """One output message. ``routing_key`` is the full queue name (``topology.name(...)``)."""
+
+    routing_key: str
+    message: Message
+    exchange: str = ""
+    mandatory: bool = True
+
+
+class Reject(Exception):
+    """Raised by a handler for a message that can never succeed: dead-letter it now."""
+
+
+class _Deferred:
+    def __repr__(self) -> str:
+        return "DEFER"
+
+
+DEFER = _Deferred()
+"""Returned by a handler that will settle the delivery later with :meth:`Consumer.settle`."""
+
+
+@dataclass
+class Delivery:
+    """A received message as the consumer tracks it until it is settled."""
+
+    queue: str
+    tag: int
+    generation: int
+    attempt: int
+    body: bytes
+    headers: dict[str, Any]
+    message_id: str = ""
+    key: tuple[str, str] = ("", "")  # (queue, message id): what idempotency is keyed on
+    extra_tags: list[int] = field(default_factory=list)
+    received_at: float = field(default_factory=time.monotonic)
+
+
+Handler = Callable[[Message, Delivery], "Sequence[Publish] | _Deferred"]
+
+
+@dataclass
+class _Subscription:
+    queue: str
+    dead_letter_key: str
+    expected: type[Message]
+    handler: Handler
+    fanout: tuple[str, str, bool] | None = None  # (exchange base, subscriber, durable)
+
+
+@dataclass
+class _Timer:
+    every_s: float
+    fn: Callable[[], Sequence[Publish]]
+    due: float = 0.0
+    running: bool = False
+
+
+def connection_parameters(settings: BrokerSettings, client: str) -> pika.URLParameters:
+    params = pika.URLParameters(settings.url)
+    params.heartbeat = settings.heartbeat_s
+    params.blocked_connection_timeout = 60
+    params.client_properties = {"connection_name": client, "product": "hpcrl"}
+    return params
+
+
+def publish_on(channel: BlockingChannel, item: Publish, max_bytes: int) -> None:
+    """Publish one message persistently and wait for the broker's confirm."""
+    body = encode(item.message)
+    if len(body) > max_bytes:
+        raise MessageError(f"refusing to publish {len(body)} bytes > limit {max_bytes}")
+    properties = pika.BasicProperties(
+        delivery_mode=pika.DeliveryMode.Persistent,
+        content_type="application/msgpack",
+        message_id=item.message.id,
+        type=item.message.schema_tag(),
+        timestamp=int(time.time()),
+    )
+    channel.basic_publish(
+        item.exchange, item.routing_key, body, properties=properties, mandatory=item.mandatory
+    )
+    PUBLISHED.labels(item.routing_key or item.exchange).inc()
+
+
+class _Backoff:
+    def __init__(self, settings: BrokerSettings) -> None:
+        self.initial, self.cap = settings.reconnect_initial_s, settings.reconnect_max_s
+        self.current = self.initial
+
+    def next(self) -> float:
+        delay = self.current * random.uniform(0.8, 1.2)
+        self.current = min(self.current * 2, self.cap)
+        return delay
+
+    def reset(self) -> None:
+        self.current = self.initial
+
+
+class Publisher:
+    """A confirming publisher for code that only sends (CLIs, tests, one-shot tools)."""
+
+    def __init__(
+        self,
+        settings: BrokerSettings,
+        client: str = "publisher",
+        *,
+        topology: Topology | None = None,
+    ) -> None:
+        self.settings = settings
+        self.topology = topology or Topology(settings.namespace, settings.delivery_limit)
+        self._params = connection_parameters(settings, client)
+        self._connection: pika.BlockingConnection | None = None
+        self._channel: BlockingChannel | None = None
+
+    def _ensure_channel(self) -> BlockingChannel:
+        if self._channel is None or not self._channel.is_open:
+            self.close()
+            self._connection = pika.BlockingConnection(self._params)
+            self._channel = self._connection.channel()
+            self._channel.confirm_delivery()
+            self.topology.declare(self._channel)
+        return self._channel
+
+    def publish(self, *items: Publish, attempts: int = 8) -> None:
+        backoff = _Backoff(self.settings)
+        for index, item in enumerate(items):
+            for attempt in range(1, attempts + 1):
+                try:
+                    publish_on(self._ensure_channel(), item, self.settings.max_message_bytes)
+                    break
+                except RECOVERABLE as exc:
+                    self.close()
+                    if attempt == attempts:
+                        raise
+                    delay = backoff.next()
+                    log.warning("publish failed, retrying", error=repr(exc), delay_s=delay,
+                                item=index)
+                    time.sleep(delay)
+
+    def close(self) -> None:
+        connection, self._connection, self._channel = self._connection, None, None
+        if connection is not None and connection.is_open:
+            with contextlib.suppress(RECOVERABLE):
+                connection.close()
+
+    def __enter__(self) -> Publisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Consumer:
+    """Consumes one or more queues, runs handlers off the I/O thread, reconnects forever."""
+
+    def __init__(
+        self,
+        settings: BrokerSettings,
+        client: str,
+        *,
+        concurrency: int = 1,
+        topology: Topology | None = None,
+    ) -> None:
+        self.settings = settings
+        self.client = client
+        self.topology = topology or Topology(settings.namespace, settings.delivery_limit)
+        self._params = connection_parameters(settings, client)
+        self._executor = ThreadPoolExecutor(concurrency, thread_name_prefix=f"{client}-work")
+        self._subscriptions: list[_Subscription] = []
+        self._timers: list[_Timer] = []
+        self._actions: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._generation = 0
+        self._connection: pika.BlockingConnection | None = None
+        self._channel: BlockingChannel | None = None
+        self._inflight: dict[tuple[str, str], Delivery] = {}
+        self._failures: dict[tuple[str, str], int] = {}
+        self._completed: OrderedDict[tuple[str, str], list[Publish] | None] = OrderedDict()
+        self._unsent: list[tuple[list[Publish], Future | None]] = []
+        self._last_tick = time.monotonic()
+        self.connections = 0
+        self.connected = threading.Event()
+
+    # --- set-up ------------------------------------------------------------------------
+
+    def subscribe(self, queue_base: str, handler: Handler) -> str:
+        """Consume the work queue ``queue_base`` (a name from topology, un-namespaced)."""
+        name = self.topology.name(queue_base)
+        expected = self.topology.expected_schema(name)
+        self._subscriptions.append(_Subscription(name, name, expected, handler))
+        return name
+
+    def subscribe_fanout(
+        self, exchange_base: str, subscriber: str, handler: Handler, *, durable: bool
+    ) -> str:
+        """Receive every message of a fanout exchange in this subscriber's own queue."""
+        name = self.topology.subscriber_queue(exchange_base, subscriber)
+        self._subscriptions.append(
+            _Subscription(
+                name,
+                self.topology.name(exchange_base),
+                self.topology.expected_schema(name),
+                handler,
+                fanout=(exchange_base, subscriber, durable),
+            )
+        )
+        return name
+
+    def every(self, seconds: float, fn: Callable[[], Sequence[Publish]]) -> None:
+        """Run ``fn`` on a worker thread every ``seconds``; publish what it returns."""
+        self._timers.append(_Timer(seconds, fn))
+
+    # --- thread-safe API ----------------------------------------------------------------
+
+    def publish(self, *items: Publish) -> Future:
+        """Publish from any thread; the future resolves once the broker confirmed all."""
+        done: Future = Future()
+        self._actions.put(partial(self._publish_request, list(items), done))
+        return done
+
+    def settle(self, delivery: Delivery, outputs: Sequence[Publish] = ()) -> None:
+        """Finish a deferred delivery: publish ``outputs``, then ack it (any thread)."""
+        self._actions.put(partial(self._finish, delivery, list(outputs)))
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def healthy(self) -> tuple[bool, dict[str, Any]]:
+        loop_age = time.monotonic() - self._last_tick
+        ok = self.connected.is_set() and loop_age < 30
+        return ok, {
+            "connected": self.connected.is_set(),
+            "loop_age_s": round(loop_age, 3),
+            "inflight": len(self._inflight),
+        }
+
+    # --- the loop -----------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Serve until :meth:`stop`; survives broker restarts and dropped connections."""
+        backoff = _Backoff(self.settings)
+        try:
+            while not self._stop.is_set():
+                try:
+                    self._serve(backoff)
+                except RECOVERABLE as exc:
+                    self._lost_connection()
+                    delay = backoff.next()
+                    log.warning("broker connection lost, reconnecting", client=self.client,
+                                error=repr(exc), delay_s=round(delay, 2))
+                    self._stop.wait(delay)
+        finally:
+            self._close()
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def _serve(self, backoff: _Backoff) -> None:
+        self._connection = pika.BlockingConnection(self._params)
+        channel = self._channel = self._connection.channel()
+        channel.confirm_delivery()
+        self.topology.declare(channel)
+        channel.basic_qos(prefetch_count=self.settings.prefetch)
+        self._generation += 1
+        for sub in self._subscriptions:
+            if sub.fanout is not None:
+                base, subscriber, durable = sub.fanout
+                self.topology.declare_subscriber(channel, base, subscriber, durable=durable)
+            channel.basic_consume(sub.queue, partial(self._on_message, sub))
+        self.connections += 1
+        if self.connections > 1:
+            RECONNECTS.labels(self.client).inc()
+        self.connected.set()
+        CONNECTED.labels(self.client).set(1)
+        backoff.reset()
+        log.info("consuming", client=self.client, queues=[s.queue for s in self._subscriptions])
+        self._flush_unsent()
+        while not self._stop.is_set():
+            self._connection.process_data_events(time_limit=_LOOP_TICK_S)
+            self._drain_actions()
+            self._start_due_timers()
+            self._last_tick = time.monotonic()
+        self._drain_actions()
+
+    def _lost_connection(self) -> None:
+        self.connected.clear()
+        CONNECTED.labels(self.client).set(0)
+        connection, self._connection, self._channel = self._connection, None, None
+        if connection is not None and connection.is_open:
+            with contextlib.suppress(Exception):  # already broken; we only want it gone
+                connection.close()
+
+    def _close(self) -> None:
+        self._lost_connection()
+
+    def _drain_actions(self) -> None:
+        while True:
+            try:
+                action = self._actions.get_nowait()
+            except queue.Empty:
+                return
+            action()
+
+    # --- receiving ----------------------------------------------------------------------
+
+    def _on_message(self, sub: _Subscription, _channel: Any, method: Any, props: Any,
+                    body: bytes) -> None:
+        headers = dict(props.headers or {})
+        delivery = Delivery(
+            queue=sub.queue,
+            tag=method.delivery_tag,
+            generation=self._generation,
+            attempt=int(headers.get("x-delivery-count", 0)) + 1,
+            body=body,
+            headers=headers,
+            message_id=props.message_id or "",
+        )
+        # Decide outside pika's callback: dispatch may publish (dead letters, replays).
+        self._actions.put(partial(self._dispatch, sub, delivery))
+
+    def _dispatch(self, sub: _Subscription, delivery: Delivery) -> None:
+        try:
+            message = decode(delivery.body, sub.expected, max_bytes=self.settings.max_message_bytes)
+        except MessageError as exc:
+            self._dead_letter(sub, delivery, exc.reason)
+            return
+        delivery.message_id = message.id
+        delivery.key = key = (sub.queue, message.id)
+        delivery.attempt = max(delivery.attempt, self._failures.get(key, 0) + 1)
+        if key in self._completed:
+            self._replay_completed(delivery)
+            return
+        held = self._inflight.get(key)
+        if held is not None:
+            self._adopt_redelivery(held, delivery)
+            return
+        self._inflight[key] = delivery
+        self._executor.submit(self._handle, sub, message, delivery)
+
+    def _replay_completed(self, delivery: Delivery) -> None:
+        outputs = self._completed[delivery.key]
+        if outputs:
+            self._publish_all(outputs)
+            self._completed[delivery.key] = None
+        self._ack(delivery)
+        CONSUMED.labels(delivery.queue, "duplicate").inc()
+
+    def _adopt_redelivery(self, held: Delivery, delivery: Delivery) -> None:
+        if held.generation == delivery.generation:
+            held.extra_tags.append(delivery.tag)  # a second copy: settle both together
+        else:
+            held.tag, held.generation, held.extra_tags = delivery.tag, delivery.generation, []
+
+    def _handle(self, sub: _Subscription, message: Message, delivery: Delivery) -> None:
+        started = time.monotonic()
+        try:
+            result = sub.handler(message, delivery)
+        except Reject as exc:
+            self._actions.put(partial(self._finish_rejected, sub, delivery, str(exc)))
+            return
+        except Exception as exc:
+            log.exception("handler failed", queue=sub.queue, message_id=delivery.message_id,
+                          attempt=delivery.attempt)
+            self._actions.put(partial(self._finish_failed, sub, delivery, exc))
+            return
+        finally:
+            HANDLER_SECONDS.labels(sub.queue).observe(time.monotonic() - started)
+        if result is DEFER:
+            return
+        self._actions.put(partial(self._finish, delivery, list(result)))  # type: ignore[arg-type]
+
+    # --- settling (I/O thread only) ----------------------------------------------------
+
+    def _finish(self, delivery: Delivery, outputs: list[Publish]) -> None:
+        self._inflight.pop(delivery.key, None)
+        self._failures.pop(delivery.key, None)
+        self._remember(delivery.key, outputs or None)
+        try:
+            self._publish_all(outputs)
+        except (pika.exceptions.UnroutableError, pika.exceptions.NackError) as exc:
+            log.error("outputs refused by broker; will retry the message", error=repr(exc))
+            self._completed.pop(delivery.key, None)
+            self._nack(delivery)
+            return
+        self._completed[delivery.key] = None
+        self._ack(delivery)
+        CONSUMED.labels(delivery.queue, "acked").inc()
+
+    def _finish_failed(self, sub: _Subscription, delivery: Delivery, exc: Exception) -> None:
+        self._inflight.pop(delivery.key, None)
+        if delivery.attempt >= self.settings.delivery_limit:
+            self._failures.pop(delivery.key, None)
+            reason = f"handler failed {delivery.attempt} times; last error: {exc!r}"
+            self._dead_letter(sub, delivery, reason)
+            return
+        self._failures[delivery.key] = delivery.attempt
+        self._nack(delivery)
+        CONSUMED.labels(delivery.queue, "retried").inc()
+
+    def _finish_rejected(self, sub: _Subscription, delivery: Delivery, reason: str) -> None:
+        self._inflight.pop(delivery.key, None)
+        self._dead_letter(sub, delivery, f"rejected by handler: {reason}")
+
+    def _dead_letter(self, sub: _Subscription, delivery: Delivery, reason: str) -> None:
+        log.warning("dead-lettering message", queue=sub.queue, reason=reason[:500],
+                    message_id=delivery.message_id)
+        headers = {
+            **delivery.headers,
+            REASON_HEADER: reason[:4000],
+            SOURCE_QUEUE_HEADER: sub.queue,
+            CONSUMER_HEADER: self.client,
+        }
+        properties = pika.BasicProperties(
+            delivery_mode=pika.DeliveryMode.Persistent,
+            headers=headers,
+            message_id=delivery.message_id or None,
+        )
+        self._require_channel().basic_publish(
+            self.topology.dead_letter_exchange, sub.dead_letter_key, delivery.body,
+            properties=properties, mandatory=True,
+        )
+        self._ack(delivery)
+        CONSUMED.labels(delivery.queue, "dead_lettered").inc()
+
+    def _ack(self, delivery: Delivery) -> None:
+        if delivery.generation != self._generation:
+            return  # its channel is gone; the broker redelivers and we dedupe by id
+        channel = self._require_channel()
+        for tag in (delivery.tag, *delivery.extra_tags):
+            channel.basic_ack(tag)
+
+    def _nack(self, delivery: Delivery) -> None:
+        if delivery.generation != self._generation:
+            return
+        channel = self._require_channel()
+        for tag in (delivery.tag, *delivery.extra_tags):
+            channel.basic_nack(tag, requeue=True)
+
+    def _remember(self, key: tuple[str, str], outputs: list[Publish] | None) -> None:
+        self._completed[key] = outputs
+        self._completed.move_to_end(key)
+        while len(self._completed) > _COMPLETED_MEMORY:
+            self._completed.popitem(last=False)
+
+    # --- publishing (I/O thread only) --------------------------------------------------
+
+    def _require_channel(self) -> BlockingChannel:
+        if self._channel is None or not self._channel.is_open:
+            raise pika.exceptions.ChannelWrongStateError("no open channel")
+        return self._channel
+
+    def _publish_all(self, outputs: Sequence[Publish]) -> None:
+        channel = self._require_channel()
+        for item in outputs:
+            publish_on(channel, item, self.settings.max_message_bytes)
+
+    def _publish_request(self, items: list[Publish], done: Future | None) -> None:
+        try:
+            self._publish_all(items)
+        except RECOVERABLE:
+            self._unsent.append((items, done))
+            raise
+        except Exception as exc:
+            if done is not None:
+                done.set_exception(exc)
+            else:
+                log.error("publish failed", error=repr(exc))
+            return
+        if done is not None:
+            done.set_result(None)
+
+    def _flush_unsent(self) -> None:
+        unsent, self._unsent = self._unsent, []
+        for index, (items, done) in enumerate(unsent):
+            try:
+                self._publish_request(items, done)
+            except RECOVERABLE:
+                self._unsent.extend(unsent[index + 1 :])
+                raise
+
+    # --- timers -------------------------------------------------------------------------
+
+    def _start_due_timers(self) -> None:
+        now = time.monotonic()
+        for timer in self._timers:
+            if not timer.running and now >= timer.due:
+                timer.running = True
+                self._executor.submit(self._run_timer, timer)
+
+    def _run_timer(self, timer: _Timer) -> None:
+        try:
+            outputs = list(timer.fn())
+        except Exception:
+            log.exception("periodic task failed", task=getattr(timer.fn, "__name__", "?"))
+            outputs = []
+        if outputs:
+            self._actions.put(partial(self._publish_request, outputs, None))
+        timer.due = time.monotonic() + timer.every_s
+        timer.running = False

@@ -1,0 +1,410 @@
+"""Message schemas that cross a queue, and their msgpack wire format.
+
+Every message is a msgpack map with a ``schema`` key (``"<name>/<major>"``) and an ``id``.
+Numeric arrays travel as :class:`PackedArray` (raw little-endian bytes plus dtype), never as
+lists of Python numbers. :func:`decode` validates everything at the boundary and raises
+:class:`MessageError` with a precise, human-readable reason; consumers dead-letter with it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
+
+import msgpack
+import numpy as np
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationError,
+    model_validator,
+)
+
+DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+# --- shared field types -------------------------------------------------------------------
+
+MessageId = Annotated[
+    str, StringConstraints(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9._:/@+-]+$")
+]
+ShortText = Annotated[str, StringConstraints(max_length=256)]
+LongText = Annotated[str, StringConstraints(max_length=1_000_000)]
+ErrorText = Annotated[str, StringConstraints(max_length=64_000)]
+Stage = Annotated[int, Field(ge=1, le=6)]
+Version = Annotated[int, Field(ge=0)]
+Timestamp = Annotated[float, Field(ge=0)]
+OptLevel = Literal["O0", "O1", "O2", "O3"]
+Mode = Literal["seed", "deepen", "improve", "repair"]
+Status = Literal[
+    "success",
+    "format_violation",
+    "library_violation",
+    "stage_violation",
+    "compile_error",
+    "timeout",
+    "runtime_error",
+    "verification_error",
+]
+STATUSES: tuple[str, ...] = Status.__args__  # type: ignore[attr-defined]
+MAX_ARRAY_BYTES = 8 * 1024 * 1024
+
+
+class Strict(BaseModel):
+    """Base for every wire model: strict types, no unknown keys, finite floats, immutable."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
+
+
+class PackedArray(Strict):
+    """A 1-D numeric array as raw little-endian bytes."""
+
+    dtype: Literal["<i4", "<i8", "<f4", "<f8"]
+    data: Annotated[bytes, Field(max_length=MAX_ARRAY_BYTES)]
+
+    @model_validator(mode="after")
+    def _whole_items(self) -> PackedArray:
+        itemsize = np.dtype(self.dtype).itemsize
+        if len(self.data) % itemsize:
+            raise ValueError(
+                f"{len(self.data)} bytes is not a whole number of {self.dtype} items"
+            )
+        return self
+
+    @classmethod
+    def of(cls, values: Any, dtype: str) -> PackedArray:
+        array = np.ascontiguousarray(np.asarray(values, dtype=np.dtype(dtype)).ravel())
+        return cls(dtype=dtype, data=array.tobytes())  # type: ignore[arg-type]
+
+    def numpy(self) -> np.ndarray:
+        return np.frombuffer(self.data, dtype=np.dtype(self.dtype))
+
+    def __len__(self) -> int:
+        return len(self.data) // np.dtype(self.dtype).itemsize
+
+
+def _is_int_array(array: PackedArray) -> bool:
+    return array.dtype in ("<i4", "<i8")
+
+
+# --- messages -----------------------------------------------------------------------------
+
+
+class Message(Strict):
+    """A top-level queue message. Subclasses set SCHEMA_NAME and SCHEMA_MAJOR."""
+
+    SCHEMA_NAME: ClassVar[str] = ""
+    SCHEMA_MAJOR: ClassVar[int] = 1
+
+    id: MessageId
+
+    @classmethod
+    def schema_tag(cls) -> str:
+        return f"{cls.SCHEMA_NAME}/{cls.SCHEMA_MAJOR}"
+
+
+class ChatMessage(Strict):
+    role: Literal["system", "user", "assistant"]
+    content: LongText
+
+
+class SamplingParams(Strict):
+    temperature: Annotated[float, Field(ge=0.0, le=10.0)] = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    max_tokens: Annotated[int, Field(ge=1, le=65_536)] = 1024
+    seed: int | None = None
+
+
+class BenchSpec(Strict):
+    """What a benchmarker needs besides the code: which task, stage and optimisation level."""
+
+    task: Annotated[str, StringConstraints(min_length=1, max_length=256)]
+    stage: Stage
+    opt_level: OptLevel = "O3"
+
+
+class GenerateRequest(Message):
+    """Scheduler → generator: expand one pool node into a group of G completions."""
+
+    SCHEMA_NAME: ClassVar[str] = "generate-request"
+
+    experiment: ShortText
+    iteration: Version
+    parent_id: MessageId | None = None
+    mode: Mode
+    prompt: Annotated[list[ChatMessage], Field(min_length=1, max_length=64)]
+    group_size: Annotated[int, Field(ge=1, le=1024)]
+    sampling: SamplingParams = SamplingParams()
+    min_policy_version: Version = 0
+    bench: BenchSpec
+    created_at: Timestamp = Field(default_factory=time.time)
+
+    @property
+    def group_id(self) -> str:
+        return self.id
+
+
+class RolloutData(Strict):
+    """What the learner needs from one completion; opaque to the benchmarker."""
+
+    prompt_token_ids: PackedArray
+    completion_token_ids: PackedArray
+    sampling_logprobs: PackedArray
+    policy_version: Version
+    finish_reason: ShortText | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RolloutData:
+        if not _is_int_array(self.prompt_token_ids):
+            raise ValueError("prompt_token_ids must be an integer array")
+        if not _is_int_array(self.completion_token_ids):
+            raise ValueError("completion_token_ids must be an integer array")
+        if _is_int_array(self.sampling_logprobs):
+            raise ValueError("sampling_logprobs must be a float array")
+        if len(self.completion_token_ids) != len(self.sampling_logprobs):
+            raise ValueError(
+                f"{len(self.completion_token_ids)} completion tokens but "
+                f"{len(self.sampling_logprobs)} sampling log-probs"
+            )
+        return self
+
+
+def candidate_id(group_id: str, index: int) -> str:
+    return f"{group_id}/{index}"
+
+
+class Candidate(Message):
+    """Generator → benchmarker: one completion to compile, verify and time."""
+
+    SCHEMA_NAME: ClassVar[str] = "candidate"
+
+    group_id: MessageId
+    index: Annotated[int, Field(ge=0, lt=1024)]
+    completion: LongText
+    bench: BenchSpec
+    rollout: RolloutData | None = None
+    generator: ShortText = ""
+    created_at: Timestamp = Field(default_factory=time.time)
+
+    @model_validator(mode="after")
+    def _stable_id(self) -> Candidate:
+        expected = candidate_id(self.group_id, self.index)
+        if self.id != expected:
+            raise ValueError(f"candidate id must be {expected!r}, got {self.id!r}")
+        return self
+
+
+class HostInfo(Strict):
+    """The class of machine a measurement was taken on; rewards compare only within a class."""
+
+    hostname: ShortText
+    cpu_model: ShortText
+    isa: list[ShortText]
+    cores: Annotated[int, Field(ge=1)]
+    compiler: ShortText
+    host_class: ShortText
+
+
+class Timing(Strict):
+    runs_s: Annotated[list[Annotated[float, Field(gt=0)]], Field(min_length=1, max_length=1000)]
+    mean_s: Annotated[float, Field(gt=0)]
+    median_s: Annotated[float, Field(gt=0)]
+    min_s: Annotated[float, Field(gt=0)]
+    max_s: Annotated[float, Field(gt=0)]
+    cv: Annotated[float, Field(ge=0)]
+
+
+class BenchResult(Message):
+    """Benchmarker → scheduler: the verdict on one candidate (id = candidate id)."""
+
+    SCHEMA_NAME: ClassVar[str] = "bench-result"
+
+    group_id: MessageId
+    index: Annotated[int, Field(ge=0, lt=1024)]
+    status: Status
+    reward: float
+    gflops: Annotated[float, Field(ge=0)] | None = None
+    timing: Timing | None = None
+    techniques: list[ShortText] = []
+    generalizes: bool | None = None
+    error: ErrorText = ""
+    source: LongText | None = None
+    bench: BenchSpec
+    compile_flags: list[ShortText] = []
+    host: HostInfo
+    benchmarker: ShortText = ""
+    durations_s: dict[ShortText, Annotated[float, Field(ge=0)]] = {}
+    rollout: RolloutData | None = None
+    created_at: Timestamp = Field(default_factory=time.time)
+
+    @model_validator(mode="after")
+    def _success_has_gflops(self) -> BenchResult:
+        if self.id != candidate_id(self.group_id, self.index):
+            raise ValueError(f"result id must be {candidate_id(self.group_id, self.index)!r}")
+        if (self.status == "success") != (self.gflops is not None):
+            raise ValueError("gflops must be set exactly when status is 'success'")
+        return self
+
+
+class RolloutSample(Strict):
+    candidate_id: MessageId
+    completion_token_ids: PackedArray
+    sampling_logprobs: PackedArray
+    policy_version: Version
+    reward: float
+    status: Status
+
+    @model_validator(mode="after")
+    def _aligned(self) -> RolloutSample:
+        if len(self.completion_token_ids) != len(self.sampling_logprobs):
+            raise ValueError("completion_token_ids and sampling_logprobs differ in length")
+        if not _is_int_array(self.completion_token_ids) or _is_int_array(self.sampling_logprobs):
+            raise ValueError("token ids must be integers and log-probs floats")
+        return self
+
+
+class RolloutBatch(Message):
+    """Scheduler → learner: one complete group with its rewards (id = group id)."""
+
+    SCHEMA_NAME: ClassVar[str] = "rollout-batch"
+
+    experiment: ShortText
+    iteration: Version
+    prompt_token_ids: PackedArray
+    samples: Annotated[list[RolloutSample], Field(min_length=1, max_length=1024)]
+    reward_mode: Literal["raw", "group_normalized"]
+    host_class: ShortText = ""
+    created_at: Timestamp = Field(default_factory=time.time)
+
+    @model_validator(mode="after")
+    def _prompt_ids(self) -> RolloutBatch:
+        if not _is_int_array(self.prompt_token_ids):
+            raise ValueError("prompt_token_ids must be an integer array")
+        return self
+
+    @property
+    def min_policy_version(self) -> int:
+        return min(sample.policy_version for sample in self.samples)
+
+
+class WeightUpdate(Message):
+    """Learner → generators and scheduler (fanout): a new policy version, by reference."""
+
+    SCHEMA_NAME: ClassVar[str] = "weight-update"
+
+    version: Annotated[int, Field(ge=1)]
+    parent_version: Version
+    uri: Annotated[str, StringConstraints(min_length=1, max_length=4096)]
+    format: Literal["full", "lora"]
+    checksum: Annotated[str, StringConstraints(pattern=r"^sha256:[0-9a-f]{64}$")]
+    base_model: ShortText = ""
+    metrics: dict[ShortText, float] = {}
+    created_at: Timestamp = Field(default_factory=time.time)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> WeightUpdate:
+        if self.parent_version >= self.version:
+            raise ValueError("parent_version must be lower than version")
+        return self
+
+
+MESSAGE_TYPES: dict[str, type[Message]] = {
+    cls.SCHEMA_NAME: cls
+    for cls in (GenerateRequest, Candidate, BenchResult, RolloutBatch, WeightUpdate)
+}
+
+# --- wire format --------------------------------------------------------------------------
+
+
+class MessageError(ValueError):
+    """A body that is not a valid message. ``reason`` is what goes into the DLQ header."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def encode(message: Message) -> bytes:
+    body = message.model_dump(mode="python")
+    body = {"schema": message.schema_tag(), **body}
+    return msgpack.packb(body, use_bin_type=True)
+
+
+M = TypeVar("M", bound=Message)
+
+
+def decode(
+    body: bytes,
+    expected: type[M] | tuple[type[Message], ...] | None = None,
+    *,
+    max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+) -> M:
+    """Parse and validate one message body; raise MessageError with the reason if invalid."""
+    if not isinstance(body, bytes | bytearray | memoryview):
+        raise MessageError(f"body must be bytes, got {type(body).__name__}")
+    if len(body) > max_bytes:
+        raise MessageError(f"oversized message: {len(body)} bytes > limit {max_bytes}")
+    raw = _unpack(bytes(body))
+    cls = _schema_class(raw)
+    if expected is not None:
+        allowed = expected if isinstance(expected, tuple) else (expected,)
+        if cls not in allowed:
+            names = ", ".join(c.schema_tag() for c in allowed)
+            raise MessageError(f"unexpected schema {cls.schema_tag()!r} here (expected {names})")
+    fields = {k: v for k, v in raw.items() if k != "schema"}
+    try:
+        return cls.model_validate(fields)  # type: ignore[return-value]
+    except ValidationError as exc:
+        raise MessageError(f"invalid {cls.schema_tag()}: {describe_errors(exc)}") from None
+
+
+def _unpack(body: bytes) -> dict[str, Any]:
+    try:
+        raw = msgpack.unpackb(body, raw=False, strict_map_key=True, use_list=True)
+    except msgpack.ExtraData:
+        raise MessageError("not one msgpack object: trailing bytes after the message") from None
+    except (ValueError, msgpack.UnpackException, TypeError) as exc:
+        raise MessageError(f"not valid msgpack: {exc}") from None
+    if not isinstance(raw, dict):
+        raise MessageError(f"message must be a msgpack map, got {type(raw).__name__}")
+    return raw
+
+
+def _schema_class(raw: dict[str, Any]) -> type[Message]:
+    tag = raw.get("schema")
+    if tag is None:
+        raise MessageError("missing field 'schema'")
+    if not isinstance(tag, str) or tag.count("/") != 1:
+        raise MessageError(f"field 'schema' must be '<name>/<major>', got {tag!r}")
+    name, major_text = tag.split("/")
+    cls = MESSAGE_TYPES.get(name)
+    if cls is None:
+        raise MessageError(f"unknown schema name {name!r} (known: {', '.join(MESSAGE_TYPES)})")
+    if not major_text.isdigit() or int(major_text) != cls.SCHEMA_MAJOR:
+        raise MessageError(
+            f"unsupported major version {major_text!r} of schema {name!r} "
+            f"(this build reads {cls.SCHEMA_MAJOR})"
+        )
+    return cls
+
+
+def describe_errors(exc: ValidationError, limit: int = 5) -> str:
+    """Pydantic errors as 'field.path: message (got value)' joined by '; '."""
+    parts = []
+    for error in exc.errors()[:limit]:
+        where = ".".join(str(part) for part in error["loc"]) or "<root>"
+        got = error.get("input")
+        shown = "" if isinstance(got, dict | list) else f" (got {_short(got)})"
+        parts.append(f"{where}: {error['msg']}{shown}")
+    if len(exc.errors()) > limit:
+        parts.append(f"... {len(exc.errors()) - limit} more")
+    return "; ".join(parts)
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -1,0 +1,126 @@
+"""The queue topology, declared in one place.
+
+Work queues are durable quorum queues with a delivery limit: a message that has been
+delivered and returned more than ``delivery_limit`` times is dead-lettered by the broker
+itself (the backstop for a message that crashes its consumer). Each work queue has its own
+dead-letter queue ``<queue>.dlq`` bound to the dead-letter exchange with the queue's name as
+routing key; consumers also dead-letter explicitly, with the reason in a header.
+``weight-updates`` is a fanout exchange: every subscriber gets its own queue.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pika.adapters.blocking_connection import BlockingChannel
+
+from hpcrl_common.messages import (
+    BenchResult,
+    Candidate,
+    GenerateRequest,
+    Message,
+    RolloutBatch,
+    WeightUpdate,
+)
+
+GENERATE_REQUESTS = "generate-requests"
+CODE_TO_BENCH = "code-to-bench"
+BENCH_RESULTS = "bench-results"
+ROLLOUT_BATCHES = "rollout-batches"
+WEIGHT_UPDATES = "weight-updates"
+DEAD_LETTER_EXCHANGE = "dead-letter"
+
+WORK_QUEUES: dict[str, type[Message]] = {
+    GENERATE_REQUESTS: GenerateRequest,
+    CODE_TO_BENCH: Candidate,
+    BENCH_RESULTS: BenchResult,
+    ROLLOUT_BATCHES: RolloutBatch,
+}
+FANOUT_EXCHANGES: dict[str, type[Message]] = {WEIGHT_UPDATES: WeightUpdate}
+
+REASON_HEADER = "x-hpcrl-reason"
+SOURCE_QUEUE_HEADER = "x-hpcrl-source-queue"
+CONSUMER_HEADER = "x-hpcrl-consumer"
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Names and declarations. ``namespace`` isolates experiments (and tests) on one vhost."""
+
+    namespace: str = ""
+    delivery_limit: int = 5
+
+    def name(self, base: str) -> str:
+        return f"{self.namespace}.{base}" if self.namespace else base
+
+    def dlq(self, base: str) -> str:
+        return self.name(f"{base}.dlq")
+
+    @property
+    def dead_letter_exchange(self) -> str:
+        return self.name(DEAD_LETTER_EXCHANGE)
+
+    def subscriber_queue(self, exchange_base: str, subscriber: str) -> str:
+        return self.name(f"{exchange_base}.{subscriber}")
+
+    def expected_schema(self, queue: str) -> type[Message]:
+        for base, cls in {**WORK_QUEUES, **FANOUT_EXCHANGES}.items():
+            if queue == self.name(base) or queue.startswith(self.name(base) + "."):
+                return cls
+        raise KeyError(f"no schema is registered for queue {queue!r}")
+
+    def declare(self, channel: BlockingChannel) -> None:
+        """Idempotently declare every exchange and queue the services use."""
+        channel.exchange_declare(self.dead_letter_exchange, exchange_type="direct", durable=True)
+        for base in WORK_QUEUES:
+            self._declare_work_queue(channel, base)
+        for base in FANOUT_EXCHANGES:
+            channel.exchange_declare(self.name(base), exchange_type="fanout", durable=True)
+            self._declare_dlq(channel, base)
+
+    def declare_subscriber(
+        self, channel: BlockingChannel, exchange_base: str, subscriber: str, *, durable: bool
+    ) -> str:
+        """A queue of one subscriber to a fanout exchange.
+
+        Durable subscribers (the scheduler) get every update even across their restarts;
+        ephemeral ones (generator replicas) get an auto-deleted queue and read the
+        checkpoint manifest on start instead.
+        """
+        queue = self.subscriber_queue(exchange_base, subscriber)
+        arguments = self._dead_letter_arguments(exchange_base)
+        if durable:
+            channel.queue_declare(queue, durable=True, arguments=arguments)
+        else:
+            channel.queue_declare(queue, durable=False, auto_delete=True, arguments=arguments)
+        channel.queue_bind(queue, self.name(exchange_base))
+        return queue
+
+    def _declare_work_queue(self, channel: BlockingChannel, base: str) -> None:
+        self._declare_dlq(channel, base)
+        arguments = {
+            "x-queue-type": "quorum",
+            "x-delivery-limit": self.delivery_limit,
+            **self._dead_letter_arguments(base),
+        }
+        channel.queue_declare(self.name(base), durable=True, arguments=arguments)
+
+    def _declare_dlq(self, channel: BlockingChannel, base: str) -> None:
+        channel.queue_declare(self.dlq(base), durable=True)
+        channel.queue_bind(self.dlq(base), self.dead_letter_exchange, routing_key=self.name(base))
+
+    def _dead_letter_arguments(self, base: str) -> dict[str, str]:
+        return {
+            "x-dead-letter-exchange": self.dead_letter_exchange,
+            "x-dead-letter-routing-key": self.name(base),
+        }
+
+    def delete(self, channel: BlockingChannel) -> None:
+        """Remove everything ``declare`` made (used by tests and `make clean-broker`)."""
+        for base in [*WORK_QUEUES, *FANOUT_EXCHANGES]:
+            if base in WORK_QUEUES:
+                channel.queue_delete(self.name(base))
+            else:
+                channel.exchange_delete(self.name(base))
+            channel.queue_delete(self.dlq(base))
+        channel.exchange_delete(self.dead_letter_exchange)

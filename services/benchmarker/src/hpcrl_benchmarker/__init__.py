@@ -1,0 +1,3 @@
+"""hpcrl benchmarker.
+
+Extracts, checks, compiles, verifies and times generated kernels in a sandbox."""

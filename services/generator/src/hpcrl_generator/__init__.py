@@ -1,0 +1,3 @@
+"""hpcrl generator.
+
+Samples completions with vLLM or transformers and hot-loads new policy weights."""

@@ -1,0 +1,3 @@
+"""hpcrl learner.
+
+GRPO updates on rollout batches, versioned checkpoints, weight announcements."""

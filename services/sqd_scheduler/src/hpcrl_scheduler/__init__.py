@@ -1,0 +1,3 @@
+"""hpcrl SQD scheduler.
+
+Owns the program pool, runs Staged Quality-Diversity search, builds groups and rewards."""

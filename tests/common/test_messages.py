@@ -1,0 +1,132 @@
+"""Wire format: every schema round-trips; malformed bodies fail with a precise reason."""
+
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+from hpcrl_common.messages import (
+    BenchResult,
+    Candidate,
+    MessageError,
+    PackedArray,
+    RolloutBatch,
+    WeightUpdate,
+    decode,
+    encode,
+)
+
+from .strategies import ANY_MESSAGE, candidates, sample_candidate, sample_weight_update
+
+
+@settings(max_examples=300, deadline=None)
+@given(ANY_MESSAGE)
+def test_every_schema_round_trips(message):
+    body = encode(message)
+    assert decode(body) == message
+    assert decode(body, type(message)) == message
+
+
+@given(candidates())
+def test_arrays_travel_as_raw_little_endian_bytes(candidate):
+    raw = msgpack.unpackb(encode(candidate))
+    assert raw["schema"] == "candidate/1"
+    if candidate.rollout is not None:
+        packed = raw["rollout"]["completion_token_ids"]
+        assert packed["dtype"] == "<i4" and isinstance(packed["data"], bytes)
+        np.testing.assert_array_equal(
+            np.frombuffer(packed["data"], "<i4"), candidate.rollout.completion_token_ids.numpy()
+        )
+
+
+def _body_of(message, **changes) -> bytes:
+    raw = msgpack.unpackb(encode(message))
+    for key, value in changes.items():
+        if value is _DELETE:
+            del raw[key]
+        else:
+            raw[key] = value
+    return msgpack.packb(raw)
+
+
+_DELETE = object()
+
+
+def _weight_update() -> WeightUpdate:
+    return sample_weight_update()
+
+
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        (b"\xc1garbage", "not valid msgpack"),
+        (msgpack.packb([1, 2, 3]), "must be a msgpack map"),
+        (msgpack.packb({"id": "x"}), "missing field 'schema'"),
+        (msgpack.packb({"schema": "candidate"}), "'<name>/<major>'"),
+        (msgpack.packb({"schema": "telemetry/1", "id": "x"}), "unknown schema name 'telemetry'"),
+        (msgpack.packb({"schema": "candidate/2", "id": "x"}), "unsupported major version '2'"),
+        (msgpack.packb({"id": "a"}) + b"\x01", "trailing bytes"),
+    ],
+)
+def test_structural_garbage_is_rejected_with_reason(body, reason):
+    with pytest.raises(MessageError) as caught:
+        decode(body)
+    assert reason in caught.value.reason
+
+
+def test_field_errors_name_the_field():
+    update = WeightUpdate(id="v2", version=2, parent_version=1, uri="/c/v2", format="full",
+                          checksum="sha256:" + "0" * 64)
+    cases = {
+        "version": ("two", "version: Input should be a valid integer"),
+        "format": ("zip", "format: Input should be 'full' or 'lora'"),
+        "uri": (_DELETE, "uri: Field required"),
+        "checksum": ("md5:abc", "checksum: String should match pattern"),
+        "extra": (1, "extra: Extra inputs are not permitted"),
+        "parent_version": (5, "parent_version must be lower than version"),
+    }
+    for key, (value, reason) in cases.items():
+        with pytest.raises(MessageError) as caught:
+            decode(_body_of(update, **{key: value}))
+        assert reason in caught.value.reason, (key, caught.value.reason)
+        assert caught.value.reason.startswith("invalid weight-update/1")
+
+
+def test_non_finite_numbers_and_bad_arrays_are_rejected():
+    candidate = sample_candidate()
+    raw = msgpack.unpackb(encode(candidate))
+    raw["rollout"]["sampling_logprobs"]["data"] += b"\x00"
+    with pytest.raises(MessageError, match="not a whole number of"):
+        decode(msgpack.packb(raw))
+    raw = msgpack.unpackb(encode(candidate))
+    raw["rollout"]["sampling_logprobs"] = PackedArray.of([0.0] * 999, "<f4").model_dump()
+    with pytest.raises(MessageError, match="sampling log-probs"):
+        decode(msgpack.packb(raw))
+    update = _weight_update()
+    with pytest.raises(MessageError, match="finite"):
+        decode(_body_of(update, metrics={"loss": float("nan")}))
+
+
+def test_stable_ids_are_enforced():
+    candidate = sample_candidate()
+    with pytest.raises(MessageError, match="candidate id must be"):
+        decode(_body_of(candidate, id="something-else"))
+
+
+def test_oversized_and_wrong_queue():
+    update = encode(_weight_update())
+    with pytest.raises(MessageError, match="oversized message"):
+        decode(update, max_bytes=len(update) - 1)
+    with pytest.raises(MessageError, match="unexpected schema 'weight-update/1'"):
+        decode(update, (Candidate, BenchResult))
+    assert isinstance(decode(update, (RolloutBatch, WeightUpdate)), WeightUpdate)
+
+
+def test_strict_types_reject_coercion():
+    update = _weight_update()
+    with pytest.raises(MessageError, match="version"):
+        decode(_body_of(update, version="3"))
+    with pytest.raises(MessageError, match="uri"):
+        decode(_body_of(update, uri=b"/bytes/not/str"))
