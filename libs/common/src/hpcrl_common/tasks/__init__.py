@@ -1,0 +1,1 @@
+"""Task definitions shipped with hpcrl (TOML files next to this module)."""
