@@ -1,33 +1,121 @@
-"""Command line of hpcrl-benchmarker."""
+"""Command line of hpcrl-benchmarker: `check` one completion, or `serve` the queue."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
+from hpcrl_benchmarker.host import IsaRefused, detect
 from hpcrl_common.service import add_config_argument
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="hpcrl-benchmarker", description=(
-            "Compile, verify and time generated kernels in a sandbox."
-        ),
+        prog="hpcrl-benchmarker",
+        description="Extract, check, compile, verify and time generated kernels in a sandbox.",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    isa_help = ("accept a host without avx512f that has this ISA (repeatable; e.g. avx2 on "
+                "development machines). Rewards from such hosts are not comparable.")
+
+    check = commands.add_parser(
+        "check", help="judge one completion or C file and print the verdict",
+        description="Judge one completion (markdown or plain C) and print the verdict. "
+        "Exits 0 whenever a verdict was produced (whatever its status).",
+    )
+    check.add_argument("file", type=Path, help="completion or C file ('-' for stdin)")
+    check.add_argument("--stage", type=int, default=6, choices=range(1, 7),
+                       help="SQD stage whose technique rules apply (default 6: all allowed)")
+    check.add_argument("--opt-level", default="O3", help="optimisation level (default O3)")
+    check.add_argument("--task", default="matmul",
+                       help="built-in task name or path of a task TOML (default matmul)")
+    check.add_argument("--allow-isa", action="append", default=[], metavar="ISA", help=isa_help)
+    check.add_argument("--json", action="store_true",
+                       help="print exactly one JSON object on stdout")
+    check.add_argument("--work-dir", type=Path, default=None,
+                       help="scratch directory (default: $TMPDIR/hpcrl-bench)")
+
     serve = commands.add_parser(
-        "serve", help="(not implemented yet) consume code-to-bench, publish bench-results"
+        "serve", help="consume code-to-bench, publish bench-results",
+        description="Run a benchmarker replica: consume code-to-bench, publish bench-results, "
+        "serve /metrics and /healthz.",
     )
     add_config_argument(serve)
+    serve.add_argument("--allow-isa", action="append", default=[], metavar="ISA",
+                       help=isa_help + " Added to benchmarker.allow_isa.")
     return parser
+
+
+def _check(args: argparse.Namespace) -> int:
+    from hpcrl_benchmarker.pipeline import Benchmarker, Settings
+    from hpcrl_common.task import TaskError, load_task
+
+    host = detect()
+    try:
+        host.check_isa(args.allow_isa)
+    except IsaRefused as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 3
+    try:
+        task = load_task(args.task)
+        task.compile_flags(args.opt_level)
+    except (TaskError, ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    text = sys.stdin.read() if str(args.file) == "-" else args.file.read_text(errors="replace")
+    settings = Settings() if args.work_dir is None else Settings(work_dir=args.work_dir)
+    verdict = Benchmarker(settings, host).evaluate(
+        text, stage=args.stage, opt_level=args.opt_level, task=task)
+    if args.json:
+        print(json.dumps(verdict.to_json()))
+    else:
+        print(f"status:      {verdict.status}")
+        print(f"reward:      {verdict.reward:g}")
+        if verdict.gflops is not None and verdict.timing is not None:
+            t = verdict.timing
+            print(f"gflops:      {verdict.gflops:.2f} (mean {t.mean_s * 1e3:.3f} ms, median "
+                  f"{t.median_s * 1e3:.3f}, min {t.min_s * 1e3:.3f}, max {t.max_s * 1e3:.3f}, "
+                  f"cv {t.cv:.2%})")
+        print(f"techniques:  {', '.join(verdict.techniques) or '-'}")
+        print(f"generalizes: {verdict.generalizes}")
+        print(f"host:        {verdict.host.host_class}")
+        if verdict.error:
+            print(f"error:       {verdict.error}")
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from hpcrl_benchmarker.pipeline import Benchmarker
+    from hpcrl_benchmarker.service import BenchmarkerConfig, build_consumer, settings_of
+    from hpcrl_common.logs import configure_logging
+    from hpcrl_common.service import load_or_exit, run_consumer
+
+    config = load_or_exit(BenchmarkerConfig, args.config)
+    section = config.benchmarker
+    log = configure_logging("benchmarker", config.logging.level, config.logging.format)
+    host = detect()
+    try:
+        host.check_isa([*section.allow_isa, *args.allow_isa])
+    except IsaRefused as exc:
+        log.error("refusing to start", reason=str(exc))
+        print(f"error: {exc}", file=sys.stderr)
+        return 3
+    benchmarker = Benchmarker(settings_of(section), host)
+    consumer = build_consumer(config, benchmarker)
+    log.info("benchmarker starting", host_class=host.host_class,
+             peak_gflops=round(host.peak_gflops, 1), concurrency=section.concurrency,
+             namespace=config.broker.namespace)
+    run_consumer(consumer, "benchmarker", section)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "serve":
-        print("hpcrl-benchmarker serve is not implemented yet (issue #5)", file=sys.stderr)
-        return 2
-    return 0
+    if args.command == "check":
+        return _check(args)
+    return _serve(args)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,188 @@
+"""Source and object checks: techniques used (stages), forbidden calls (library violations).
+
+Source checks read code only (comments and string literals blanked) and run on both the
+completion and the main-file part of its preprocessor output, so a technique or a call
+hidden behind a macro or token pasting is still seen. The object check is the real gate:
+every undefined symbol of the compiled kernel must be on an allow-list, and the object may
+not define symbols of the C or OpenMP runtime nor code that runs outside the kernel call.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+from hpcrl_benchmarker.cscan import pragma_text, strip_comments_and_strings
+from hpcrl_common.stages import CACHE_BLOCKING, OPENMP, PREFETCH, REGISTER_BLOCKING, SIMD
+
+_SIMD_CODE = re.compile(
+    r"\b(_mm\d*_\w+|_m_\w+|__m(64|128|256|512)[dhi]?\w*|__builtin_ia32_\w+|__v\d+[a-z]+\w*)\b"
+    r"|\bvector_size\b|\b__builtin_shufflevector\b|\b__builtin_convertvector\b"
+)
+_SIMD_PRAGMA = re.compile(
+    r"^(omp\b.*\bsimd\b|GCC\s+ivdep\b|ivdep\b|clang\s+loop\s+vectorize|vector\b|simd\b"
+    r"|GCC\s+optimize\b.*vectori[sz]e)"
+)
+_OPENMP_CODE = re.compile(r"\bomp_\w+\s*\(|\b(pthread_create|thrd_create)\b")
+_PREFETCH_CODE = re.compile(
+    r"\b(_mm_prefetch|_m_prefetch\w*|_mm512_\w*prefetch\w*|__builtin_prefetch|prefetch[tw]\w*)\b"
+)
+_FOR_STEP = re.compile(r"\bfor\s*\([^;]*;[^;]*;\s*\w+\s*(\+=|=\s*\w+\s*\+)\s*(\w+)\s*\)")
+
+
+def detect_techniques(source: str, preprocessed_main: str = "") -> set[str]:
+    """The optimisation techniques the code uses (SPEC Table I names)."""
+    found: set[str] = set()
+    for text in (source, preprocessed_main):
+        if not text:
+            continue
+        code = strip_comments_and_strings(text)
+        pragmas = pragma_text(strip_comments_and_strings(text)) + _pragma_operators(text)
+        if _SIMD_CODE.search(code) or any(_SIMD_PRAGMA.match(p) for p in pragmas):
+            found.add(SIMD)
+        omp_pragmas = [p for p in pragmas if p.startswith("omp")]
+        if _OPENMP_CODE.search(code) or any(not _simd_only(p) for p in omp_pragmas):
+            found.add(OPENMP)
+        if _PREFETCH_CODE.search(code):
+            found.add(PREFETCH)
+        found |= _blocking(code)
+    return found
+
+
+def _pragma_operators(text: str) -> list[str]:
+    # _Pragma's operand is a string literal, which stripping blanks; read it from the raw text
+    # but only where the _Pragma keyword itself is code.
+    clean = strip_comments_and_strings(text)
+    return [
+        " ".join(m.group(1).split())
+        for m in re.finditer(r"_Pragma\s*\(\s*\"((?:\\.|[^\"\\])*)\"", text)
+        if clean[m.start() : m.start() + 7] == "_Pragma"
+    ]
+
+
+def _simd_only(pragma: str) -> bool:
+    words = pragma.split()
+    return words[:2] == ["omp", "simd"] or words[:3] == ["omp", "declare", "simd"]
+
+
+def _blocking(code: str) -> set[str]:
+    """Heuristic and informative only (blocking is allowed from stage 1/2 and not policed)."""
+    found = set()
+    steps = [m.group(2) for m in _FOR_STEP.finditer(code)]
+    if any(not s.isdigit() or int(s) >= 16 for s in steps) and re.search(r"\bmin\w*\s*\(|\?", code):
+        found.add(CACHE_BLOCKING)
+    if any(s.isdigit() and 2 <= int(s) <= 16 for s in steps) or re.search(
+        r"\b(c|acc|sum)_?\d+_?\d+\b", code
+    ):
+        found.add(REGISTER_BLOCKING)
+    return found
+
+
+# --- library violations: source ------------------------------------------------------------
+
+_FORBIDDEN_CALLS = (
+    r"cblas_\w+|[sdcz]gemm_?|[sdcz]gemv_?|[sdcz]axpy_|[sdcz]dot_|mkl_\w+|openblas_\w+|"
+    r"bli_\w+|LAPACKE_\w+|"
+    r"dlopen|dlsym|dlmopen|dlvsym|system|popen|exec[lv]p?e?|fexecve|fork|vfork|clone\d?|"
+    r"posix_spawnp?|socket|connect|bind|accept|sendto|recvfrom|fopen|freopen|fdopen|open|"
+    r"openat|creat|syscall|ptrace|kill|raise|signal|sigaction|setjmp|_setjmp|sigsetjmp|"
+    r"longjmp|siglongjmp|pthread_\w+|thrd_\w+|getenv|secure_getenv|mprotect|mmap|"
+    r"__builtin_frame_address|__builtin_return_address|__builtin_longjmp|__builtin_setjmp"
+)
+_FORBIDDEN_CALL_RE = re.compile(r"\b(" + _FORBIDDEN_CALLS + r")\s*\(")
+_ASM_RE = re.compile(r"\b(asm|__asm__|__asm)\b")
+_FORBIDDEN_INCLUDES = re.compile(
+    r"^\s*#\s*include\s*[<\"]([^>\"]*(cblas|blas|lapack|mkl|dlfcn|socket|spawn|openblas|"
+    r"blis)[^>\"]*)[>\"]", re.MULTILINE | re.IGNORECASE,
+)
+_OPTIMIZE_RE = re.compile(r"__attribute__\s*\(\([^;{]*\b_?_?optimize_?_?\b")
+
+
+def source_violations(source: str, preprocessed_main: str = "") -> list[str]:
+    """Reasons the code breaks the rules as written (before compiling it)."""
+    reasons: list[str] = []
+    for text in (source, preprocessed_main):
+        if not text:
+            continue
+        code = strip_comments_and_strings(text)
+        for match in _FORBIDDEN_INCLUDES.finditer(code if text is source else ""):
+            reasons.append(f"includes <{match.group(1)}>: numeric libraries are not allowed")
+        for match in _FORBIDDEN_CALL_RE.finditer(code):
+            reasons.append(f"calls {match.group(1)}(): not allowed in a kernel")
+        if _ASM_RE.search(code):
+            reasons.append("uses inline assembly: not allowed (use intrinsics)")
+        pragmas = pragma_text(code) + _pragma_operators(text)
+        if any(re.match(r"GCC\s+optimize", p) for p in pragmas) or _OPTIMIZE_RE.search(code):
+            reasons.append(
+                "changes the optimisation level (#pragma GCC optimize / optimize attribute): "
+                "the level is an experiment setting"
+            )
+    return list(dict.fromkeys(reasons))
+
+
+# --- library violations: object ------------------------------------------------------------
+
+_ALLOWED_EXACT = frozenset(
+    """malloc calloc realloc free aligned_alloc posix_memalign memalign valloc
+    memcpy memmove memset memcmp __memcpy_chk __memmove_chk __memset_chk
+    __stack_chk_fail __stack_chk_guard _GLOBAL_OFFSET_TABLE_ __tls_get_addr
+    printf puts putchar fprintf fputs fputc fflush fwrite stdout stderr __printf_chk
+    __fprintf_chk exit _exit _Exit abort __assert_fail
+    __cpu_indicator_init __cpu_model __cpu_features2 abs labs llabs""".split()  # noqa: SIM905
+)
+_LIBM = (
+    r"sqrt|cbrt|fabs|fmin|fmax|fma|fdim|floor|ceil|round|lround|llround|trunc|rint|lrint|"
+    r"nearbyint|fmod|remainder|copysign|exp|exp2|expm1|log|log2|log10|log1p|pow|hypot|sin|cos|"
+    r"tan|asin|acos|atan|atan2|sinh|cosh|tanh|frexp|ldexp|modf|scalbn|ilogb|logb|nan|erf|erfc"
+)
+_ALLOWED_RE = re.compile(
+    r"^((" + _LIBM + r")[fl]?|GOMP_\w+|omp_\w+|__(mul|div|mod|udiv|umod|popcount|clz|ctz|ffs|"
+    r"parity|bswap|ashl|ashr|lshr|neg|cmp|ucmp|fix\w*|float\w*|extend\w*|trunc\w*)\w*\d|"
+    r"__(sqrt|fabs|fmin|fmax)\w*_finite)$"
+)
+_FORBIDDEN_SECTIONS = re.compile(r"^\.(init_array|fini_array|preinit_array|ctors|dtors|init|fini)"
+                                 r"(\.|$)")
+
+
+def object_violations(
+    undefined: Iterable[str],
+    defined: Iterable[tuple[str, str]],
+    sections: Iterable[str],
+    *,
+    function: str,
+    runtime_symbols: frozenset[str] = frozenset(),
+) -> list[str]:
+    """Check ``nm -u`` names, ``nm --defined-only`` (type, name) pairs and section names."""
+    reasons = []
+    for name in sorted(set(undefined)):
+        base = name.split("@")[0]
+        if base not in _ALLOWED_EXACT and not _ALLOWED_RE.match(base):
+            reasons.append(f"uses the symbol {base}, which is not on the allow-list")
+    for kind, name in defined:
+        if kind in "iI":
+            reasons.append(f"defines {name} as an indirect function (runs before main)")
+        elif kind.isupper() and name != function and (
+            name == "main" or name.startswith("__") or name in runtime_symbols
+            or name.startswith(("hpcrl", "GOMP_", "omp_"))
+        ):
+            reasons.append(f"defines {name}, a name of the C/OpenMP runtime or the harness")
+    for section in sections:
+        if _FORBIDDEN_SECTIONS.match(section):
+            reasons.append(f"has a {section} section: code that runs outside the kernel call")
+    return reasons
+
+
+def parse_nm(text: str) -> tuple[list[str], list[tuple[str, str]]]:
+    """``nm`` output to (undefined names, [(type, name) of defined symbols])."""
+    undefined, defined = [], []
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[0] in ("U", "w", "v"):
+            undefined.append(parts[1])
+        elif len(parts) == 3:
+            defined.append((parts[1], parts[2]))
+    return undefined, defined
+
+
+def parse_sections(readelf: str) -> list[str]:
+    return re.findall(r"^\s*\[\s*\d+\]\s+(\S+)", readelf, re.MULTILINE)

@@ -1,0 +1,160 @@
+"""The trusted side of the GEMM harness: inputs, the job protocol and the reference.
+
+The sandboxed harness regenerates the same pseudo-random inputs from a seed, runs the kernel
+and streams each C back; here the reference is computed with OpenBLAS ``cblas_dgemm`` (through
+ctypes, in this trusted process, so nothing the kernel does can touch it) and compared.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import math
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+from hpcrl_common.task import Sizes
+
+FRAME = struct.Struct("<QIIdQ")
+FLAG_INPUTS_MODIFIED = 1
+FLAG_CHANGED_AFTER_RETURN = 2
+FLAG_END = 0x80000000
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_B_SALT = 0x5DEECE66DA3B1F7F
+_CBLAS_ROW_MAJOR, _CBLAS_NO_TRANS = 101, 111
+
+
+def random_matrix(seed: int, count: int) -> np.ndarray:
+    """splitmix64 values in [-1, 1), bit-identical to the harness's ``fill``."""
+    with np.errstate(over="ignore"):
+        z = np.uint64(seed) + np.arange(1, count + 1, dtype=np.uint64) * _GOLDEN
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+    return (z >> np.uint64(11)).astype(np.float64) * 2.0**-53 * 2.0 - 1.0
+
+
+def inputs(sizes: Sizes, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    m, n, k = sizes["M"], sizes["N"], sizes["K"]
+    a = random_matrix(seed, m * k).reshape(m, k)
+    b = random_matrix(seed ^ _B_SALT, k * n).reshape(k, n)
+    return a, b
+
+
+_BLAS: ctypes.CDLL | None = None
+
+
+def _openblas() -> ctypes.CDLL:
+    global _BLAS
+    if _BLAS is None:
+        name = ctypes.util.find_library("openblas") or "libopenblas.so.0"
+        lib = ctypes.CDLL(name)
+        lib.cblas_dgemm.restype = None
+        _BLAS = lib
+    return _BLAS
+
+
+def reference(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """C = A B with OpenBLAS ``cblas_dgemm`` (row-major), the task's reference."""
+    m, k = a.shape
+    n = b.shape[1]
+    a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
+    c = np.zeros((m, n))
+    ptr = ctypes.POINTER(ctypes.c_double)
+    _openblas().cblas_dgemm(
+        _CBLAS_ROW_MAJOR, _CBLAS_NO_TRANS, _CBLAS_NO_TRANS, m, n, k, ctypes.c_double(1.0),
+        a.ctypes.data_as(ptr), k, b.ctypes.data_as(ptr), n, ctypes.c_double(0.0),
+        c.ctypes.data_as(ptr), n,
+    )
+    return c
+
+
+@dataclass(frozen=True)
+class Job:
+    kind: str  # v: verify, w: warm-up, t: timed
+    sizes: Sizes
+    seed: int
+
+    def line(self) -> str:
+        return f"{self.kind} {self.sizes['M']} {self.sizes['N']} {self.sizes['K']} {self.seed}"
+
+
+@dataclass(frozen=True)
+class Frame:
+    job: int
+    flags: int
+    seconds: float
+    c: np.ndarray
+
+
+class ProtocolError(ValueError):
+    pass
+
+
+def request(nonce: int, jobs: list[Job]) -> bytes:
+    return ("\n".join([f"{nonce} {len(jobs)}", *(job.line() for job in jobs)]) + "\n").encode()
+
+
+def parse_frames(data: bytes, nonce: int, jobs: list[Job]) -> tuple[list[Frame], bool]:
+    """The frames the harness completed, in order, and whether it reached its end marker."""
+    frames: list[Frame] = []
+    offset = 0
+    while offset + FRAME.size <= len(data):
+        got_nonce, job, flags, seconds, count = FRAME.unpack_from(data, offset)
+        offset += FRAME.size
+        if got_nonce != nonce:
+            raise ProtocolError("result stream corrupted (wrong nonce)")
+        if flags == FLAG_END:
+            if job != len(jobs) or len(frames) != len(jobs) or offset != len(data):
+                raise ProtocolError("result stream corrupted (bad end marker)")
+            return frames, True
+        if job != len(frames) or job >= len(jobs):
+            raise ProtocolError("result stream corrupted (jobs out of order)")
+        sizes = jobs[job].sizes
+        if count != sizes["M"] * sizes["N"]:
+            raise ProtocolError("result stream corrupted (wrong matrix size)")
+        end = offset + 8 * count
+        if end > len(data):
+            break
+        c = np.frombuffer(data, dtype="<f8", count=count, offset=offset)
+        frames.append(Frame(job, flags, seconds, c.reshape(sizes["M"], sizes["N"])))
+        offset = end
+    return frames, False
+
+
+def sample_points(m: int, n: int, random_points: int, corners_and_centre: bool,
+                  rng: np.random.Generator) -> list[tuple[int, int]]:
+    points = []
+    if corners_and_centre:
+        points += [(0, 0), (0, n - 1), (m - 1, 0), (m - 1, n - 1), (m // 2, n // 2)]
+    rows = rng.integers(0, m, size=random_points)
+    cols = rng.integers(0, n, size=random_points)
+    points += list(zip(rows.tolist(), cols.tolist(), strict=True))
+    return points
+
+
+def check(c: np.ndarray, ref: np.ndarray, a: np.ndarray, b: np.ndarray,
+          points: list[tuple[int, int]], tolerance: float) -> str:
+    """'' if C is right, else why not.
+
+    The task's points use relative error |c - ref| / |ref|; where cancellation makes |ref|
+    tiny the denominator is floored at 1e-3 of sum_k |a_ik b_kj| (the size of the terms), so
+    a correct kernel that sums in another order never fails. Every element must also have
+    been written (C starts as NaN).
+    """
+    for i, j in points:
+        scale = max(abs(ref[i, j]), 1e-3 * float(np.abs(a[i]) @ np.abs(b[:, j])), 1e-300)
+        error = abs(c[i, j] - ref[i, j]) / scale
+        if not error <= tolerance:  # NaN fails too
+            return (f"C[{i}][{j}] = {c[i, j]!r} but the reference gives {ref[i, j]!r} "
+                    f"(relative error {error:.3g} > {tolerance:g})")
+    unwritten = int(np.count_nonzero(~np.isfinite(c)))
+    if unwritten:
+        return f"{unwritten} of {c.size} elements of C were not written (still NaN) or not finite"
+    return ""
+
+
+def is_finite_positive(value: float) -> bool:
+    return math.isfinite(value) and value > 0

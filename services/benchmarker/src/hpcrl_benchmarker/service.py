@@ -1,0 +1,165 @@
+"""`hpcrl-benchmarker serve`: a thin shell around the pipeline on hpcrl_common's Consumer.
+
+Consumes ``code-to-bench``, publishes one ``bench-results`` message per candidate (id =
+candidate id; the group id, index, bench spec and rollout data are copied through). The
+Consumer acks only after the result is confirmed, so a replica killed mid-candidate leaves it
+unacked and another replica benchmarks it; redeliveries to the same replica are answered from
+its memory of completed ids.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from pathlib import Path
+
+import structlog
+from prometheus_client import Counter, Gauge, Histogram, Info
+from pydantic import Field
+
+from hpcrl_benchmarker.pipeline import Benchmarker, Events, InternalError, Settings
+from hpcrl_benchmarker.verdict import Verdict
+from hpcrl_common.broker import Consumer, Delivery, Publish, Reject
+from hpcrl_common.config import ServiceConfig
+from hpcrl_common.messages import BenchResult, Candidate, Message
+from hpcrl_common.service import ServiceSection
+from hpcrl_common.task import TaskError, TaskSpec, builtin_tasks, load_task
+from hpcrl_common.topology import BENCH_RESULTS, CODE_TO_BENCH
+
+log = structlog.get_logger("hpcrl.benchmarker")
+
+RESULTS = Counter("hpcrl_benchmarker_results_total", "Verdicts published, by status", ["status"])
+GFLOPS = Histogram(
+    "hpcrl_benchmarker_gflops", "GFLOPS of successful candidates", ["stage", "opt_level"],
+    buckets=(0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000),
+)
+STEP_SECONDS = Histogram(
+    "hpcrl_benchmarker_step_seconds", "Duration of each pipeline step", ["step"],
+    buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32),
+)
+INFLIGHT = Gauge("hpcrl_benchmarker_inflight", "Candidates being benchmarked now")
+SANDBOX_KILLS = Counter("hpcrl_benchmarker_sandbox_kills_total",
+                        "Sandboxed processes killed at their wall-clock limit", ["reason"])
+HOST = Info("hpcrl_benchmarker_host", "The host this replica measures on")
+
+
+class BenchmarkerSection(ServiceSection):
+    metrics_port: int = Field(9102, ge=0, le=65535, description="0 picks a free port")
+    allow_isa: list[str] = Field(
+        default_factory=list,
+        description="ISAs accepted besides avx512f (e.g. ['avx2'] on development hosts)",
+    )
+    concurrency: int = Field(2, ge=1, le=64, description="candidates compiled/verified at once")
+    threads: int = Field(0, ge=0, description="OpenMP threads per kernel; 0 = all usable cores")
+    work_dir: Path = Field(Path("/tmp/hpcrl-bench"), description="scratch and harness cache")
+    lock_path: Path = Field(Path("/tmp/hpcrl-benchmarker-timing.lock"),
+                            description="per-node lock file that makes timings exclusive")
+    address_space_mb: int = Field(4096, ge=256, description="RLIMIT_AS of a kernel run")
+    tasks: list[str] = Field(default_factory=list,
+                             description="task TOML paths accepted besides the built-in tasks")
+    include_source: bool = Field(True, description="put the extracted code into each result")
+
+
+class BenchmarkerConfig(ServiceConfig):
+    benchmarker: BenchmarkerSection = BenchmarkerSection()
+
+
+class TaskCatalogue:
+    """Tasks a candidate may name: built-ins by name, extra ones only if configured (a
+    message must never make the service read an arbitrary path)."""
+
+    def __init__(self, extra_paths: list[str]) -> None:
+        self._allowed = set(builtin_tasks()) | set(extra_paths)
+        self._cache: dict[str, TaskSpec] = {}
+        self._lock = threading.Lock()
+
+    def get(self, name: str) -> TaskSpec:
+        if name not in self._allowed:
+            raise Reject(f"unknown task {name!r} (this replica accepts: "
+                         f"{', '.join(sorted(self._allowed))})")
+        with self._lock:
+            if name not in self._cache:
+                try:
+                    self._cache[name] = load_task(name)
+                except (TaskError, OSError) as exc:
+                    raise Reject(f"task {name!r} cannot be loaded: {exc}") from None
+            return self._cache[name]
+
+
+def settings_of(section: BenchmarkerSection) -> Settings:
+    return Settings(work_dir=section.work_dir, lock_path=section.lock_path,
+                    threads=section.threads, address_space_mb=section.address_space_mb)
+
+
+class BenchHandler:
+    def __init__(self, benchmarker: Benchmarker, section: BenchmarkerSection,
+                 results_queue: str, name: str) -> None:
+        self.benchmarker = benchmarker
+        self.section = section
+        self.results_queue = results_queue
+        self.name = name
+        self.tasks = TaskCatalogue(section.tasks)
+
+    def __call__(self, message: Message, delivery: Delivery) -> list[Publish]:
+        assert isinstance(message, Candidate)
+        task = self.tasks.get(message.bench.task)
+        if message.bench.opt_level not in task.compile.opt_levels:
+            raise Reject(f"task {task.name!r} has no opt level {message.bench.opt_level!r}")
+        events = Events()
+        INFLIGHT.inc()
+        try:
+            verdict = self.benchmarker.evaluate(
+                message.completion, stage=message.bench.stage,
+                opt_level=message.bench.opt_level, task=task, events=events)
+        except InternalError:
+            log.exception("benchmarker failure", candidate=message.id)
+            raise  # not the candidate's fault: retried (the Consumer bounds the tries)
+        finally:
+            INFLIGHT.dec()
+        for reason in events.sandbox_kills:
+            SANDBOX_KILLS.labels(reason).inc()
+        self._observe(message, verdict)
+        return [Publish(self.results_queue, result_message(message, verdict, self.name,
+                                                           self.section.include_source))]
+
+    @staticmethod
+    def _observe(message: Candidate, verdict: Verdict) -> None:
+        RESULTS.labels(verdict.status).inc()
+        if verdict.gflops is not None:
+            GFLOPS.labels(str(message.bench.stage), message.bench.opt_level).observe(
+                verdict.gflops)
+        for step, seconds in verdict.durations_s.items():
+            STEP_SECONDS.labels(step).observe(seconds)
+        log.info("benchmarked", candidate=message.id, status=verdict.status,
+                 gflops=verdict.gflops, techniques=verdict.techniques)
+
+
+def result_message(candidate: Candidate, verdict: Verdict, benchmarker: str,
+                   include_source: bool = True) -> BenchResult:
+    return BenchResult(
+        id=candidate.id, group_id=candidate.group_id, index=candidate.index,
+        status=verdict.status,  # type: ignore[arg-type]
+        reward=verdict.reward, gflops=verdict.gflops, timing=verdict.timing,
+        techniques=verdict.techniques, generalizes=verdict.generalizes, error=verdict.error,
+        source=verdict.source if include_source else None, bench=candidate.bench,
+        compile_flags=verdict.compile_flags, host=verdict.host, benchmarker=benchmarker,
+        durations_s=verdict.durations_s, rollout=candidate.rollout,
+    )
+
+
+def replica_name() -> str:
+    return f"benchmarker-{socket.gethostname()}-{os.getpid()}"
+
+
+def build_consumer(config: BenchmarkerConfig, benchmarker: Benchmarker) -> Consumer:
+    section = config.benchmarker
+    name = replica_name()
+    consumer = Consumer(config.broker, name, concurrency=section.concurrency)
+    handler = BenchHandler(benchmarker, section, consumer.topology.name(BENCH_RESULTS), name)
+    consumer.subscribe(CODE_TO_BENCH, handler)
+    HOST.info({"host_class": benchmarker.host.host_class, "cpu_model": benchmarker.host.cpu_model,
+               "isa": ",".join(benchmarker.host.isa), "compiler": benchmarker.host.compiler,
+               "cores": str(benchmarker.host.cores),
+               "peak_gflops": f"{benchmarker.host.peak_gflops:.1f}"})
+    return consumer

@@ -1,0 +1,98 @@
+"""The sandbox and the harness's seccomp policy on their own, without the source checks."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from pathlib import Path
+
+import pytest
+
+from hpcrl_benchmarker import gemm, sandbox
+from hpcrl_benchmarker.pipeline import Benchmarker, Events
+from hpcrl_common.task import TaskSpec
+
+LIMITS = sandbox.Limits(wall_s=20, cpu_s=20)
+
+
+@pytest.fixture
+def scratch(tmp_path: Path) -> Path:
+    path = tmp_path / "scratch"
+    path.mkdir(mode=0o777)
+    path.chmod(0o777)
+    return path
+
+
+def test_host_files_are_invisible_and_untouchable(scratch: Path, tmp_path: Path) -> None:
+    marker = tmp_path / "outside" / "marker"
+    marker.parent.mkdir()
+    script = (f"echo pwned > {marker}; echo pwned > /usr/bin/pwned; cat /etc/passwd; "
+              "ls /home /root /work /proc/1 2>&1; echo done > /scratch/inside")
+    outcome = sandbox.run(["/bin/sh", "-c", script], scratch, LIMITS, writable=True)
+    assert not marker.exists() and not Path("/usr/bin/pwned").exists()
+    assert b"root:" not in outcome.stdout
+    assert (scratch / "inside").read_text() == "done\n"  # the scratch dir is the way out
+
+
+def test_scratch_is_read_only_when_running(scratch: Path) -> None:
+    outcome = sandbox.run(["/bin/sh", "-c", "echo x > /scratch/f; echo y > /tmp/f && cat /tmp/f"],
+                          scratch, LIMITS)
+    assert not (scratch / "f").exists()
+    assert outcome.stdout == b"y\n"
+
+
+def test_no_network(scratch: Path) -> None:
+    code = ("import socket\ntry:\n socket.create_connection(('127.0.0.1', 5672), timeout=2)\n"
+            " print('connected')\nexcept OSError as e:\n print('refused', e)")
+    outcome = sandbox.run(["/usr/bin/python3", "-c", code], scratch, LIMITS)
+    assert b"refused" in outcome.stdout, outcome.stderr
+
+
+def test_wall_limit_kills_the_whole_group(scratch: Path) -> None:
+    started = time.monotonic()
+    outcome = sandbox.run(["/bin/sh", "-c", "sleep 100 & sleep 100 & wait"], scratch,
+                          sandbox.Limits(wall_s=1, cpu_s=5))
+    assert outcome.timed_out and time.monotonic() - started < 10
+
+
+def test_file_size_limit(scratch: Path) -> None:
+    limits = sandbox.Limits(wall_s=20, cpu_s=20, file_size_mb=1)
+    sandbox.run(["/bin/sh", "-c", "head -c 5000000 /dev/zero > /scratch/big"], scratch, limits,
+                writable=True)
+    assert (scratch / "big").stat().st_size <= 1024 * 1024
+
+
+ESCAPES = """#include <stdio.h>
+#include <unistd.h>
+#include <sys/mman.h>
+/* Compiled straight into the harness (no source or symbol checks) to test the seccomp
+ * policy: each attempt that succeeds spoils the result. */
+void matmul_optimized(double *A, double *B, double *C, int M, int N, int K) {
+    int escaped = 0;
+    pid_t child = fork();
+    if (child == 0) _exit(0);
+    escaped += child > 0;
+    escaped += fopen("/tmp/x", "w") != NULL;
+    escaped += mmap(0, 4096, PROT_READ | PROT_WRITE | PROT_EXEC, MAP_PRIVATE | MAP_ANONYMOUS,
+                    -1, 0) != MAP_FAILED;
+    for (int i = 0; i < M; i++)
+        for (int j = 0; j < N; j++) {
+            double s = 0.0;
+            for (int k = 0; k < K; k++) s += A[i * K + k] * B[k * N + j];
+            C[i * N + j] = s + escaped;
+        }
+}
+"""
+
+
+def test_harness_seccomp_blocks_processes_files_and_executable_memory(
+    bench: Benchmarker, task: TaskSpec, scratch: Path
+) -> None:
+    (scratch / "kernel.c").write_text(ESCAPES)
+    compiled = bench._compile(scratch, task, task.compile_flags("O1"), Events())
+    assert compiled.error == ""
+    jobs = [gemm.Job("v", {"M": 16, "N": 8, "K": 4}, secrets.randbits(63))]
+    frames, status, text = bench._run_jobs(scratch, task, jobs, Events())
+    assert status is None, text
+    a, b = gemm.inputs(jobs[0].sizes, jobs[0].seed)
+    assert gemm.check(frames[0].c, gemm.reference(a, b), a, b, [(0, 0), (15, 7)], 1e-9) == ""

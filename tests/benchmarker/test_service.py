@@ -1,0 +1,169 @@
+"""The service path over the real RabbitMQ: `hpcrl-benchmarker serve` as a subprocess."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pika
+import pytest
+
+from hpcrl_common.broker import Publish, Publisher
+from hpcrl_common.config import BrokerSettings
+from hpcrl_common.messages import (
+    BenchResult,
+    BenchSpec,
+    Candidate,
+    PackedArray,
+    RolloutData,
+    candidate_id,
+    decode,
+)
+from hpcrl_common.topology import BENCH_RESULTS, CODE_TO_BENCH, Topology
+
+from .conftest import ALLOW_ISA, HAS_AVX512, kernel
+
+pytestmark = pytest.mark.broker
+
+
+def write_config(path: Path, settings: BrokerSettings, work: Path) -> Path:
+    path.write_text(
+        f"""
+[broker]
+url = "{settings.url}"
+namespace = "{settings.namespace}"
+heartbeat_s = 5
+delivery_limit = 3
+
+[logging]
+format = "json"
+
+[benchmarker]
+metrics_port = 0
+concurrency = 2
+work_dir = "{work / 'work'}"
+lock_path = "{work / 'timing.lock'}"
+"""
+    )
+    return path
+
+
+def start_replica(config: Path) -> subprocess.Popen:
+    args = [sys.executable, "-m", "hpcrl_benchmarker.cli", "serve", "--config", str(config)]
+    for isa in ALLOW_ISA:
+        args += ["--allow-isa", isa]
+    return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+@pytest.fixture
+def replica(broker_settings: BrokerSettings, tmp_path: Path) -> Iterator[subprocess.Popen]:
+    proc = start_replica(write_config(tmp_path / "bench.toml", broker_settings, tmp_path))
+    yield proc
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def candidate(group: str, index: int, code: str, stage: int = 6) -> Candidate:
+    rollout = RolloutData(
+        prompt_token_ids=PackedArray.of([1, 2, 3], "<i4"),
+        completion_token_ids=PackedArray.of([4, 5], "<i4"),
+        sampling_logprobs=PackedArray.of([-0.5, -0.25], "<f4"),
+        policy_version=7,
+    )
+    return Candidate(id=candidate_id(group, index), group_id=group, index=index,
+                     completion=code, bench=BenchSpec(task="matmul", stage=stage),
+                     rollout=rollout)
+
+
+def collect(settings: BrokerSettings, count: int, timeout: float) -> list[BenchResult]:
+    topology = Topology(settings.namespace, settings.delivery_limit)
+    connection = pika.BlockingConnection(pika.URLParameters(settings.url))
+    channel = connection.channel()
+    results: list[BenchResult] = []
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) < count and time.monotonic() < deadline:
+            method, _props, body = channel.basic_get(topology.name(BENCH_RESULTS))
+            if method is None:
+                time.sleep(0.2)
+                continue
+            results.append(decode(body, BenchResult))
+            channel.basic_ack(method.delivery_tag)
+    finally:
+        connection.close()
+    return results
+
+
+def test_serve_benchmarks_candidates_over_the_broker(
+    broker_settings: BrokerSettings, replica: subprocess.Popen
+) -> None:
+    sent = [
+        candidate("g1", 0, f"```c\n{kernel('naive.c')}```"),
+        candidate("g1", 1, "no code here"),
+        candidate("g1", 2, kernel("ikj_omp.c"), stage=1),
+    ]
+    with Publisher(broker_settings, "test-producer") as publisher:
+        for message in sent:
+            publisher.publish(Publish(publisher.topology.name(CODE_TO_BENCH), message))
+    results = {r.id: r for r in collect(broker_settings, len(sent), timeout=120)}
+    assert replica.poll() is None, replica.stderr.read().decode() if replica.stderr else ""
+    assert set(results) == {m.id for m in sent}
+    ok, bad, staged = results["g1/0"], results["g1/1"], results["g1/2"]
+    assert ok.status == "success" and ok.gflops and ok.gflops > 0 and ok.reward == ok.gflops
+    assert ok.timing is not None and len(ok.timing.runs_s) == 3
+    assert ok.generalizes is True
+    assert ok.rollout == sent[0].rollout and ok.group_id == "g1" and ok.index == 0
+    assert ok.bench == sent[0].bench
+    assert ok.host.host_class and ok.compile_flags[:2] == ["gcc", "-O3"]
+    assert bad.status == "format_violation" and bad.reward == -100 and bad.gflops is None
+    assert staged.status == "stage_violation" and "openmp" in staged.techniques
+
+
+def test_refuses_to_start_without_avx512_unless_allowed(
+    broker_settings: BrokerSettings, tmp_path: Path
+) -> None:
+    if HAS_AVX512:
+        pytest.skip("this host has AVX-512, so there is nothing to refuse here")
+    config = write_config(tmp_path / "b.toml", broker_settings, tmp_path)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HPCRL__")}
+    out = subprocess.run([sys.executable, "-m", "hpcrl_benchmarker.cli", "serve", "--config",
+                          str(config)], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 3
+    assert "avx512f" in out.stderr and "--allow-isa" in out.stderr
+
+
+@pytest.mark.slow
+def test_killed_replica_candidate_is_benchmarked_by_another(
+    broker_settings: BrokerSettings, tmp_path: Path
+) -> None:
+    config = write_config(tmp_path / "bench.toml", broker_settings, tmp_path)
+    first = start_replica(config)
+    second = None
+    try:
+        with Publisher(broker_settings, "test-producer") as publisher:
+            publisher.publish(Publish(publisher.topology.name(CODE_TO_BENCH),
+                                      candidate("g2", 0, kernel("infinite.c"))))
+        time.sleep(4)  # the first replica is now inside the 8 s run of this candidate
+        assert first.poll() is None
+        first.kill()
+        first.wait()
+        second = start_replica(config)
+        results = collect(broker_settings, 1, timeout=90)
+        assert [r.id for r in results] == ["g2/0"]
+        assert results[0].status == "timeout" and results[0].reward == -30
+        assert results[0].benchmarker.endswith(f"-{second.pid}")
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()

@@ -1,0 +1,152 @@
+"""Pure parts: extraction, technique and symbol checks, host model, inputs, rewards."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hpcrl_benchmarker import checks, gemm
+from hpcrl_benchmarker.cscan import main_file_lines, strip_comments_and_strings
+from hpcrl_benchmarker.extract import ExtractError, extract
+from hpcrl_benchmarker.host import HostProfile, IsaRefused, parse_cpuinfo
+from hpcrl_benchmarker.verdict import REWARDS, reward, timing_stats
+
+SIG = "void matmul_optimized(double *A, double *B, double *C, int M, int N, int K)"
+BODY = "{ C[0] = A[0] * B[0] + M + N + K; }"
+
+
+def test_extract_picks_the_block_with_the_kernel_and_keeps_helpers() -> None:
+    text = (f"First a test:\n```c\nint main(void) {{ return 0; }}\n```\nNow the kernel:\n"
+            f"```c\n#include <math.h>\nstatic double h(double x) {{ return x; }}\n"
+            f"{SIG} {BODY}\n```\nDone.")
+    code = extract(text, SIG).code
+    assert "#include <math.h>" in code and "static double h" in code and "main" not in code
+
+
+def test_extract_last_definition_wins_and_qualifiers_are_accepted() -> None:
+    text = (f"```c\n{SIG} {{ }}\n```\n```cpp\nvoid matmul_optimized(const double *restrict A, "
+            f"const double *__restrict__ B, double *C, int M, int N, int K) {BODY}\n```")
+    assert "restrict A" in extract(text, SIG).code
+
+
+def test_extract_plain_text_drops_prose() -> None:
+    code = extract(f"Here you go:\n\n{SIG}\n{BODY}\n\nThis is fast.\n", SIG).code
+    assert code.startswith("void matmul_optimized") and "fast" not in code
+
+
+@pytest.mark.parametrize("text", [
+    "no code", f"```python\n{SIG} {BODY}\n```",
+    SIG.replace("int K", "long K") + BODY, SIG.replace("void", "int") + BODY,
+    f"// {SIG} {BODY}", SIG + ";",
+])
+def test_extract_rejects(text: str) -> None:
+    with pytest.raises(ExtractError):
+        extract(text, SIG)
+
+
+def test_strip_keeps_length_and_blanks_comments_and_strings() -> None:
+    src = 'a /* _mm512 */ b // omp\n"#pragma omp" \'x\''
+    out = strip_comments_and_strings(src)
+    assert len(out) == len(src) and "_mm512" not in out and "omp" not in out
+
+
+@pytest.mark.parametrize(("code", "expected"), [
+    ("#pragma omp parallel for\nfor(;;);", {"openmp"}),
+    ("#pragma omp simd\nfor(;;);", {"simd"}),
+    ("#pragma omp parallel for simd\nfor(;;);", {"simd", "openmp"}),
+    ('_Pragma("omp parallel") x;', {"openmp"}),
+    ("int n = omp_get_max_threads();", {"openmp"}),
+    ("__m256d v; v = _mm256_add_pd(v, v);", {"simd"}),
+    ("typedef double v4 __attribute__((vector_size(32)));", {"simd"}),
+    ("#pragma GCC ivdep\nfor(;;);", {"simd"}),
+    ("__builtin_prefetch(p, 0, 3);", {"prefetch"}),
+    ("_mm_prefetch((char*)p, _MM_HINT_T0);", {"prefetch", "simd"}),
+    ("/* _mm512_add_pd #pragma omp parallel __builtin_prefetch */ int x;", set()),
+    ('const char *s = "_mm256_add_pd omp_get_num_threads()";', set()),
+])
+def test_detect_policed_techniques(code: str, expected: set[str]) -> None:
+    found = checks.detect_techniques(code) & {"simd", "openmp", "prefetch"}
+    assert found == expected
+
+
+def test_preprocessed_main_file_only() -> None:
+    text = ('# 1 "kernel.c"\nx;\n# 1 "/usr/include/immintrin.h" 1\n_mm512_add_pd;\n'
+            '# 3 "kernel.c" 2\ny;')
+    assert main_file_lines(text, "kernel.c").split() == ["x;", "y;"]
+
+
+def test_object_check() -> None:
+    nm = """                 U GOMP_parallel
+                 U memcpy
+                 U cblas_dgemm
+                 U sqrt
+0000000000000000 T matmul_optimized
+0000000000000010 T free
+0000000000000020 t helper
+0000000000000030 i resolver
+"""
+    undefined, defined = checks.parse_nm(nm)
+    reasons = checks.object_violations(undefined, defined, [".text", ".init_array"],
+                                       function="matmul_optimized",
+                                       runtime_symbols=frozenset({"free"}))
+    text = " | ".join(reasons)
+    assert "cblas_dgemm" in text and "GOMP" not in text and "memcpy" not in text
+    assert "defines free" in text and "resolver" in text and ".init_array" in text
+    assert "helper" not in text and len(reasons) == 4
+
+
+def test_inputs_match_the_harness_generator() -> None:
+    values = gemm.random_matrix(42, 1000)
+    assert values.min() >= -1 and values.max() < 1 and abs(values.mean()) < 0.1
+    assert np.array_equal(values, gemm.random_matrix(42, 1000))
+    assert not np.array_equal(values, gemm.random_matrix(43, 1000))
+
+
+def test_check_and_reference() -> None:
+    a, b = gemm.inputs({"M": 5, "N": 4, "K": 3}, 7)
+    ref = gemm.reference(a, b)
+    assert np.allclose(ref, a @ b)
+    points = gemm.sample_points(5, 4, 100, True, np.random.default_rng(0))
+    assert len(points) == 105 and (4, 3) in points and (2, 2) in points
+    assert gemm.check(ref.copy(), ref, a, b, points, 1e-6) == ""
+    bad = ref.copy()
+    bad[4, 3] *= 1.001
+    assert "C[4][3]" in gemm.check(bad, ref, a, b, points, 1e-6)
+    hole = ref.copy()
+    hole[1, 1] = np.nan
+    assert "not written" in gemm.check(hole, ref, a, b, [(0, 0)], 1e-6)
+
+
+def profile(flags: str, mhz: float = 2000.0, cores: int = 4) -> HostProfile:
+    return HostProfile("h", "Intel Xeon Gold 6230", frozenset(flags.split()), cores, mhz,
+                       "gcc (Debian 12.2.0) 12.2.0")
+
+
+def test_isa_policy_and_peak() -> None:
+    avx512, avx2 = profile("avx512f avx2 fma"), profile("avx2 fma")
+    avx512.check_isa()
+    with pytest.raises(IsaRefused, match="--allow-isa avx2"):
+        avx2.check_isa()
+    avx2.check_isa(["avx2"])
+    with pytest.raises(IsaRefused):
+        avx2.check_isa(["avx512bw"])
+    assert avx512.peak_gflops == pytest.approx(4 * 2.0 * 1.5 * 32)
+    assert avx2.peak_gflops == pytest.approx(4 * 2.0 * 1.5 * 16)
+
+
+def test_host_class_depends_on_model_isa_compiler_only() -> None:
+    a, b = profile("avx512f avx2 fma", cores=4), profile("avx512f avx2 fma", cores=40)
+    assert a.host_class == b.host_class and len(a.host_class) <= 256
+    assert a.host_class != profile("avx2 fma").host_class
+    model, flags, mhz = parse_cpuinfo("model name\t: X\nflags\t: fpu avx2\ncpu MHz\t: 2100.5\n")
+    assert (model, "avx2" in flags, mhz) == ("X", True, 2100.5)
+
+
+def test_reward_table_is_the_spec() -> None:
+    assert REWARDS == {"format_violation": -100, "library_violation": -100,
+                       "stage_violation": -100, "compile_error": -40, "timeout": -30,
+                       "runtime_error": -20, "verification_error": -10}
+    assert reward("success", 12.5) == 12.5
+    stats = timing_stats([1.0, 2.0, 3.0])
+    assert stats.mean_s == 2.0 and stats.median_s == 2.0
+    assert stats.cv == pytest.approx(0.40825, 1e-4)
