@@ -1,0 +1,74 @@
+"""The ``[scheduler]`` section of the experiment config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from hpcrl_common.config import ServiceConfig
+from hpcrl_common.service import ServiceSection
+
+
+class SchedulerSection(ServiceSection):
+    metrics_port: int = Field(9104, ge=0, le=65535, description="0 picks a free port")
+    iterations: int = Field(9, ge=1, le=10_000, description="T: SQD iterations to run")
+    group_size: int = Field(16, ge=1, le=1024, description="G: completions per node")
+    node_budget: int = Field(
+        32, ge=0, description="nodes expanded per iteration besides the seed (0 = unbounded)"
+    )
+    ratio_deepen: float = Field(0.4, ge=0, description="share of top successes deepened")
+    ratio_improve: float = Field(0.3, ge=0, description="share of middle successes improved")
+    ratio_repair: float = Field(0.3, ge=0, description="budget share of repairs")
+    reward_mode: Literal["raw", "group_normalized"] = Field(
+        "group_normalized", description="raw = Experiment 1, group_normalized = Experiment 2"
+    )
+    isa: Literal["avx512", "avx2"] = Field(
+        "avx512", description="the benchmark hosts' best ISA, named in prompts"
+    )
+    db_path: Path | None = Field(
+        None, description="SQLite file (default: <data_dir>/scheduler/<experiment>.sqlite)"
+    )
+    seed_program: Path | None = Field(
+        None, description="C file of the seed program (default: the built-in one of the task)"
+    )
+    prompt_templates: Path | None = Field(
+        None, description="TOML with the prompt templates (default: built-in)"
+    )
+    temperature: float = Field(1.0, ge=0, le=10, description="sampling temperature")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling")
+    max_tokens: int = Field(1024, ge=1, le=65_536, description="completion length limit")
+    max_groups_in_flight: int = Field(
+        64, ge=0, description="requests published but not yet closed (0 = no bound)"
+    )
+    max_staleness: int = Field(
+        2, ge=0, description="steps generation may run ahead of learning (0 = off)"
+    )
+    initial_groups_per_step: int = Field(
+        1, ge=1, description="the learner's groups per step, assumed until its first update"
+    )
+    version_floor: bool = Field(
+        True, description="requests ask for at least the latest policy version seen"
+    )
+    group_deadline_s: float = Field(
+        1800.0, gt=0, description="a group with no new result for this long is closed short"
+    )
+    tick_s: float = Field(0.5, gt=0, le=60, description="period of the scheduling loop")
+    exit_when_done: bool = Field(True, description="serve exits 0 once all T iterations end")
+
+    @model_validator(mode="after")
+    def _ratios(self) -> SchedulerSection:
+        if self.ratio_deepen + self.ratio_improve + self.ratio_repair <= 0:
+            raise ValueError("ratio_deepen + ratio_improve + ratio_repair must be positive")
+        return self
+
+
+class SchedulerConfig(ServiceConfig):
+    scheduler: SchedulerSection = SchedulerSection()
+
+    @property
+    def db_path(self) -> Path:
+        if self.scheduler.db_path is not None:
+            return self.scheduler.db_path
+        return self.experiment.data_dir / "scheduler" / f"{self.experiment.name}.sqlite"

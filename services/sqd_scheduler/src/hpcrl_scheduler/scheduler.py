@@ -1,0 +1,333 @@
+"""The SQD scheduler's state machine over the store: plan, admit, join results, close groups.
+
+No broker code here: the service shell (``service.py``) feeds it messages and publishes the
+outbox. Every method runs inside one store transaction, so each step is atomic with respect
+to a kill -9.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import statistics
+import time
+from collections.abc import Callable
+from importlib import resources
+from pathlib import Path
+
+import structlog
+
+from hpcrl_common.broker import Reject
+from hpcrl_common.messages import (
+    BenchResult,
+    BenchSpec,
+    ChatMessage,
+    GenerateRequest,
+    SamplingParams,
+    WeightUpdate,
+)
+from hpcrl_common.stages import FIRST_STAGE
+from hpcrl_common.task import TaskSpec, load_task
+from hpcrl_common.topology import GENERATE_REQUESTS, ROLLOUT_BATCHES
+from hpcrl_scheduler import metrics as m
+from hpcrl_scheduler.config import SchedulerConfig
+from hpcrl_scheduler.groups import close_group
+from hpcrl_scheduler.pacing import PacingState, hold_reason, outstanding
+from hpcrl_scheduler.prompts import Templates, build_prompt, load_templates
+from hpcrl_scheduler.selection import SEED_ID, Program, Ratios, dedupe, select
+from hpcrl_scheduler.store import GroupRow, Store
+
+log = structlog.get_logger("hpcrl.scheduler")
+
+
+class SchedulerError(RuntimeError):
+    pass
+
+
+def builtin_seed(task_name: str) -> str:
+    resource = resources.files("hpcrl_scheduler") / "data" / "seeds" / f"{task_name}.c"
+    if not resource.is_file():
+        raise SchedulerError(f"no built-in seed program for task {task_name!r}; "
+                             "set scheduler.seed_program")
+    return resource.read_text()
+
+
+def group_id_of(experiment: str, seed: int, iteration: int, ordinal: int) -> str:
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "-", experiment)[:100] or "x"
+    return f"{slug}.s{seed}.t{iteration}.g{ordinal:04d}"
+
+
+def repair_error(parent: Program) -> str:
+    label = parent.status.replace("_", " ")
+    return f"{label}: {parent.error.strip()}" if parent.error.strip() else label
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, store: Store,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.config = config
+        self.section = config.scheduler
+        self.store = store
+        self.clock = clock
+        self.task: TaskSpec = load_task(config.experiment.task)
+        templates_path = self.section.prompt_templates
+        self.templates: Templates = load_templates(str(templates_path) if templates_path
+                                                   else None)
+        self.ratios = Ratios(self.section.ratio_deepen, self.section.ratio_improve,
+                             self.section.ratio_repair)
+        self._init_store()
+
+    # --- set-up ---------------------------------------------------------------------
+
+    def _init_store(self) -> None:
+        exp = self.config.experiment
+        identity = {"experiment": exp.name, "seed": exp.seed, "task": exp.task}
+        with self.store.tx() as s:
+            stored = {key: s.get(key) for key in identity}
+            if stored["experiment"] is None:
+                for key, value in identity.items():
+                    s.set(key, value)
+                s.set("iteration", -1)
+                s.set("created_at", self.clock())
+                path = self.section.seed_program
+                source = Path(path).read_text() if path else builtin_seed(self.task.name)
+                s.add_program(Program(id=SEED_ID, stage=FIRST_STAGE, status="success",
+                                      source=source, mode="seed", iteration=-1), None)
+            elif stored != identity:
+                raise SchedulerError(
+                    f"{s.path} belongs to {stored}, not {identity}: use another "
+                    "scheduler.db_path (or experiment.name) for a different experiment"
+                )
+            s.set("iterations", self.section.iterations)
+            s.set("reward_mode", self.section.reward_mode)
+            # Time spent down does not count against a group's deadline.
+            s.execute("UPDATE groups SET last_progress_at = ? WHERE state = 'published'",
+                      (self.clock(),))
+
+    # --- the loop step --------------------------------------------------------------
+
+    def step(self) -> None:
+        """Close overdue groups, start the next iteration if due, admit requests."""
+        now = self.clock()
+        with self.store.tx():
+            self._close_overdue(now)
+            self._advance()
+            self._admit(now)
+
+    def iteration(self) -> int:
+        return int(self.store.get("iteration", -1))
+
+    def done(self) -> bool:
+        t = self.iteration()
+        if t < self.section.iterations - 1:
+            return False
+        return self.store.count_groups("iteration = ? AND state != 'closed'", (t,)) == 0
+
+    def _advance(self) -> None:
+        t = self.iteration()
+        if t >= 0 and self.store.count_groups("iteration = ? AND state != 'closed'", (t,)):
+            return
+        if t + 1 >= self.section.iterations:
+            return
+        self._plan(t + 1)
+
+    def _plan(self, t: int) -> None:
+        store, exp = self.store, self.config.experiment
+        pool = store.pool(t - 1) if t > 0 else []
+        nodes = select(pool, store.seed_program(), iteration=t, budget=self.section.node_budget,
+                       ratios=self.ratios, seed=exp.seed)
+        for ordinal, node in enumerate(nodes):
+            prompt = build_prompt(
+                self.task,
+                target_stage=node.target_stage,
+                mode=node.mode,  # type: ignore[arg-type]
+                parent_source=node.parent.source,
+                error=repair_error(node.parent) if node.mode == "repair" else None,
+                isa=self.section.isa,
+                templates=self.templates,
+            )
+            store.add_group(
+                id=group_id_of(exp.name, exp.seed, t, ordinal), iteration=t, ordinal=ordinal,
+                parent_id=node.parent.id, mode=node.mode, target_stage=node.target_stage,
+                group_size=self.section.group_size,
+                prompt=[message.model_dump() for message in prompt],
+            )
+        store.set("iteration", t)
+        modes = {mode: sum(n.mode == mode for n in nodes) for mode in
+                 ("seed", "deepen", "improve", "repair")}
+        log.info("iteration planned", iteration=t, nodes=len(nodes), pool=len(pool), **modes)
+
+    def pacing_state(self) -> PacingState:
+        s = self.store
+        return PacingState(
+            batches_published=s.count_groups("batch = 'sent'"),
+            groups_in_flight=s.count_groups("state = 'published'"),
+            groups_trained=int(s.get("groups_trained", 0)),
+            groups_per_step=int(s.get("groups_per_step", self.section.initial_groups_per_step)),
+        )
+
+    def _admit(self, now: float) -> None:
+        pending = self.store.groups("state = 'pending'")
+        held: dict[str, int] = {"in_flight": 0, "staleness": 0}
+        for index, group in enumerate(pending):
+            reason = hold_reason(self.pacing_state(), max_staleness=self.section.max_staleness,
+                                 max_groups_in_flight=self.section.max_groups_in_flight)
+            if reason is not None:
+                held[reason] = len(pending) - index
+                break
+            self._publish_request(group, now)
+        for reason, count in held.items():
+            m.HELD.labels(reason).set(count)
+
+    def _publish_request(self, group: GroupRow, now: float) -> None:
+        exp, section = self.config.experiment, self.section
+        floor = int(self.store.get("policy_version", 0)) if section.version_floor else 0
+        sampling_seed = int.from_bytes(
+            hashlib.sha256(f"{exp.seed}:{group.id}".encode()).digest()[:4], "little") >> 1
+        request = GenerateRequest(
+            id=group.id,
+            experiment=exp.name,
+            iteration=group.iteration,
+            parent_id=group.parent_id,
+            mode=group.mode,  # type: ignore[arg-type]
+            prompt=[ChatMessage(**message) for message in group.prompt],  # type: ignore[arg-type]
+            group_size=group.group_size,
+            sampling=SamplingParams(temperature=section.temperature, top_p=section.top_p,
+                                    max_tokens=section.max_tokens, seed=sampling_seed),
+            min_policy_version=floor,
+            bench=BenchSpec(task=exp.task, stage=group.target_stage, opt_level=exp.opt_level),
+            created_at=now,
+        )
+        self.store.enqueue(GENERATE_REQUESTS, request)
+        self.store.update_group(group.id, state="published", min_policy_version=floor,
+                                published_at=now, last_progress_at=now)
+        m.REQUESTS.labels(group.mode).inc()
+
+    def _close_overdue(self, now: float) -> None:
+        deadline = now - self.section.group_deadline_s
+        for group in self.store.groups("state = 'published' AND last_progress_at < ?",
+                                       (deadline,)):
+            log.warning("group deadline passed; closing it short", group=group.id,
+                        results=self.store.count_results(group.id), expected=group.group_size)
+            self._close(group, now, "deadline")
+
+    # --- messages -------------------------------------------------------------------
+
+    def handle_result(self, result: BenchResult) -> None:
+        now = self.clock()
+        with self.store.tx() as s:
+            if s.has_result(result.id):
+                m.RESULTS_IGNORED.labels("duplicate").inc()
+                return
+            group = s.group(result.group_id)
+            if group is None:
+                raise Reject(f"result {result.id} belongs to no group of this scheduler")
+            if result.index >= group.group_size:
+                raise Reject(f"result index {result.index} >= group size {group.group_size}")
+            late = group.state == "closed"
+            s.add_result(result, received_at=now, late=late)
+            if late:
+                m.RESULTS_IGNORED.labels("late").inc()
+                return
+            s.update_group(group.id, last_progress_at=now)
+            m.RESULTS.labels(result.status).inc()
+            m.RESULT_LAG.observe(max(0.0, now - result.created_at))
+            if s.count_results(group.id) >= group.group_size:
+                self._close(group, now, "complete")
+
+    def handle_weight_update(self, update: WeightUpdate) -> None:
+        with self.store.tx() as s:
+            if update.version <= int(s.get("policy_version", 0)):
+                return  # an older or repeated announcement changes nothing
+            s.set("policy_version", update.version)
+            if "groups_trained" in update.metrics:
+                s.set("groups_trained", int(update.metrics["groups_trained"]))
+            if "groups_per_step" in update.metrics:
+                s.set("groups_per_step", max(1, int(update.metrics["groups_per_step"])))
+        log.info("policy version seen", version=update.version, metrics=update.metrics)
+
+    def _close(self, group: GroupRow, now: float, reason: str) -> None:
+        s, exp = self.store, self.config.experiment
+        closed = close_group(group.id, s.results_of(group.id), experiment=exp.name,
+                             iteration=group.iteration, reward_mode=self.section.reward_mode)
+        for result in closed.kept:
+            reward = closed.rewards[result.id]
+            s.execute("UPDATE results SET reward = ? WHERE id = ?", (reward, result.id))
+            s.add_program(Program(
+                id=result.id, stage=group.target_stage, status=result.status,
+                source=result.source, gflops=result.gflops, reward=reward, error=result.error,
+                parent_id=group.parent_id, mode=group.mode, iteration=group.iteration,
+                host_class=result.host.host_class, techniques=tuple(result.techniques),
+            ), group.id)
+            if result.gflops is not None:
+                m.GFLOPS.labels(str(group.target_stage)).observe(result.gflops)
+        if closed.batch is not None:
+            s.enqueue(ROLLOUT_BATCHES, closed.batch)
+            outcome = "sent"
+        else:
+            outcome = "no_rollout" if closed.kept else "empty"
+        s.update_group(group.id, state="closed", closed_at=now, close_reason=reason,
+                       batch=outcome, host_class=closed.host_class,
+                       excluded=len(closed.excluded), reward_mean=closed.reward_mean,
+                       reward_max=closed.reward_max)
+        m.GROUPS_CLOSED.labels(reason).inc()
+        m.BATCHES.labels(outcome).inc()
+        m.EXCLUDED.inc(len(closed.excluded))
+        m.NO_ROLLOUT.inc(closed.skipped_no_rollout)
+        if closed.excluded:
+            log.warning("mixed host classes in a group; minority excluded", group=group.id,
+                        kept=closed.host_class,
+                        excluded=sorted({r.host.host_class for r in closed.excluded}))
+        if closed.reward_mean is not None:
+            m.GROUP_REWARD_MEAN.observe(closed.reward_mean)
+            m.GROUP_REWARD_MAX.observe(closed.reward_max or 0.0)
+        if group.published_at is not None:
+            m.GROUP_SECONDS.observe(max(0.0, now - group.published_at))
+        log.info("group closed", group=group.id, reason=reason, kept=len(closed.kept),
+                 batch=outcome, reward_mean=closed.reward_mean, reward_max=closed.reward_max)
+
+    # --- metrics from the store (restart-proof gauges) --------------------------------
+
+    def refresh_metrics(self) -> None:
+        s = self.store
+        t = self.iteration()
+        m.ITERATION.set(max(t, 0))
+        m.ITERATIONS.set(self.section.iterations)
+        done = sum(1 for i in range(max(t, -1) + 1)
+                   if s.count_groups("iteration = ? AND state != 'closed'", (i,)) == 0)
+        m.ITERATIONS_DONE.set(done)
+        for state in ("pending", "published", "closed"):
+            m.GROUPS.labels(state).set(s.count_groups("iteration = ? AND state = ?", (t, state)))
+        pacing = self.pacing_state()
+        m.IN_FLIGHT.set(pacing.groups_in_flight)
+        m.OUTSTANDING.set(outstanding(pacing))
+        m.POLICY_VERSION.set(int(s.get("policy_version", 0)))
+        m.GROUPS_TRAINED.set(pacing.groups_trained)
+        m.UNSENT.set(s.count_unsent())
+        m.POOL.clear()
+        for program in dedupe(s.pool(t)):
+            m.POOL.labels(str(program.stage), program.status).inc()
+        for (iteration, stage), values in _gflops_by(s).items():
+            m.BEST_GFLOPS.labels(str(stage), str(iteration)).set(max(values))
+            m.MEDIAN_GFLOPS.labels(str(stage), str(iteration)).set(statistics.median(values))
+        for stage, best in _best_by_stage(s).items():
+            m.BEST_GFLOPS_STAGE.labels(str(stage)).set(best)
+        for row in s.query("SELECT g.iteration, AVG(r.reward), MAX(r.reward) FROM results r "
+                           "JOIN groups g ON g.id = r.group_id WHERE r.reward IS NOT NULL "
+                           "GROUP BY g.iteration"):
+            m.ITERATION_REWARD_MEAN.labels(str(row[0])).set(row[1])
+            m.ITERATION_REWARD_MAX.labels(str(row[0])).set(row[2])
+
+
+def _gflops_by(s: Store) -> dict[tuple[int, int], list[float]]:
+    out: dict[tuple[int, int], list[float]] = {}
+    for row in s.query("SELECT iteration, stage, gflops FROM programs WHERE iteration >= 0 "
+                       "AND gflops IS NOT NULL"):
+        out.setdefault((row[0], row[1]), []).append(row[2])
+    return out
+
+
+def _best_by_stage(s: Store) -> dict[int, float]:
+    rows = s.query("SELECT stage, MAX(gflops) FROM programs WHERE gflops IS NOT NULL "
+                   "GROUP BY stage")
+    return {row[0]: row[1] for row in rows}

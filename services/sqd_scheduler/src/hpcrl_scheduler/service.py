@@ -1,0 +1,93 @@
+"""The scheduler service: a thin shell around hpcrl_common.broker.Consumer.
+
+* ``bench-results`` → :meth:`Scheduler.handle_result` (stored before the ack);
+* ``weight-updates`` (durable subscriber queue ``weight-updates.scheduler``) → policy version
+  and the learner's progress, for the version floor and pacing;
+* a timer runs :meth:`Scheduler.step`, publishes the outbox (marking rows sent once the
+  broker confirmed them) and refreshes the gauges; once all T iterations are complete and
+  the outbox is empty it stops the consumer, so ``serve`` exits 0.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import structlog
+
+from hpcrl_common.broker import Consumer, Delivery, Publish
+from hpcrl_common.messages import BenchResult, Message, WeightUpdate
+from hpcrl_common.topology import BENCH_RESULTS, WEIGHT_UPDATES
+from hpcrl_scheduler.scheduler import Scheduler
+
+log = structlog.get_logger("hpcrl.scheduler")
+SUBSCRIBER = "scheduler"
+METRICS_REFRESH_S = 2.0
+
+
+class SchedulerService:
+    def __init__(self, scheduler: Scheduler, consumer: Consumer,
+                 on_tick: Callable[[], None] | None = None) -> None:
+        self.scheduler = scheduler
+        self.consumer = consumer
+        self.on_tick = on_tick
+        self.finished = False
+        self._pending: dict[int, Future] = {}
+        self._refreshed_at = -METRICS_REFRESH_S
+        consumer.subscribe(BENCH_RESULTS, self._on_result)
+        consumer.subscribe_fanout(WEIGHT_UPDATES, SUBSCRIBER, self._on_weight_update,
+                                  durable=True)
+        consumer.every(scheduler.section.tick_s, self.tick)
+
+    def _on_result(self, message: Message, _delivery: Delivery) -> list[Publish]:
+        assert isinstance(message, BenchResult)
+        self.scheduler.handle_result(message)
+        return []
+
+    def _on_weight_update(self, message: Message, _delivery: Delivery) -> list[Publish]:
+        assert isinstance(message, WeightUpdate)
+        self.scheduler.handle_weight_update(message)
+        return []
+
+    def tick(self) -> list[Publish]:
+        self.scheduler.step()
+        self.pump()
+        now = time.monotonic()
+        # The gauges are recomputed from the store (restart-proof); with thousands of
+        # programs that costs ~0.1 s, so not on every tick.
+        if now - self._refreshed_at >= METRICS_REFRESH_S:
+            self.scheduler.refresh_metrics()
+            self._refreshed_at = now
+        if self.on_tick is not None:
+            self.on_tick()
+        if (self.scheduler.done() and not self._pending
+                and self.scheduler.store.count_unsent() == 0):
+            if not self.finished:
+                self.scheduler.refresh_metrics()
+                log.info("all iterations complete", iterations=self.scheduler.section.iterations)
+            self.finished = True
+            if self.scheduler.section.exit_when_done:
+                self.consumer.stop()
+        return []
+
+    def pump(self) -> None:
+        """Publish unsent outbox rows; mark each sent once the broker confirmed it."""
+        store, topology = self.scheduler.store, self.consumer.topology
+        for seq, future in list(self._pending.items()):
+            if not future.done():
+                continue
+            del self._pending[seq]
+            if future.exception() is None:
+                with store.tx():
+                    store.mark_sent(seq)
+            else:
+                log.warning("publish failed; will retry", seq=seq, error=repr(future.exception()))
+        for seq, queue, message in store.unsent():
+            if seq not in self._pending:
+                self._pending[seq] = self.consumer.publish(Publish(topology.name(queue), message))
+
+    def health(self) -> tuple[bool, dict[str, Any]]:
+        return True, {"iteration": self.scheduler.iteration(), "finished": self.finished,
+                      "unconfirmed": len(self._pending)}

@@ -1,0 +1,191 @@
+"""The scheduler's state machine on a real SQLite file, fed messages directly (no broker)."""
+
+from __future__ import annotations
+
+import pytest
+
+from hpcrl_common.broker import Reject
+from hpcrl_common.messages import GenerateRequest, RolloutBatch, WeightUpdate, decode
+from hpcrl_scheduler.config import SchedulerConfig, SchedulerSection
+from hpcrl_scheduler.report import export, snapshot
+from hpcrl_scheduler.scheduler import Scheduler, SchedulerError
+from hpcrl_scheduler.store import Store
+
+from .helpers import result
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(tmp_path, clock=None, **section) -> Scheduler:
+    defaults = {"iterations": 2, "group_size": 3, "node_budget": 2, "max_staleness": 0,
+                "metrics_port": 0}
+    config = SchedulerConfig(
+        experiment={"name": "unit", "seed": 7},
+        scheduler=SchedulerSection(**{**defaults, **section}),
+    )
+    return Scheduler(config, Store(tmp_path / "s.sqlite"), clock=clock or Clock())
+
+
+def outbox(s: Scheduler):
+    return [(queue, m) for _, queue, m in s.store.unsent()]
+
+
+def requests(s: Scheduler) -> list[GenerateRequest]:
+    return [m for q, m in outbox(s) if isinstance(m, GenerateRequest)]
+
+
+def batches(s: Scheduler) -> list[RolloutBatch]:
+    return [m for q, m in outbox(s) if isinstance(m, RolloutBatch)]
+
+
+STAGE1_OK = "void matmul_optimized(double*A,double*B,double*C,int M,int N,int K){/*ok*/}"
+
+
+def answer(s: Scheduler, request: GenerateRequest, statuses) -> None:
+    for index, status in enumerate(statuses):
+        gflops = 2.0 + index if status == "success" else None
+        s.handle_result(result(request.id, index, status, gflops, stage=request.bench.stage,
+                               source=f"{STAGE1_OK} /* {request.id} {index} */ int v{index};",
+                               error="x.c:1: error: boom" if status != "success" else ""))
+
+
+def test_iteration_zero_expands_the_seed(tmp_path):
+    s = make(tmp_path)
+    s.step()
+    [request] = requests(s)
+    assert request.id == "unit.s7.t0.g0000"
+    assert request.mode == "seed" and request.bench.stage == 1 and request.group_size == 3
+    assert "matmul_optimized" in request.prompt[1].content
+    assert request.min_policy_version == 0
+    assert request.sampling.seed is not None
+
+
+def test_a_complete_group_becomes_a_batch_and_children_then_the_next_iteration(tmp_path):
+    s = make(tmp_path)
+    s.step()
+    [request] = requests(s)
+    answer(s, request, ["success", "compile_error", "verification_error"])
+    [batch] = batches(s)
+    assert batch.id == request.id and batch.iteration == 0
+    assert [x.reward for x in batch.samples] == [100.0, -40.0, -10.0]
+    pool = s.store.pool(0)
+    assert sorted(p.status for p in pool) == ["compile_error", "success", "verification_error"]
+    assert all(p.parent_id == "seed" and p.stage == 1 for p in pool)
+    s.step()
+    assert s.iteration() == 1
+    modes = [(r.mode, r.bench.stage) for r in requests(s) if r.iteration == 1]
+    # budget 2 besides the seed: the one success is deepened, the best failure repaired
+    assert modes == [("seed", 1), ("deepen", 2), ("repair", 1)]
+    repair = next(r for r in requests(s) if r.mode == "repair")
+    assert repair.parent_id == f"{request.id}/2"  # verification error before compile error
+    assert "verification error: x.c:1: error: boom" in repair.prompt[1].content
+    assert not s.done()
+
+
+def test_duplicates_late_and_unknown_results(tmp_path):
+    clock = Clock()
+    s = make(tmp_path, clock, group_deadline_s=60)
+    s.step()
+    [request] = requests(s)
+    s.handle_result(result(request.id, 0, gflops=1.0))
+    s.handle_result(result(request.id, 0, gflops=9.0))  # redelivered copy: ignored
+    assert s.store.count_results(request.id) == 1
+    clock.now += 61
+    s.step()  # the deadline closes the group short with what it has
+    group = s.store.group(request.id)
+    assert group.state == "closed" and group.close_reason == "deadline"
+    [batch] = batches(s)
+    assert len(batch.samples) == 1 and batch.samples[0].reward == 100.0
+    s.handle_result(result(request.id, 1, gflops=5.0))  # late: stored, not filed
+    assert [p.id for p in s.store.pool(0)] == [f"{request.id}/0"]
+    with pytest.raises(Reject):
+        s.handle_result(result("other.s0.t0.g0000", 0, gflops=1.0))
+    with pytest.raises(Reject):
+        s.handle_result(result(request.id, 3, gflops=1.0))
+
+
+def test_group_without_token_data_files_children_but_sends_no_batch(tmp_path):
+    s = make(tmp_path, group_size=2)
+    s.step()
+    [request] = requests(s)
+    for index in range(2):
+        s.handle_result(result(request.id, index, gflops=1.0 + index, with_rollout=False,
+                               source=f"int x{index};"))
+    assert batches(s) == []
+    assert s.store.group(request.id).batch == "no_rollout"
+    assert len(s.store.pool(0)) == 2
+
+
+def test_run_to_the_end_then_done_and_report(tmp_path):
+    s = make(tmp_path)
+    for _ in range(4):
+        s.step()
+        for request in requests(s):
+            if s.store.group(request.id).state == "published":
+                answer(s, request, ["success", "stage_violation", "success"])
+    assert s.done()
+    data = snapshot(s.store)
+    assert data["done"] and data["iterations_done"] == 2
+    assert data["iterations"][1]["groups"] == 3
+    assert set(data["pool"]) == {"1", "2"}  # the pool moved on to stage 2
+    index = export(s.store, tmp_path / "out")
+    assert set(index["best_per_stage"]) == {"1", "2"}
+    assert index["lineage"][0]["id"] == "seed"
+    files = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert "index.json" in files and "index.md" in files
+    assert all((tmp_path / "out" / e["file"]).read_text().startswith("/* hpcrl program")
+               for e in index["lineage"])
+
+
+def test_pacing_holds_requests_until_the_learner_trains(tmp_path):
+    s = make(tmp_path, max_staleness=1, node_budget=4)
+    s.step()
+    [request] = requests(s)
+    answer(s, request, ["success", "success", "verification_error"])
+    s.step()
+    # 1 batch published, nothing trained: limit 1 x 1 group -> everything held
+    assert [r.iteration for r in requests(s)] == [0]
+    s.handle_weight_update(WeightUpdate(
+        id="v1", version=1, parent_version=0, uri="file:///ckpt/1", format="lora",
+        checksum="sha256:" + "0" * 64, metrics={"groups_trained": 1, "groups_per_step": 2}))
+    s.step()
+    new = [r for r in requests(s) if r.iteration == 1]
+    assert len(new) == 2  # limit 1 x 2 groups per step
+    assert all(r.min_policy_version == 1 for r in new)
+    # an older announcement changes nothing
+    s.handle_weight_update(WeightUpdate(
+        id="v0b", version=1, parent_version=0, uri="file:///x", format="lora",
+        checksum="sha256:" + "1" * 64, metrics={"groups_trained": 0}))
+    assert s.store.get("groups_trained") == 1
+
+
+def test_restart_resumes_and_a_different_experiment_is_refused(tmp_path):
+    s = make(tmp_path)
+    s.step()
+    [request] = requests(s)
+    s.handle_result(result(request.id, 0, gflops=1.0))
+    s.store.close()
+    again = make(tmp_path)
+    again.step()
+    assert [r.id for r in requests(again)] == [request.id]  # not planned twice
+    assert again.store.count_results(request.id) == 1
+    again.store.close()
+    config = SchedulerConfig(experiment={"name": "unit", "seed": 8},
+                             scheduler=SchedulerSection(metrics_port=0))
+    with pytest.raises(SchedulerError, match="belongs to"):
+        Scheduler(config, Store(tmp_path / "s.sqlite"))
+
+
+def test_outbox_rows_are_valid_wire_messages(tmp_path):
+    s = make(tmp_path)
+    s.step()
+    rows = s.store.query("SELECT queue, body FROM outbox")
+    assert rows[0]["queue"] == "generate-requests"
+    decoded = decode(bytes(rows[0]["body"]), GenerateRequest)
+    assert decoded.experiment == "unit"
