@@ -1,0 +1,130 @@
+"""The vLLM backend: the production sampler (GPU with tensor parallelism, or vLLM's CPU build).
+
+Weights change in place (`reload_weights` through a worker extension), without restarting
+the engine. A failed reload can leave the engine dead, so callers validate a checkpoint
+first (:func:`hpcrl_generator.weights.validate`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from hpcrl_common.messages import SamplingParams
+from hpcrl_generator.prompt import require_chat_template
+from hpcrl_generator.sampling import Sample, WeightFormat, is_greedy
+
+EXTENSION = "hpcrl_generator.backends.vllm_worker.ReloadExtension"
+
+
+class VLLMSampler:
+    backend = "vllm"
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        dtype: str = "auto",
+        max_model_len: int = 4096,
+        max_num_seqs: int = 64,
+        tensor_parallel_size: int = 1,
+        gpu_memory_utilization: float = 0.9,
+        kv_cache_space_gib: int = 4,
+        enforce_eager: bool = True,
+        enable_lora: bool = False,
+        max_lora_rank: int = 64,
+        seed: int = 0,
+    ) -> None:
+        # Read by the CPU build only; a GPU build ignores them. Set before vLLM is imported.
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_space_gib))
+        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        from vllm import LLM
+
+        self.model_path = Path(model_path)
+        self.max_model_len = max_model_len
+        self.enable_lora = enable_lora
+        extra = {"max_lora_rank": max_lora_rank} if enable_lora else {}
+        self.llm = LLM(
+            model=str(self.model_path),
+            dtype=dtype,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            tensor_parallel_size=tensor_parallel_size,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enforce_eager=enforce_eager,
+            enable_lora=enable_lora,
+            seed=seed,
+            worker_extension_cls=EXTENSION,
+            **extra,
+        )
+        self._tokenizer = self.llm.get_tokenizer()
+        require_chat_template(self._tokenizer, str(self.model_path))
+        self._lora = None
+        self.version = 0
+
+    @property
+    def tokenizer(self):
+        return self._tokenizer
+
+    def generate(
+        self, prompt_token_ids: list[int], n: int, sampling: SamplingParams
+    ) -> list[Sample]:
+        from vllm import SamplingParams as VLLMSamplingParams
+
+        greedy = is_greedy(sampling)
+        params = VLLMSamplingParams(
+            n=1 if greedy else n,  # vLLM refuses n > 1 with greedy sampling
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            max_tokens=sampling.max_tokens,
+            seed=sampling.seed,
+            logprobs=0,  # the sampled token's log-prob, from the raw distribution
+            skip_special_tokens=True,
+        )
+        (output,) = self.llm.generate(
+            [{"prompt_token_ids": list(prompt_token_ids)}],
+            params,
+            use_tqdm=False,
+            lora_request=self._lora,
+        )
+        samples = []
+        for completion in output.outputs:
+            tokens = list(completion.token_ids)
+            per_token = completion.logprobs or []
+            if len(per_token) != len(tokens):
+                raise RuntimeError(f"vLLM returned {len(per_token)} log-probs for "
+                                   f"{len(tokens)} tokens")
+            samples.append(
+                Sample(
+                    token_ids=tokens,
+                    logprobs=[float(per_token[i][t].logprob) for i, t in enumerate(tokens)],
+                    finish_reason=completion.finish_reason,
+                    text=completion.text,
+                )
+            )
+        return samples * n if greedy else samples
+
+    def load_weights(self, path: Path, version: int, format: WeightFormat = "full") -> None:
+        if format == "full":
+            self.llm.collective_rpc("hpcrl_reload_weights", kwargs={"weights_path": str(path)})
+            self._lora = None
+        else:
+            if not self.enable_lora:
+                raise ValueError("a LoRA policy version needs generator.enable_lora = true")
+            from vllm.lora.request import LoRARequest
+
+            # vLLM caches adapters by id; versions are unique, so each is loaded once.
+            self._lora = LoRARequest(f"policy-v{version}", version, str(path))
+        self.version = version
+
+    def weight_fingerprint(self) -> list[list[float]]:
+        return self.llm.collective_rpc("hpcrl_weight_fingerprint")
+
+    def close(self) -> None:
+        llm, self.llm = self.llm, None
+        if llm is None:
+            return
+        engine = getattr(llm, "llm_engine", None)
+        shutdown = getattr(getattr(engine, "engine_core", None), "shutdown", None)
+        if callable(shutdown):
+            shutdown()

@@ -1,0 +1,70 @@
+"""The generator's config section (`[generator]` in the experiment TOML)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from hpcrl_common.config import ServiceConfig
+from hpcrl_common.service import ServiceSection
+
+
+class GeneratorSection(ServiceSection):
+    metrics_port: int = Field(9101, ge=0, le=65535, description="0 picks a free port")
+    backend: Literal["vllm", "transformers"] = Field(
+        "vllm", description="vllm: production engine; transformers: tiny models, no vLLM"
+    )
+    model_path: Path = Field(
+        description="Hugging Face model directory of the base policy (version 0); required"
+    )
+    checkpoint_dir: Path | None = Field(
+        None, description="root of the learner's checkpoint store (manifest.json); "
+        "unset: only the base model and announced absolute URIs are used"
+    )
+    replica: str = Field(
+        "", description="name of this replica (default: hostname-pid); names its "
+        "weight-updates queue and the candidates' `generator` field"
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="weights/activation dtype (auto: the model's own; CPU vLLM "
+        "wants float32 or bfloat16)"
+    )
+    max_model_len: int = Field(4096, ge=16, description="prompt + completion tokens, at most")
+    max_num_seqs: int = Field(64, ge=1, description="vLLM: sequences decoded together")
+    tensor_parallel_size: int = Field(1, ge=1, description="vLLM: GPUs per engine")
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="vLLM on GPU: share of GPU memory the engine may use"
+    )
+    kv_cache_space_gib: int = Field(
+        4, ge=1, description="vLLM on CPU: KV cache size (sets VLLM_CPU_KVCACHE_SPACE)"
+    )
+    enforce_eager: bool = Field(
+        True, description="vLLM: no CUDA graphs / torch.compile (fast start, slower decode)"
+    )
+    enable_lora: bool = Field(
+        False, description="vLLM: accept LoRA-format policy versions (LoRARequest)"
+    )
+    max_lora_rank: int = Field(64, ge=1, description="vLLM: largest LoRA rank accepted")
+    device: str = Field("cpu", description="transformers backend: torch device")
+    verify_checksum: bool = Field(
+        True, description="check a version's sha256 against its announcement before loading"
+    )
+    poll_manifest: bool = Field(
+        True, description="read the checkpoint manifest before every request, so a new "
+        "version is picked up even if its announcement is still queued"
+    )
+    version_wait_s: float = Field(
+        300.0, gt=0, description="how long a request waits for its policy-version floor "
+        "before it is returned to the queue (retried)"
+    )
+    version_poll_s: float = Field(1.0, gt=0, description="manifest poll interval while waiting")
+    concurrency: int = Field(
+        2, ge=2, description="handler threads (one samples; another takes weight "
+        "announcements meanwhile)"
+    )
+
+
+class GeneratorConfig(ServiceConfig):
+    generator: GeneratorSection

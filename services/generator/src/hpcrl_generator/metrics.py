@@ -1,0 +1,51 @@
+"""Prometheus metrics of the generator (names hpcrl_generator_*)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+TOKENS = Counter(
+    "hpcrl_generator_tokens_total",
+    "Completion tokens sampled (rate() of it is tokens/s)",
+    ["backend"],
+)
+PROMPT_TOKENS = Counter(
+    "hpcrl_generator_prompt_tokens_total", "Prompt tokens processed", ["backend"]
+)
+COMPLETIONS = Counter(
+    "hpcrl_generator_completions_total",
+    "Completions published as candidates, by why they ended",
+    ["backend", "finish_reason"],
+)
+REQUESTS = Counter(
+    "hpcrl_generator_requests_total",
+    "Generate requests, by outcome (done, rejected, version_timeout, failed)",
+    ["outcome"],
+)
+REQUEST_SECONDS = Histogram(
+    "hpcrl_generator_request_seconds",
+    "Time to sample one request's G completions (excludes waiting for a version)",
+    ["backend"],
+    buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600),
+)
+POLICY_VERSION = Gauge("hpcrl_generator_policy_version", "Policy version loaded in the engine")
+RELOADS = Counter(
+    "hpcrl_generator_reloads_total",
+    "Policy versions offered for loading, by outcome (loaded, refused, failed)",
+    ["outcome"],
+)
+RELOAD_SECONDS = Histogram(
+    "hpcrl_generator_reload_seconds",
+    "Time to validate (checksum, shapes) and load one policy version",
+    ["phase"],
+    buckets=(0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
+)
+VERSION_WAITS = Counter(
+    "hpcrl_generator_version_waits_total",
+    "Requests that had to wait because their policy-version floor was above the loaded one",
+)
+VERSION_WAIT_SECONDS = Histogram(
+    "hpcrl_generator_version_wait_seconds",
+    "Time requests waited for their policy-version floor",
+    buckets=(0.1, 0.5, 1, 5, 10, 30, 60, 120, 300, 600),
+)

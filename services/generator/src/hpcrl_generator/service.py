@@ -1,0 +1,222 @@
+"""The generator service: generate-requests in, candidates on code-to-bench out.
+
+A thin shell around :class:`hpcrl_common.broker.Consumer`. One request samples at a time
+(under the engine lock), so every candidate of a group comes from one policy version; new
+versions are loaded between requests, after validation, without restarting the engine.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import structlog
+
+from hpcrl_common.broker import Consumer, Delivery, Publish, Reject
+from hpcrl_common.checkpoints import CheckpointStore
+from hpcrl_common.messages import GenerateRequest, WeightUpdate
+from hpcrl_common.topology import CODE_TO_BENCH, GENERATE_REQUESTS, WEIGHT_UPDATES, Topology
+from hpcrl_generator import metrics
+from hpcrl_generator.candidates import build_candidates
+from hpcrl_generator.config import GeneratorSection
+from hpcrl_generator.prompt import PromptError, completion_budget, render_prompt
+from hpcrl_generator.sampling import Sampler
+from hpcrl_generator.weights import (
+    CheckpointError,
+    ModelSignature,
+    Target,
+    VersionTracker,
+    validate,
+)
+
+log = structlog.get_logger("hpcrl.generator")
+
+
+class VersionNotReady(RuntimeError):
+    """The request's policy-version floor was not reached in time (it is retried)."""
+
+
+def default_replica_name() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+class Generator:
+    def __init__(
+        self,
+        sampler: Sampler,
+        section: GeneratorSection,
+        topology: Topology,
+        *,
+        replica: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.sampler = sampler
+        self.section = section
+        self.topology = topology
+        self.replica = replica or section.replica or default_replica_name()
+        self.store = (
+            CheckpointStore(section.checkpoint_dir) if section.checkpoint_dir is not None else None
+        )
+        self.signature = ModelSignature.of(section.model_path)
+        self.tracker = VersionTracker(loaded=sampler.version)
+        self._engine = threading.Lock()
+        self._clock = clock
+        metrics.POLICY_VERSION.set(sampler.version)
+
+    # --- weights ----------------------------------------------------------------------
+
+    def catch_up(self) -> None:
+        """Load the newest known version if it is newer than the loaded one (engine lock held)."""
+        if self.section.poll_manifest:
+            self._offer_manifest()
+        target = self.tracker.take()
+        if target is not None:
+            self._load(target)
+
+    def _offer_manifest(self) -> None:
+        if self.store is None:
+            return
+        try:
+            info = self.store.latest()
+        except (OSError, ValueError) as exc:
+            log.warning("cannot read the checkpoint manifest", error=repr(exc))
+            return
+        if info is not None:
+            self.tracker.offer(Target.from_info(info, self.store))
+
+    def _load(self, target: Target) -> None:
+        started = self._clock()
+        try:
+            validate(target, self.signature, verify_checksum=self.section.verify_checksum)
+        except CheckpointError as exc:
+            self.tracker.refused(target.version)
+            metrics.RELOADS.labels("refused").inc()
+            log.error("refusing policy version", version=target.version, reason=str(exc))
+            return
+        validated = self._clock()
+        metrics.RELOAD_SECONDS.labels("validate").observe(validated - started)
+        try:
+            self.sampler.load_weights(target.path, target.version, target.format)
+        except Exception as exc:
+            self.tracker.refused(target.version)
+            metrics.RELOADS.labels("failed").inc()
+            log.exception("loading policy version failed", version=target.version,
+                          error=repr(exc))
+            return
+        loaded = self._clock()
+        metrics.RELOAD_SECONDS.labels("load").observe(loaded - validated)
+        self.tracker.loaded_ok(target.version)
+        metrics.POLICY_VERSION.set(target.version)
+        metrics.RELOADS.labels("loaded").inc()
+        log.info("policy version loaded", version=target.version, format=target.format,
+                 validate_s=round(validated - started, 3), load_s=round(loaded - validated, 3))
+
+    def start(self) -> None:
+        """A replica that starts late begins from the newest valid version in the manifest."""
+        if self.store is None:
+            return
+        with self._engine:
+            for info in reversed(self.store.versions()):
+                if info.version <= self.tracker.loaded:
+                    return
+                if self.tracker.offer(Target.from_info(info, self.store)):
+                    target = self.tracker.take()
+                    if target is not None:
+                        self._load(target)
+                if self.tracker.loaded == info.version:
+                    return
+
+    def on_weight_update(self, update: WeightUpdate, _delivery: Delivery) -> list[Publish]:
+        try:
+            target = Target.from_update(update, self.store)
+        except CheckpointError as exc:
+            log.error("unusable weight announcement", version=update.version, reason=str(exc))
+            return []
+        if self.tracker.offer(target):
+            log.info("policy version announced", version=update.version, uri=update.uri)
+            # Load now if the engine is idle; otherwise the sampling thread loads it
+            # before its next request.
+            if self._engine.acquire(blocking=False):
+                try:
+                    self.catch_up()
+                finally:
+                    self._engine.release()
+        return []
+
+    # --- requests ---------------------------------------------------------------------
+
+    def _await_floor(self, floor: int) -> None:
+        self.catch_up()
+        if self.tracker.loaded >= floor:
+            return
+        metrics.VERSION_WAITS.inc()
+        log.info("waiting for policy version", floor=floor, loaded=self.tracker.loaded)
+        started = self._clock()
+        deadline = started + self.section.version_wait_s
+        try:
+            while self.tracker.loaded < floor:
+                if self._clock() >= deadline:
+                    raise VersionNotReady(
+                        f"policy version {floor} not available after "
+                        f"{self.section.version_wait_s} s (loaded {self.tracker.loaded})"
+                    )
+                time.sleep(self.section.version_poll_s)
+                self.catch_up()
+        finally:
+            metrics.VERSION_WAIT_SECONDS.observe(self._clock() - started)
+
+    def on_request(self, request: GenerateRequest, _delivery: Delivery) -> list[Publish]:
+        backend = self.sampler.backend
+        with self._engine:
+            try:
+                self._await_floor(request.min_policy_version)
+            except VersionNotReady:
+                metrics.REQUESTS.labels("version_timeout").inc()
+                raise
+            prompt_ids = render_prompt(self.sampler.tokenizer, request.prompt)
+            try:
+                budget = completion_budget(
+                    len(prompt_ids), request.sampling.max_tokens, self.sampler.max_model_len
+                )
+            except PromptError as exc:
+                metrics.REQUESTS.labels("rejected").inc()
+                raise Reject(str(exc)) from None
+            sampling = request.sampling.model_copy(update={"max_tokens": budget})
+            started = self._clock()
+            try:
+                samples = self.sampler.generate(prompt_ids, request.group_size, sampling)
+            except Exception:
+                metrics.REQUESTS.labels("failed").inc()
+                raise
+            version = self.sampler.version
+            elapsed = self._clock() - started
+        candidates = build_candidates(request, prompt_ids, samples, version, self.replica)
+        metrics.REQUEST_SECONDS.labels(backend).observe(elapsed)
+        metrics.PROMPT_TOKENS.labels(backend).inc(len(prompt_ids))
+        for sample in samples:
+            metrics.TOKENS.labels(backend).inc(len(sample.token_ids))
+            metrics.COMPLETIONS.labels(backend, sample.finish_reason or "none").inc()
+        metrics.REQUESTS.labels("done").inc()
+        log.info("group sampled", group_id=request.group_id, group_size=request.group_size,
+                 policy_version=version, seconds=round(elapsed, 3),
+                 tokens=sum(len(s.token_ids) for s in samples))
+        queue = self.topology.name(CODE_TO_BENCH)
+        return [Publish(queue, candidate) for candidate in candidates]
+
+    # --- wiring -----------------------------------------------------------------------
+
+    def attach(self, consumer: Consumer) -> None:
+        consumer.subscribe(GENERATE_REQUESTS, self.on_request)
+        consumer.subscribe_fanout(WEIGHT_UPDATES, self.replica, self.on_weight_update,
+                                  durable=False)
+
+    def health(self) -> tuple[bool, dict[str, Any]]:
+        return True, {
+            "backend": self.sampler.backend,
+            "policy_version": self.tracker.loaded,
+            "pending_version": self.tracker.pending_version,
+        }

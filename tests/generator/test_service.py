@@ -1,0 +1,95 @@
+"""The generator service with the transformers backend: weight loop, floors, refusals."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import REGISTRY
+
+from hpcrl_common.broker import Reject
+from hpcrl_common.checkpoints import CheckpointStore
+from hpcrl_common.messages import ChatMessage, WeightUpdate
+from hpcrl_common.topology import Topology
+from hpcrl_generator.backends.hf import TransformersSampler
+from hpcrl_generator.config import GeneratorSection
+from hpcrl_generator.service import Generator, VersionNotReady
+
+from .conftest import commit_version
+from .helpers import request, tokens
+from .loop import run_weight_loop
+
+
+def greedy_tokens(model_dir) -> list[int]:
+    fresh = TransformersSampler(model_dir)
+    generator = Generator(fresh, GeneratorSection(model_path=model_dir, backend="transformers"),
+                          Topology("x"), replica="ref")
+    (candidate, *_) = [p.message for p in generator.on_request(request("ref"), None)]
+    return tokens(candidate)
+
+
+def make(models, store_root=None, **overrides) -> Generator:
+    section = GeneratorSection(model_path=models["v0"], checkpoint_dir=store_root,
+                               backend="transformers", version_poll_s=0.1, **overrides)
+    sampler = TransformersSampler(models["v0"], max_model_len=section.max_model_len)
+    return Generator(sampler, section, Topology("t"), replica="r1")
+
+
+@pytest.mark.broker
+@pytest.mark.slow
+def test_weight_loop_over_rabbitmq(tiny_models, broker_settings, raw_channel, tmp_path):
+    run_weight_loop(TransformersSampler(tiny_models["v0"]), tiny_models, broker_settings,
+                    raw_channel, tmp_path / "store", greedy_tokens(tiny_models["v1"]))
+
+
+def test_a_late_replica_starts_from_the_newest_valid_version(tiny_models, tmp_path):
+    store = CheckpointStore(tmp_path)
+    commit_version(store, tiny_models["v1"], 1)
+    commit_version(store, tiny_models["v2"], 2)
+    broken = commit_version(store, tiny_models["v1"], 3)
+    (store.path_of(broken) / "config.json").write_text("{}")  # checksum no longer matches
+    generator = make(tiny_models, tmp_path)
+    generator.start()
+    assert generator.tracker.loaded == 2 and generator.sampler.version == 2
+    out = generator.on_request(request("late"), None)
+    assert all(p.message.rollout.policy_version == 2 for p in out)
+    assert tokens(out[0].message) == greedy_tokens(tiny_models["v2"])
+
+
+def test_a_bad_announcement_is_refused_and_the_policy_keeps_serving(tiny_models, tmp_path):
+    store = CheckpointStore(tmp_path)
+    info = commit_version(store, tiny_models["v1"], 1)
+    generator = make(tiny_models, tmp_path, poll_manifest=False)
+    before = REGISTRY.get_sample_value("hpcrl_generator_reloads_total", {"outcome": "refused"})
+    lying = WeightUpdate(**{**info.weight_update(store.root).model_dump(),
+                            "checksum": "sha256:" + "1" * 64})
+    assert generator.on_weight_update(lying, None) == []
+    after = REGISTRY.get_sample_value("hpcrl_generator_reloads_total", {"outcome": "refused"})
+    assert after == (before or 0) + 1
+    assert generator.tracker.loaded == 0
+    out = generator.on_request(request("still-v0"), None)
+    assert out[0].message.rollout.policy_version == 0
+
+
+def test_an_announcement_is_loaded_at_once_when_the_engine_is_idle(tiny_models, tmp_path):
+    store = CheckpointStore(tmp_path)
+    generator = make(tiny_models, tmp_path, poll_manifest=False)
+    info = commit_version(store, tiny_models["v1"], 1)
+    generator.on_weight_update(info.weight_update(store.root), None)
+    assert generator.tracker.loaded == 1
+    assert REGISTRY.get_sample_value("hpcrl_generator_policy_version") == 1
+
+
+def test_a_floor_that_never_comes_times_out_for_a_retry(tiny_models, tmp_path):
+    generator = make(tiny_models, tmp_path, version_wait_s=0.5)
+    waits = REGISTRY.get_sample_value("hpcrl_generator_version_waits_total") or 0
+    with pytest.raises(VersionNotReady, match="policy version 3 not available"):
+        generator.on_request(request("early", floor=3), None)
+    assert REGISTRY.get_sample_value("hpcrl_generator_version_waits_total") == waits + 1
+
+
+def test_a_prompt_longer_than_the_context_is_rejected(tiny_models):
+    generator = make(tiny_models, max_model_len=80)
+    long = [ChatMessage(role="user", content="register blocking " * 40)]
+    with pytest.raises(Reject, match="no room for a completion"):
+        generator.on_request(request("long", prompt=long), None)
+    out = generator.on_request(request("short", max_tokens=500), None)  # capped, not refused
+    assert len(tokens(out[0].message)) + len(out[0].message.rollout.prompt_token_ids) <= 80
