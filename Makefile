@@ -17,6 +17,9 @@ help:
 	@echo "make demo     - not yet: comes with the demo issue (#9)"
 
 install: system $(STAMP)
+	@# vLLM's CPU build pulls GPU builds of torchvision/torchaudio/triton that break
+	@# `import vllm`; the script removes them, every time (a no-op when vLLM imports).
+	@bash deploy/local/install-vllm.sh
 
 system:
 	@bash deploy/local/ensure-system.sh

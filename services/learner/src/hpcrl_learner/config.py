@@ -1,0 +1,82 @@
+"""The `learner` section of the experiment config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from hpcrl_common.config import Section, ServiceConfig
+from hpcrl_common.service import ServiceSection
+
+
+class LoraSettings(Section):
+    enabled: bool = Field(False, description="train a LoRA adapter instead of all weights")
+    r: int = Field(16, ge=1, le=1024, description="LoRA rank")
+    alpha: int = Field(32, ge=1, description="LoRA alpha (scale = alpha / r)")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="LoRA dropout")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
+                                 "gate_proj", "up_proj", "down_proj"],
+        description="module names that get adapters",
+    )
+
+
+class LearnerSettings(ServiceSection):
+    metrics_port: int = Field(9103, ge=0, le=65535, description="0 picks a free port")
+    backend: Literal["torch", "swift"] = Field(
+        "torch", description="torch: single process; swift: ms-swift Megatron (see README)"
+    )
+    model_path: Path = Field(Path("models/base"), description="base model directory (version 0)")
+    checkpoint_dir: Path = Field(
+        Path("data/checkpoints"), description="checkpoint store on a filesystem shared with "
+        "the generators"
+    )
+    groups_per_step: int = Field(4, ge=1, le=4096, description="rollout batches per step")
+    learning_rate: float = Field(5e-7, gt=0, description="AdamW learning rate")
+    warmup_steps: int = Field(0, ge=0, description="linear learning-rate warm-up steps")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    adam_betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
+    max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping (global L2 norm)")
+    beta: float = Field(0.0, ge=0, description="KL coefficient; 0 loads no reference model")
+    clip_eps: float = Field(0.2, gt=0, lt=1, description="delta of the clipped objective")
+    adv_eps: float = Field(1e-4, ge=0, description="epsilon of A = (R - mean) / (std + eps)")
+    aggregation: Literal["token", "sequence"] = Field(
+        "token", description="loss mean over all completion tokens, or per sequence first"
+    )
+    max_log_ratio: float = Field(
+        2.0, gt=0, description="tokens with |log(pi_theta / pi_sampling)| above are masked"
+    )
+    max_staleness: int = Field(
+        4, ge=0, description="a group sampled more versions behind than this is dropped"
+    )
+    logprob_temperature: float = Field(
+        1.0, gt=0, description="temperature the sampling log-probs were computed at"
+    )
+    micro_batch_size: int = Field(8, ge=1, description="sequences per forward/backward pass")
+    max_sequence_tokens: int = Field(
+        32_768, ge=2, description="longer prompt+completion sequences are refused"
+    )
+    lora: LoraSettings = LoraSettings()
+    device: str = Field("auto", description="auto (cuda if available), cpu, cuda, cuda:N")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="weights dtype; auto: bfloat16 on GPU, float32 on CPU"
+    )
+    gradient_checkpointing: bool = Field(False, description="trade compute for activation memory")
+    keep_state_versions: int = Field(
+        2, ge=1, description="optimizer-state snapshots kept in <checkpoint_dir>/learner-state"
+    )
+    trained_ids_memory: int = Field(
+        100_000, ge=1000, description="batch ids remembered to ack redeliveries untrained"
+    )
+
+    @model_validator(mode="after")
+    def _betas(self) -> LearnerSettings:
+        if not all(0 <= b < 1 for b in self.adam_betas):
+            raise ValueError(f"adam_betas must be in [0, 1), got {self.adam_betas}")
+        return self
+
+
+class LearnerConfig(ServiceConfig):
+    learner: LearnerSettings = LearnerSettings()

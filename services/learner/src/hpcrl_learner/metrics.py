@@ -1,0 +1,47 @@
+"""Prometheus metrics of the learner (names hpcrl_learner_*; the README lists them)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+LOSS = Gauge("hpcrl_learner_loss", "GRPO loss of the last step")
+KL = Gauge("hpcrl_learner_kl", "k3 KL(policy || reference) per token, last step (0 if beta = 0)")
+CLIP_FRACTION = Gauge("hpcrl_learner_clip_fraction", "Fraction of used tokens clipped, last step")
+MASKED_FRACTION = Gauge(
+    "hpcrl_learner_masked_token_fraction",
+    "Fraction of completion tokens masked for |log(pi_theta/pi_sampling)| > max_log_ratio",
+)
+SAMPLER_KL = Gauge(
+    "hpcrl_learner_sampler_kl", "k3 KL(sampling policy || trainer) per token, last step"
+)
+GRAD_NORM = Gauge("hpcrl_learner_grad_norm", "Global gradient norm before clipping, last step")
+LEARNING_RATE = Gauge("hpcrl_learner_learning_rate", "Learning rate of the last step")
+REWARD_MEAN = Gauge("hpcrl_learner_reward_mean", "Mean reward over the groups of the last step")
+REWARD_MAX = Gauge("hpcrl_learner_reward_max", "Max reward over the groups of the last step")
+ADVANTAGE_STD = Gauge("hpcrl_learner_advantage_std", "Std of the advantages of the last step")
+POLICY_VERSION = Gauge("hpcrl_learner_policy_version", "Latest committed policy version")
+GROUPS_TRAINED = Gauge("hpcrl_learner_groups_trained", "Groups trained on since version 0")
+PENDING_GROUPS = Gauge("hpcrl_learner_pending_groups", "Groups received, waiting for a step")
+TOKENS_PER_SECOND = Gauge(
+    "hpcrl_learner_tokens_per_second", "Completion tokens per second of the last step's training"
+)
+STEPS = Counter("hpcrl_learner_steps_total", "Optimizer steps committed by this process")
+SKIPPED_STEPS = Counter(
+    "hpcrl_learner_skipped_updates_total", "Steps whose update was skipped (non-finite gradient)"
+)
+STEP_SECONDS = Histogram(
+    "hpcrl_learner_step_seconds",
+    "Wall time of a step: train, save, commit",
+    buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800),
+)
+STALENESS = Histogram(
+    "hpcrl_learner_staleness",
+    "Versions between the learner and the oldest sample of each consumed group",
+    buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16, 32),
+)
+STALE_DROPPED = Counter(
+    "hpcrl_learner_stale_groups_dropped_total", "Groups dropped as older than max_staleness"
+)
+DUPLICATES = Counter(
+    "hpcrl_learner_duplicate_batches_total", "Redelivered batches already trained on (acked)"
+)

@@ -1,0 +1,287 @@
+"""The learner service: rollout batches in, GRPO steps, committed versions and announcements out.
+
+Effectively-once training. A batch's delivery is deferred (not acked) until the step that
+used it is committed to the checkpoint store; the batch ids of every committed step are part
+of the learner state that is committed with it (see :mod:`hpcrl_learner.state`). After a crash
+the broker redelivers the unacked batches: those of a committed step are acked untrained,
+the others are trained on once, in the next step.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+import numpy as np
+import structlog
+
+from hpcrl_common.broker import DEFER, Consumer, Delivery, Publish, Reject
+from hpcrl_common.checkpoints import CheckpointInfo, CheckpointStore
+from hpcrl_common.messages import RolloutBatch
+from hpcrl_common.topology import WEIGHT_UPDATES
+from hpcrl_learner import metrics as m
+from hpcrl_learner.batches import BadBatch, PreparedGroup, TrainSequence, prepare_group, staleness
+from hpcrl_learner.config import LearnerConfig, LearnerSettings
+from hpcrl_learner.state import LearnerState, StateStore
+
+log = structlog.get_logger("hpcrl.learner")
+
+# Test-only fault injection: the crash test makes the learner stop dead at a point of its
+# choice ("received": a batch is held, nothing trained; "before_commit": the step is trained
+# and written but not committed; "after_commit": committed, nothing acked or announced) and
+# then kills it with SIGKILL.
+HANG_ENV = "HPCRL_LEARNER_TEST_HANG"
+HANG_MARKER_ENV = "HPCRL_LEARNER_TEST_HANG_MARKER"
+
+
+class Backend(Protocol):
+    format: Literal["full", "lora"]
+    vocab_size: int
+
+    def step(self, sequences: Sequence[TrainSequence]) -> dict[str, float]: ...
+
+    def save_version(self, directory: Path) -> None: ...
+
+    def save_optimizer(self, directory: Path) -> None: ...
+
+
+BackendFactory = Callable[[LearnerSettings, Path | None, Path | None, int], Backend]
+
+
+def torch_backend(settings: LearnerSettings, resume_from: Path | None,
+                  optimizer_dir: Path | None, seed: int) -> Backend:
+    from hpcrl_learner.trainer import TorchTrainer
+
+    return TorchTrainer(settings, resume_from=resume_from, optimizer_dir=optimizer_dir, seed=seed)
+
+
+def _hang_if_asked(point: str) -> None:
+    if os.environ.get(HANG_ENV) != point:
+        return
+    marker = os.environ.get(HANG_MARKER_ENV)
+    if marker:
+        Path(marker).write_text(point)
+    log.warning("test hang point reached; waiting to be killed", point=point)
+    while True:
+        time.sleep(60)
+
+
+def step_summary(groups: Sequence[PreparedGroup]) -> dict[str, float]:
+    rewards = np.array([r for g in groups for r in g.rewards], dtype=np.float64)
+    advantages = np.array([a for g in groups for a in g.advantages], dtype=np.float64)
+    return {
+        "reward_mean": float(rewards.mean()),
+        "reward_max": float(rewards.max()),
+        "advantage_std": float(advantages.std()),
+        "staleness_mean": float(np.mean([g.staleness for g in groups])),
+    }
+
+
+class Learner:
+    """The handler of `rollout-batches` and the step/commit/announce sequence."""
+
+    def __init__(
+        self,
+        config: LearnerConfig,
+        consumer: Consumer,
+        backend_factory: BackendFactory = torch_backend,
+    ) -> None:
+        self.settings = config.learner
+        self.consumer = consumer
+        self.store = CheckpointStore(self.settings.checkpoint_dir)
+        self.states = StateStore(self.settings.checkpoint_dir)
+        self.store.remove_stale_staging()
+        latest = self.store.latest()
+        self.version = latest.version if latest else 0
+        loaded = self.states.load(self.version) if self.version else None
+        if loaded is None and self.version:
+            log.warning("no learner state for the latest version; fresh optimizer, and "
+                        "redelivered batches cannot be recognised", version=self.version)
+        self.state, state_dir = loaded or (LearnerState(version=self.version), None)
+        self.states.tidy(self.version, self.settings.keep_state_versions)
+        resume = self.store.path_of(latest) if latest else None
+        self.backend = backend_factory(self.settings, resume, state_dir, config.experiment.seed)
+        self.trained = set(self.state.trained_ids)
+        self.pending: list[tuple[PreparedGroup, Delivery]] = []
+        self.failed: str | None = None
+        self._lock = threading.Lock()
+        m.POLICY_VERSION.set(self.version)
+        m.GROUPS_TRAINED.set(self.state.groups_trained)
+        log.info("learner ready", version=self.version, groups_trained=self.state.groups_trained,
+                 backend=self.settings.backend, store=str(self.store.root))
+
+    # --- consumer side ------------------------------------------------------------------
+
+    def announce_latest(self) -> None:
+        """Re-announce the latest version on start: a crash may have come before its
+        announcement, and receivers dedupe by the message id ``v<version>``."""
+        latest = self.store.latest()
+        if latest is not None:
+            self.consumer.publish(self._announcement(latest))
+
+    def _announcement(self, info: CheckpointInfo) -> Publish:
+        return Publish(
+            routing_key="",
+            exchange=self.consumer.topology.name(WEIGHT_UPDATES),
+            message=info.weight_update(self.store.root),
+            mandatory=False,  # no generator listening yet is fine: they read the manifest
+        )
+
+    def handle(self, batch: RolloutBatch, delivery: Delivery) -> Any:
+        with self._lock:
+            if self.failed:
+                raise RuntimeError(f"learner stopped after a failed step: {self.failed}")
+            if batch.id in self.trained:
+                m.DUPLICATES.inc()
+                log.info("batch already trained on; acking", batch=batch.id)
+                return []
+            if any(group.batch_id == batch.id for group, _ in self.pending):
+                return DEFER  # the consumer already tracks this redelivery with the held one
+            lag = staleness(batch, self.version)
+            m.STALENESS.observe(lag)
+            if lag > self.settings.max_staleness:
+                m.STALE_DROPPED.inc()
+                log.info("stale group dropped", batch=batch.id, staleness=lag,
+                         max_staleness=self.settings.max_staleness)
+                return []
+            try:
+                group = prepare_group(
+                    batch, self.version, adv_eps=self.settings.adv_eps,
+                    vocab_size=self.backend.vocab_size,
+                    max_sequence_tokens=self.settings.max_sequence_tokens,
+                )
+            except BadBatch as exc:
+                raise Reject(str(exc)) from None
+            self.pending.append((group, delivery))
+            m.PENDING_GROUPS.set(len(self.pending))
+            _hang_if_asked("received")
+            if len(self.pending) >= self.settings.groups_per_step:
+                self._step()
+            return DEFER
+
+    def health(self) -> tuple[bool, dict[str, Any]]:
+        return self.failed is None, {"policy_version": self.version,
+                                     "pending_groups": len(self.pending),
+                                     "failed": self.failed}
+
+    # --- the step -----------------------------------------------------------------------
+
+    def _step(self) -> None:
+        started = time.perf_counter()
+        groups = [group for group, _ in self.pending]
+        sequences = [seq for group in groups for seq in group.sequences]
+        try:
+            train = self.backend.step(sequences)
+        except Exception:
+            # The model is unchanged: hand the newest batch back to the consumer (retried,
+            # dead-lettered after the delivery limit) and keep the rest waiting.
+            self.pending.pop()
+            m.PENDING_GROUPS.set(len(self.pending))
+            raise
+        try:
+            info = self._commit(groups, train)
+        except Exception as exc:
+            # The weights in memory are now ahead of the store: continuing would apply
+            # this step twice. Stop; a restart resumes from the last committed version.
+            self.failed = repr(exc)
+            log.exception("step trained but not committed; stopping the learner")
+            self.consumer.stop()
+            raise
+        _hang_if_asked("after_commit")
+        self.consumer.publish(self._announcement(info))
+        for _, delivery in self.pending:
+            self.consumer.settle(delivery)
+        self.pending = []
+        self.states.tidy(self.version, self.settings.keep_state_versions)
+        elapsed = time.perf_counter() - started
+        self._observe(groups, train, info, elapsed)
+
+    def _commit(self, groups: list[PreparedGroup], train: dict[str, float]) -> CheckpointInfo:
+        version = self.version + 1
+        batch_ids = [group.batch_id for group in groups]
+        state = self.state.advanced(version, batch_ids, self.settings.trained_ids_memory)
+        staging = self.store.staging_dir(version)
+        self.backend.save_version(staging)
+        self.states.write(state, self.backend.save_optimizer)
+        _hang_if_asked("before_commit")
+        summary = step_summary(groups)
+        checkpoint_metrics = {
+            "groups_trained": float(state.groups_trained),
+            "groups_per_step": float(self.settings.groups_per_step),
+            **{k: float(train[k]) for k in ("loss", "kl", "clip_fraction", "grad_norm",
+                                             "learning_rate", "sampler_kl", "tokens")},
+            **summary,
+        }
+        # Weight-update messages carry these and refuse NaN/inf; a skipped step can have them.
+        finite = {k: v for k, v in checkpoint_metrics.items() if math.isfinite(v)}
+        info = self.store.commit(
+            staging, version, self.version, self.backend.format,
+            base_model=str(self.settings.model_path.resolve()), metrics=finite,
+        )
+        self.version, self.state = version, state
+        self.trained.update(batch_ids)
+        if len(self.trained) > self.settings.trained_ids_memory:
+            self.trained = set(state.trained_ids)
+        return info
+
+    def _observe(self, groups: list[PreparedGroup], train: dict[str, float],
+                 info: CheckpointInfo, elapsed: float) -> None:
+        m.LOSS.set(train["loss"])  # NaN is a legitimate gauge value: it shows the trouble
+        m.KL.set(train["kl"])
+        m.CLIP_FRACTION.set(train["clip_fraction"])
+        m.MASKED_FRACTION.set(train["masked_fraction"])
+        m.SAMPLER_KL.set(train["sampler_kl"])
+        m.GRAD_NORM.set(train["grad_norm"])
+        m.LEARNING_RATE.set(train["learning_rate"])
+        m.TOKENS_PER_SECOND.set(train["tokens_per_second"])
+        summary = step_summary(groups)
+        m.REWARD_MEAN.set(summary["reward_mean"])
+        m.REWARD_MAX.set(summary["reward_max"])
+        m.ADVANTAGE_STD.set(summary["advantage_std"])
+        m.POLICY_VERSION.set(self.version)
+        m.GROUPS_TRAINED.set(self.state.groups_trained)
+        m.PENDING_GROUPS.set(0)
+        m.STEPS.inc()
+        if train.get("skipped"):
+            m.SKIPPED_STEPS.inc()
+        m.STEP_SECONDS.observe(elapsed)
+        log.info("step committed", version=self.version, groups=len(groups),
+                 seconds=round(elapsed, 3),
+                 **{k: round(v, 6) for k, v in info.metrics.items()})
+
+
+def effective_broker(config: LearnerConfig) -> LearnerConfig:
+    """Prefetch must cover a whole step, or the step could never fill up."""
+    need = config.learner.groups_per_step
+    if config.broker.prefetch >= need:
+        return config
+    log.warning("raising broker.prefetch to groups_per_step", prefetch=config.broker.prefetch,
+                groups_per_step=need)
+    broker = config.broker.model_copy(update={"prefetch": need})
+    return config.model_copy(update={"broker": broker})
+
+
+def build(config: LearnerConfig, backend_factory: BackendFactory | None = None,
+          ) -> tuple[Consumer, Learner]:
+    """The consumer and learner of `hpcrl-learner serve`, wired but not running."""
+    from hpcrl_common.topology import ROLLOUT_BATCHES
+
+    config = effective_broker(config)
+    consumer = Consumer(config.broker, f"learner-{config.experiment.name}", concurrency=1)
+    learner = Learner(config, consumer, backend_factory or backend_for(config.learner))
+    consumer.subscribe(ROLLOUT_BATCHES, learner.handle)
+    learner.announce_latest()
+    return consumer, learner
+
+
+def backend_for(settings: LearnerSettings) -> BackendFactory:
+    if settings.backend == "torch":
+        return torch_backend
+    from hpcrl_learner.swift_backend import swift_backend
+
+    return swift_backend

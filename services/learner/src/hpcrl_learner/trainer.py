@@ -1,0 +1,225 @@
+"""The `torch` backend: transformers + peft + our GRPO loss, one process, CPU or one GPU."""
+
+from __future__ import annotations
+
+import math
+import shutil
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import structlog
+import torch
+from transformers import AutoModelForCausalLM
+
+from hpcrl_learner.batches import Collated, TrainSequence, collate
+from hpcrl_learner.config import LearnerSettings
+from hpcrl_learner.grpo import LossSettings, LossStats, grpo_loss, token_logprobs
+
+log = structlog.get_logger("hpcrl.learner.trainer")
+
+OPTIMIZER_FILE = "optimizer.pt"
+# Files a generator needs beside the weights to load a version directory on its own.
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+    "merges.txt", "added_tokens.json", "tokenizer.model", "chat_template.jinja",
+    "chat_template.json",
+)
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device, lora: bool) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    # bf16 base weights are fine under LoRA (the adapters stay float32), but a full
+    # fine-tune in bf16 rounds away updates as small as lr 5e-7: full training is float32.
+    return torch.bfloat16 if device.type == "cuda" and lora else torch.float32
+
+
+def chunks(items: Sequence[TrainSequence], size: int) -> Iterator[list[TrainSequence]]:
+    ordered = sorted(items, key=lambda s: s.length)  # similar lengths pad less
+    for start in range(0, len(ordered), size):
+        yield list(ordered[start:start + size])
+
+
+class TorchTrainer:
+    """Holds the policy (and optionally the reference), the optimizer and the LR schedule."""
+
+    def __init__(
+        self,
+        settings: LearnerSettings,
+        *,
+        resume_from: Path | None = None,
+        optimizer_dir: Path | None = None,
+        seed: int = 0,
+    ) -> None:
+        torch.manual_seed(seed)
+        self.settings = settings
+        self.base_model = settings.model_path.resolve()
+        self.lora = settings.lora.enabled
+        self.format: Literal["full", "lora"] = "lora" if self.lora else "full"
+        self.device = resolve_device(settings.device)
+        self.dtype = resolve_dtype(settings.dtype, self.device, self.lora)
+        self.loss_settings = LossSettings(
+            clip_eps=settings.clip_eps, beta=settings.beta, aggregation=settings.aggregation,
+            max_log_ratio=settings.max_log_ratio,
+        )
+        self.model = self._load_policy(resume_from)
+        self.reference = self._load_reference()
+        self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=settings.learning_rate, betas=settings.adam_betas,
+            weight_decay=settings.weight_decay,
+        )
+        warmup = settings.warmup_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: min(1.0, (step + 1) / (warmup + 1))
+        )
+        if optimizer_dir is not None and (optimizer_dir / OPTIMIZER_FILE).exists():
+            saved = torch.load(optimizer_dir / OPTIMIZER_FILE, map_location=self.device,
+                               weights_only=True)
+            self.optimizer.load_state_dict(saved["optimizer"])
+            self.scheduler.load_state_dict(saved["scheduler"])
+        log.info("policy loaded", base=str(self.base_model), resume_from=str(resume_from),
+                 format=self.format, device=str(self.device), dtype=str(self.dtype),
+                 trainable=sum(p.numel() for p in self.params),
+                 reference=self.reference is not None or (self.lora and settings.beta > 0))
+
+    # --- loading ------------------------------------------------------------------------
+
+    def _from_pretrained(self, path: Path) -> torch.nn.Module:
+        return AutoModelForCausalLM.from_pretrained(str(path), dtype=self.dtype).to(self.device)
+
+    def _load_policy(self, resume_from: Path | None) -> torch.nn.Module:
+        if not self.lora:
+            model = self._from_pretrained(resume_from or self.base_model)
+        else:
+            from peft import LoraConfig, PeftModel, get_peft_model
+
+            base = self._from_pretrained(self.base_model)
+            if resume_from is not None:
+                model = PeftModel.from_pretrained(base, str(resume_from), is_trainable=True)
+            else:
+                lora = self.settings.lora
+                model = get_peft_model(base, LoraConfig(
+                    r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                    target_modules=lora.target_modules, task_type="CAUSAL_LM",
+                ))
+        model.config.use_cache = False
+        if self.settings.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+            if self.lora:
+                model.enable_input_require_grads()
+        return model
+
+    def _load_reference(self) -> torch.nn.Module | None:
+        # beta = 0: no reference model at all. LoRA: the base with adapters switched off is
+        # the reference, so it costs no memory. Full fine-tune: a frozen copy of the base.
+        if self.settings.beta == 0 or self.lora:
+            return None
+        reference = self._from_pretrained(self.base_model).eval()
+        reference.requires_grad_(False)
+        return reference
+
+    # --- the step -----------------------------------------------------------------------
+
+    def _forward_logprobs(self, model: torch.nn.Module, batch: Collated) -> torch.Tensor:
+        out = model(
+            input_ids=batch.input_ids.to(self.device),
+            attention_mask=batch.attention_mask.to(self.device),
+            position_ids=batch.position_ids.to(self.device),
+            logits_to_keep=batch.width + 1,
+            use_cache=False,
+        )
+        logits = out.logits[:, :-1]
+        return token_logprobs(logits, batch.targets.to(self.device),
+                              self.settings.logprob_temperature)
+
+    def _reference_logprobs(self, batch: Collated) -> torch.Tensor | None:
+        if self.settings.beta == 0:
+            return None
+        context: AbstractContextManager = nullcontext()
+        model = self.reference
+        if model is None:  # LoRA: the base model is the reference
+            model = self.model
+            context = self.model.disable_adapter()  # type: ignore[operator]
+        with torch.no_grad(), context:
+            return self._forward_logprobs(model, batch)
+
+    def step(self, sequences: Sequence[TrainSequence]) -> dict[str, float]:
+        """One optimizer step over all ``sequences`` (micro-batched); returns its metrics."""
+        started = time.perf_counter()
+        self.model.train()
+        settings = self.loss_settings
+        with_tokens = [s for s in sequences if len(s.completion_ids)]
+        if settings.aggregation == "token":
+            normalizer = float(sum(len(s.completion_ids) for s in with_tokens))
+        else:
+            normalizer = float(len(with_tokens))
+        stats = LossStats()
+        lr = float(self.scheduler.get_last_lr()[0])
+        self.optimizer.zero_grad(set_to_none=True)
+        for micro in chunks(with_tokens, self.settings.micro_batch_size):
+            batch = collate(micro)
+            ref = self._reference_logprobs(batch)
+            logp = self._forward_logprobs(self.model, batch)
+            out = grpo_loss(
+                logp, batch.sampling_logprobs.to(self.device), batch.advantages.to(self.device),
+                batch.completion_mask.to(self.device), settings, ref_logp=ref,
+                normalizer=normalizer,
+            )
+            out.loss.backward()
+            stats.add(out.stats)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.settings.max_grad_norm))
+        skipped = not math.isfinite(grad_norm)
+        if skipped:
+            # A non-finite gradient would poison AdamW's moments for good: drop this step.
+            log.warning("non-finite gradient norm; update skipped", grad_norm=grad_norm)
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            self.optimizer.step()
+            self.scheduler.step()  # the schedule counts updates, not attempts
+        self.optimizer.zero_grad(set_to_none=True)
+        elapsed = time.perf_counter() - started
+        metrics = stats.means()
+        metrics.update(grad_norm=grad_norm if not skipped else -1.0, learning_rate=lr,
+                       skipped=float(skipped), train_seconds=elapsed,
+                       tokens_per_second=metrics["tokens"] / max(elapsed, 1e-9))
+        return metrics
+
+    @torch.no_grad()
+    def logprobs(self, sequences: Sequence[TrainSequence]) -> list[np.ndarray]:
+        """The trainer's log-probs of each sequence's completion tokens (evaluation)."""
+        self.model.eval()
+        result = []
+        for seq in sequences:
+            batch = collate([seq])
+            logp = self._forward_logprobs(self.model, batch)[0]
+            result.append(logp[batch.completion_mask[0] > 0].float().cpu().numpy())
+        return result
+
+    # --- saving -------------------------------------------------------------------------
+
+    def save_version(self, directory: Path) -> None:
+        """A directory a generator can load by itself: HF model (or adapter) + tokenizer."""
+        self.model.save_pretrained(str(directory))
+        if self.lora:
+            return
+        for name in TOKENIZER_FILES:
+            source = self.base_model / name
+            if source.is_file() and not (directory / name).exists():
+                shutil.copy2(source, directory / name)
+
+    def save_optimizer(self, directory: Path) -> None:
+        torch.save({"optimizer": self.optimizer.state_dict(),
+                    "scheduler": self.scheduler.state_dict()}, directory / OPTIMIZER_FILE)

@@ -1,0 +1,215 @@
+"""The learner service against the real RabbitMQ, with a real tiny model."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from prometheus_client import REGISTRY
+
+from hpcrl_common.broker import Publish, Publisher
+from hpcrl_common.checkpoints import CheckpointStore
+from hpcrl_common.config import BrokerSettings
+from hpcrl_common.messages import WeightUpdate, decode
+from hpcrl_common.topology import ROLLOUT_BATCHES, WEIGHT_UPDATES, Topology
+from hpcrl_learner.batches import TrainSequence
+from hpcrl_learner.config import LearnerConfig, LearnerSettings
+from hpcrl_learner.service import HANG_ENV, HANG_MARKER_ENV, build
+from hpcrl_learner.state import StateStore
+from hpcrl_learner.trainer import TorchTrainer
+from tests.conftest import RunningConsumer
+
+from .conftest import BAD, GOOD, PROMPT, good_bad_batch
+
+pytestmark = pytest.mark.broker
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float, what: str,
+             log: Path | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    tail = log.read_text()[-3000:] if log is not None and log.exists() else ""
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{tail}")
+
+
+def listen_to_weight_updates(channel, settings: BrokerSettings) -> str:
+    topology = Topology(settings.namespace, settings.delivery_limit)
+    topology.declare(channel)
+    queue = topology.subscriber_queue(WEIGHT_UPDATES, "test-listener")
+    channel.queue_declare(queue, durable=True)
+    channel.queue_bind(queue, topology.name(WEIGHT_UPDATES))
+    return queue
+
+
+def drain(channel, queue: str) -> list[WeightUpdate]:
+    updates = []
+    while True:
+        method, _props, body = channel.basic_get(queue, auto_ack=True)
+        if method is None:
+            return updates
+        updates.append(decode(body, WeightUpdate))
+
+
+def publish(settings: BrokerSettings, *batches) -> None:
+    topology = Topology(settings.namespace, settings.delivery_limit)
+    with Publisher(settings, "test-scheduler") as publisher:
+        publisher.publish(*(Publish(topology.name(ROLLOUT_BATCHES), b) for b in batches))
+
+
+def queue_depth(channel, settings: BrokerSettings) -> int:
+    name = Topology(settings.namespace).name(ROLLOUT_BATCHES)
+    return channel.queue_declare(name, passive=True).method.message_count
+
+
+def base_logprobs(model: Path) -> dict[str, np.ndarray]:
+    trainer = TorchTrainer(LearnerSettings(model_path=model))
+    seqs = [TrainSequence(np.array(PROMPT), np.array(ids), np.zeros(len(ids), np.float32), 0.0)
+            for ids in (GOOD, BAD)]
+    good, bad = trainer.logprobs(seqs)
+    return {"good": good, "bad": bad}
+
+
+def metric(name: str) -> float:
+    return REGISTRY.get_sample_value(name) or 0.0
+
+
+@pytest.mark.slow
+def test_learner_learns_commits_announces_and_drops_stale(
+    broker_settings, raw_channel, tiny_model, tmp_path
+):
+    store_dir = tmp_path / "store"
+    config = LearnerConfig(
+        broker=broker_settings,
+        learner=LearnerSettings(
+            model_path=tiny_model, checkpoint_dir=store_dir, groups_per_step=2,
+            learning_rate=3e-3, max_staleness=1, metrics_port=0,
+        ),
+    )
+    updates_queue = listen_to_weight_updates(raw_channel, broker_settings)
+    lp = base_logprobs(tiny_model)
+    publish(broker_settings, *(good_bad_batch(f"g{i}", lp) for i in range(4)))
+    dropped_before = metric("hpcrl_learner_stale_groups_dropped_total")
+    consumer, learner = build(config)
+    with RunningConsumer(consumer):
+        store = CheckpointStore(store_dir)
+        wait_for(lambda: len(store.versions()) == 2, 180, "two committed versions")
+        # version 2 now: a group sampled by version 0 is 2 behind, max_staleness 1: dropped.
+        # g0 again is a redelivery of a trained batch: acked, not trained.
+        publish(broker_settings, good_bad_batch("old", lp, policy_version=0),
+                good_bad_batch("g0", lp))
+        wait_for(lambda: metric("hpcrl_learner_stale_groups_dropped_total") > dropped_before,
+                 60, "the stale group to be dropped")
+        wait_for(lambda: queue_depth(raw_channel, broker_settings) == 0, 60, "an empty queue")
+        time.sleep(1.0)
+    assert queue_depth(raw_channel, broker_settings) == 0  # everything acked, nothing pending
+    assert not learner.pending and learner.failed is None
+    versions = store.versions()
+    assert [(v.version, v.parent_version) for v in versions] == [(1, 0), (2, 1)]
+    assert [v.metrics["groups_trained"] for v in versions] == [2.0, 4.0]
+    assert all(v.metrics["groups_per_step"] == 2.0 for v in versions)
+    assert versions[0].metrics["reward_max"] == 100.0
+    assert versions[0].metrics["reward_mean"] == 30.0
+    assert all(store.verify(v) for v in versions)
+    updates = drain(raw_channel, updates_queue)
+    assert [u.version for u in updates] == [1, 2]
+    assert updates[-1].uri == str((store_dir / "v000002").resolve())
+    assert updates[-1].format == "full" and updates[-1].checksum == versions[1].checksum
+    # the committed version, loaded as a generator would, prefers the rewarded completion
+    trained = TorchTrainer(LearnerSettings(model_path=store.path_of(versions[-1])))
+    seqs = [TrainSequence(np.array(PROMPT), np.array(ids), np.zeros(len(ids), np.float32), 0.0)
+            for ids in (GOOD, BAD)]
+    good, bad = (float(x.sum()) for x in trained.logprobs(seqs))
+    assert good > float(lp["good"].sum()) + 0.3
+    assert bad < float(lp["bad"].sum()) - 0.3
+
+
+# --- crash: kill -9 between receiving and checkpointing, then restart --------------------------
+
+
+def write_config(path: Path, settings: BrokerSettings, model: Path, store: Path) -> Path:
+    path.write_text(f"""
+[broker]
+url = "{settings.url}"
+namespace = "{settings.namespace}"
+heartbeat_s = 5
+delivery_limit = {settings.delivery_limit}
+[logging]
+format = "json"
+[learner]
+model_path = "{model}"
+checkpoint_dir = "{store}"
+groups_per_step = 2
+learning_rate = 1e-3
+metrics_port = 0
+""")
+    return path
+
+
+def start_learner(config: Path, log: Path, hang: str | None = None,
+                  marker: Path | None = None) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HPCRL")}
+    if hang is not None:
+        env[HANG_ENV] = hang
+        env[HANG_MARKER_ENV] = str(marker)
+    return subprocess.Popen(
+        [sys.executable, "-m", "hpcrl_learner.cli", "serve", "--config", str(config)],
+        env=env, stdout=subprocess.DEVNULL, stderr=log.open("ab"),
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", ["received", "before_commit", "after_commit"])
+def test_kill_9_loses_no_batch_and_trains_none_twice(
+    broker_settings, raw_channel, tiny_model, tmp_path, point
+):
+    store_dir = tmp_path / "store"
+    config = write_config(tmp_path / "exp.toml", broker_settings, tiny_model, store_dir)
+    log, marker = tmp_path / "learner.log", tmp_path / "hung"
+    updates_queue = listen_to_weight_updates(raw_channel, broker_settings)
+    lp = base_logprobs(tiny_model)
+    publish(broker_settings, good_bad_batch("b1", lp), good_bad_batch("b2", lp))
+
+    first = start_learner(config, log, hang=point, marker=marker)
+    try:
+        wait_for(marker.exists, 180, f"the learner to reach {point}", log)
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait(30)
+    store = CheckpointStore(store_dir)
+    committed_before = [v.version for v in store.versions()]
+    assert committed_before == ([1] if point == "after_commit" else [])
+
+    publish(broker_settings, good_bad_batch("b3", lp), good_bad_batch("b4", lp))
+    second = start_learner(config, log)
+    try:
+        wait_for(lambda: len(store.versions()) >= 2, 180, "two versions after restart", log)
+        wait_for(lambda: queue_depth(raw_channel, broker_settings) == 0, 60, "an empty queue")
+        time.sleep(1.0)
+    finally:
+        second.send_signal(signal.SIGTERM)
+        assert second.wait(60) == 0, log.read_text()[-3000:]
+
+    versions = store.versions()
+    assert [(v.version, v.parent_version) for v in versions] == [(1, 0), (2, 1)]  # no gap/dup
+    assert [v.metrics["groups_trained"] for v in versions] == [2.0, 4.0]
+    states = StateStore(store_dir)
+    step1, _ = states.load(1)
+    step2, _ = states.load(2)
+    assert sorted(step2.trained_ids) == ["b1", "b2", "b3", "b4"]  # each exactly once
+    if point == "after_commit":
+        assert sorted(step1.trained_ids) == ["b1", "b2"]  # redelivered b1, b2 not retrained
+    assert not list(store_dir.glob(".staging-*"))
+    assert not list((store_dir / "learner-state").glob(".staging-*"))
+    assert queue_depth(raw_channel, broker_settings) == 0
+    announced = [u.version for u in drain(raw_channel, updates_queue)]
+    assert sorted(set(announced)) == [1, 2]  # v1 re-announced on restart is a duplicate id

@@ -1,0 +1,168 @@
+"""The torch backend on a real tiny Qwen2: learning, saving, resuming, batch preparation."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from hpcrl_learner.batches import BadBatch, TrainSequence, collate, prepare_group
+from hpcrl_learner.config import LearnerSettings
+from hpcrl_learner.state import LearnerState, StateStore
+from hpcrl_learner.trainer import TorchTrainer
+
+from .conftest import BAD, GOOD, PROMPT, good_bad_batch, rollout_batch
+
+
+def sequences_of(completions):
+    return [TrainSequence(np.array(PROMPT), np.array(ids), np.zeros(len(ids), np.float32), 0.0)
+            for ids in completions]
+
+
+def total_logprob(trainer: TorchTrainer, ids) -> float:
+    return float(trainer.logprobs(sequences_of([ids]))[0].sum())
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_rewards_move_log_probs_of_the_favoured_completion(tiny_model, lora):
+    settings = LearnerSettings(model_path=tiny_model, learning_rate=2e-3 if not lora else 2e-2,
+                               lora={"enabled": lora, "r": 8, "alpha": 16})
+    trainer = TorchTrainer(settings, seed=1)
+    good0, bad0 = total_logprob(trainer, GOOD), total_logprob(trainer, BAD)
+    for step in range(4):
+        lp = trainer.logprobs(sequences_of([GOOD, BAD]))
+        batch = good_bad_batch(f"g{step}", {"good": lp[0], "bad": lp[1]})
+        group = prepare_group(batch, 0, adv_eps=1e-4, vocab_size=trainer.vocab_size,
+                              max_sequence_tokens=64)
+        metrics = trainer.step(group.sequences)
+        assert np.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
+        # on-policy sampling log-probs: the trainer agrees with the "sampler"
+        assert metrics["sampler_kl"] < 1e-4 and metrics["masked_fraction"] == 0
+    good1, bad1 = total_logprob(trainer, GOOD), total_logprob(trainer, BAD)
+    assert good1 > good0 + 0.5, (good0, good1)
+    assert bad1 < bad0 - 0.5, (bad0, bad1)
+
+
+def test_beta_controls_the_reference_model(tiny_model):
+    no_ref = TorchTrainer(LearnerSettings(model_path=tiny_model, beta=0.0))
+    assert no_ref.reference is None
+    full_ref = TorchTrainer(LearnerSettings(model_path=tiny_model, beta=0.05, learning_rate=1e-2))
+    assert full_ref.reference is not None
+    seqs = [TrainSequence(np.array(PROMPT), np.array(GOOD),
+                          full_ref.logprobs(sequences_of([GOOD]))[0], 1.0),
+            TrainSequence(np.array(PROMPT), np.array(BAD),
+                          full_ref.logprobs(sequences_of([BAD]))[0], -1.0)]
+    first = full_ref.step(seqs)
+    assert first["kl"] == pytest.approx(0.0, abs=1e-6)  # policy == reference before any step
+    second = full_ref.step(seqs)
+    assert second["kl"] > 0  # and drifts from it after one
+
+
+def test_saved_version_loads_alone_and_resume_restores_the_optimizer(tiny_model, tmp_path):
+    settings = LearnerSettings(model_path=tiny_model, learning_rate=1e-3)
+    trainer = TorchTrainer(settings)
+    seqs = [TrainSequence(np.array(PROMPT), np.array(GOOD), np.full(5, -5.0, np.float32), 1.0),
+            TrainSequence(np.array(PROMPT), np.array(BAD), np.full(4, -5.0, np.float32), -1.0)]
+    trainer.step(seqs)
+    version = tmp_path / "v1"
+    version.mkdir()
+    trainer.save_version(version)
+    assert (version / "model.safetensors").exists()
+    assert (version / "tokenizer.json").exists()  # a generator can load it on its own
+    state_store = StateStore(tmp_path)
+    state_store.write(LearnerState(1, 1, ["a"]), trainer.save_optimizer)
+    state, state_dir = state_store.load(1)
+    reloaded = AutoModelForCausalLM.from_pretrained(str(version))
+    for (name, a), b in zip(trainer.model.state_dict().items(),
+                            reloaded.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    resumed = TorchTrainer(settings, resume_from=version, optimizer_dir=state_dir)
+    assert state.trained_ids == ["a"]
+    moments = resumed.optimizer.state_dict()["state"]
+    assert moments and int(moments[0]["step"]) == 1
+    # the same next step from the original and the resumed trainer gives the same weights
+    trainer.step(seqs)
+    resumed.step(seqs)
+    for a, b in zip(trainer.model.parameters(), resumed.model.parameters(), strict=True):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_lora_version_is_an_adapter_of_the_base(tiny_model, tmp_path):
+    trainer = TorchTrainer(LearnerSettings(model_path=tiny_model, lora={"enabled": True}))
+    trainer.save_version(tmp_path)
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(tiny_model.resolve())
+    assert (tmp_path / "adapter_model.safetensors").exists()
+    assert trainer.format == "lora"
+
+
+def test_collate_right_aligns_completions():
+    seqs = [TrainSequence(np.array([1, 2]), np.array([3]), np.array([-0.5], np.float32), 1.0),
+            TrainSequence(np.array([4]), np.array([5, 6, 7]), np.array([-1, -2, -3], np.float32),
+                          -1.0)]
+    batch = collate(seqs)
+    assert batch.input_ids.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert batch.attention_mask.tolist() == [[0, 1, 1, 1], [1, 1, 1, 1]]
+    assert batch.position_ids.tolist() == [[0, 0, 1, 2], [0, 1, 2, 3]]
+    assert batch.targets.tolist() == [[1, 2, 3], [5, 6, 7]]
+    assert batch.completion_mask.tolist() == [[0, 0, 1], [1, 1, 1]]
+    assert batch.sampling_logprobs.tolist() == [[0, 0, -0.5], [-1, -2, -3]]
+
+
+def test_left_padding_does_not_change_log_probs(tiny_model):
+    trainer = TorchTrainer(LearnerSettings(model_path=tiny_model))
+    short = TrainSequence(np.array(PROMPT), np.array(BAD), np.zeros(4, np.float32), 0.0)
+    long = TrainSequence(np.array([*PROMPT, 9, 9, 9]), np.array(GOOD), np.zeros(5, np.float32), 0)
+    alone = trainer.logprobs([short])[0]
+    batch = collate([short, long])
+    with torch.no_grad():
+        together = trainer._forward_logprobs(trainer.model, batch)[0][-4:]
+    assert np.allclose(alone, together.numpy(), atol=1e-5)
+
+
+def test_bad_batches_are_refused():
+    with pytest.raises(BadBatch, match="vocabulary"):
+        prepare_group(rollout_batch("x", [[1, 300]], [1.0]), 0, adv_eps=1e-4, vocab_size=256,
+                      max_sequence_tokens=64)
+    with pytest.raises(BadBatch, match="max_sequence_tokens"):
+        prepare_group(rollout_batch("x", [[1] * 70], [1.0]), 0, adv_eps=1e-4, vocab_size=256,
+                      max_sequence_tokens=64)
+    with pytest.raises(BadBatch, match="empty prompt"):
+        prepare_group(rollout_batch("x", [[1]], [1.0], prompt=[]), 0, adv_eps=1e-4,
+                      vocab_size=256, max_sequence_tokens=64)
+    group = prepare_group(rollout_batch("x", [[1], [2]], [3.0, 1.0], policy_version=[2, 5]), 6,
+                          adv_eps=0.0, vocab_size=256, max_sequence_tokens=64)
+    assert group.staleness == 4 and group.advantages == [1.0, -1.0]
+
+
+def test_lora_resume_restores_adapter_and_optimizer(tiny_model, tmp_path):
+    settings = LearnerSettings(model_path=tiny_model, learning_rate=1e-2, lora={"enabled": True})
+    trainer = TorchTrainer(settings)
+    seqs = [TrainSequence(np.array(PROMPT), np.array(GOOD), np.full(5, -5.0, np.float32), 1.0),
+            TrainSequence(np.array(PROMPT), np.array(BAD), np.full(4, -5.0, np.float32), -1.0)]
+    trainer.step(seqs)
+    (tmp_path / "v1").mkdir()
+    trainer.save_version(tmp_path / "v1")
+    trainer.save_optimizer(tmp_path)
+    resumed = TorchTrainer(settings, resume_from=tmp_path / "v1", optimizer_dir=tmp_path)
+    assert len(resumed.params) == len(trainer.params)
+    for a, b in zip(trainer.params, resumed.params, strict=True):
+        assert torch.equal(a.detach(), b.detach())
+    assert any(p.abs().sum() > 0 for p in resumed.params)  # lora_B moved off its zero init
+    assert int(resumed.optimizer.state_dict()["state"][0]["step"]) == 1
+
+
+def test_non_finite_gradient_skips_the_update(tiny_model):
+    trainer = TorchTrainer(LearnerSettings(model_path=tiny_model, learning_rate=1e-2))
+    with torch.no_grad():
+        trainer.model.get_output_embeddings().weight[GOOD[0], 0] = float("nan")
+    before = trainer.model.get_input_embeddings().weight.detach().clone()
+    seqs = [TrainSequence(np.array(PROMPT), np.array(GOOD), np.full(5, -5.0, np.float32), 1.0),
+            TrainSequence(np.array(PROMPT), np.array(BAD), np.full(4, -5.0, np.float32), -1.0)]
+    metrics = trainer.step(seqs)
+    assert metrics["skipped"] == 1.0 and metrics["grad_norm"] == -1.0
+    assert torch.equal(trainer.model.get_input_embeddings().weight, before)
+    assert not trainer.optimizer.state_dict()["state"]  # AdamW moments untouched
