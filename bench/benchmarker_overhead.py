@@ -1,9 +1,13 @@
 """Wall time per candidate through the service path vs the bare floor, in the same run.
 
 Service path: a Candidate through the service's handler (extract, checks, sandboxed compile
-with symbol checks, sandboxed verify at every size, locked timing, OpenBLAS reference,
-BenchResult). Floor: the same gcc compile + link and one direct harness run of the same jobs,
-no sandbox, no checks, no reference. Prints the ratio (median service / median floor) last.
+with the preprocessed-source and symbol checks, one sandboxed harness run under the timing
+lock (verification at every size, warm-up, timed runs, final verification), the OpenBLAS
+references, BenchResult). Floor: the same gcc compile and link commands with the same flags,
+and one direct harness run of the same jobs with the same OpenMP environment; no sandbox, no
+checks, no reference. The two alternate (which goes first flips every repeat) so that load
+from other processes falls on both alike. Prints the ratio (median service / median floor)
+last.
 
     .venv/bin/python bench/benchmarker_overhead.py [--repeats 5]
 """
@@ -11,6 +15,7 @@ no sandbox, no checks, no reference. Prints the ratio (median service / median f
 from __future__ import annotations
 
 import argparse
+import os
 import secrets
 import statistics
 import subprocess
@@ -34,18 +39,22 @@ def floor(code: str, bench: Benchmarker, work: Path) -> float:
     harness = bench.harness_object(task)
     started = time.perf_counter()
     (work / "kernel.c").write_text(code)
-    subprocess.run(["gcc", *flags, "-c", "kernel.c", "-o", "kernel.o"], cwd=work, check=True)
-    subprocess.run(["gcc", *flags, "kernel.o", str(harness), "-o", "run", "-lm"], cwd=work,
+    cc = task.compile.compiler
+    subprocess.run([cc, *flags, "-c", "kernel.c", "-o", "kernel.o"], cwd=work, check=True)
+    subprocess.run([cc, *flags, "kernel.o", str(harness), "-o", "run", "-lm"], cwd=work,
                    check=True)
     sizes = [task.sizes.reward, *task.sizes.verify]
     jobs = [gemm.Job("v", s, secrets.randbits(63)) for s in sizes]
-    jobs += [gemm.Job("w", task.sizes.reward, secrets.randbits(63))]
-    jobs += [gemm.Job("t", task.sizes.reward, secrets.randbits(63)) for _ in range(3)]
+    jobs += [gemm.Job("w", task.sizes.reward, secrets.randbits(63))
+             for _ in range(task.timing.warmup_runs)]
+    jobs += [gemm.Job("t", task.sizes.reward, secrets.randbits(63))
+             for _ in range(task.timing.timed_runs)]
     jobs += [gemm.Job("v", task.sizes.reward, secrets.randbits(63))]
     nonce = secrets.randbits(64)
+    env = {**os.environ, **bench.harness_env()}
     with open(work / "out.bin", "wb") as out:
         subprocess.run([str(work / "run"), str(out.fileno())], input=gemm.request(nonce, jobs),
-                       check=True, pass_fds=(out.fileno(),), capture_output=True)
+                       check=True, pass_fds=(out.fileno(),), capture_output=True, env=env)
     return time.perf_counter() - started
 
 
@@ -57,19 +66,25 @@ def main() -> None:
     bench = Benchmarker(Settings(work_dir=root / "work", lock_path=root / "lock"), detect())
     handler = BenchHandler(bench, BenchmarkerSection(), "bench-results", "overhead")
     ratios = []
-    for name in ("naive.c", "ikj_omp.c", "avx2_prefetch.c"):
+    for k, name in enumerate(("naive.c", "ikj_omp.c", "avx2_prefetch.c")):
         code = (KERNELS / name).read_text()
         service_s, floor_s = [], []
-        for i in range(args.repeats):
-            cand = Candidate(id=f"o/{i}", group_id="o", index=i, completion=code,
+        for i in range(args.repeats + 1):  # the first round warms caches and is dropped
+            work = root / f"floor-{name}-{i}"
+            work.mkdir()
+            if i % 2:
+                floor_time = floor(code, bench, work)
+            cand = Candidate(id=f"o{k}/{i}", group_id=f"o{k}", index=i, completion=code,
                              bench=BenchSpec(task="matmul", stage=6))
             started = time.perf_counter()
             [out] = handler(cand, None)  # type: ignore[arg-type]
-            service_s.append(time.perf_counter() - started)
+            service_time = time.perf_counter() - started
             assert out.message.status == "success", out.message.error
-            work = root / f"floor-{name}-{i}"
-            work.mkdir()
-            floor_s.append(floor(code, bench, work))
+            if not i % 2:
+                floor_time = floor(code, bench, work)
+            if i:
+                service_s.append(service_time)
+                floor_s.append(floor_time)
         s, f = statistics.median(service_s), statistics.median(floor_s)
         ratios.append(s / f)
         print(f"{name:18s} service {s * 1e3:8.1f} ms  floor {f * 1e3:8.1f} ms  "

@@ -92,9 +92,12 @@ _FORBIDDEN_CALLS = (
 _FORBIDDEN_CALL_RE = re.compile(r"\b(" + _FORBIDDEN_CALLS + r")\s*\(")
 _ASM_RE = re.compile(r"\b(asm|__asm__|__asm)\b")
 _FORBIDDEN_INCLUDES = re.compile(
-    r"^\s*#\s*include\s*[<\"]([^>\"]*(cblas|blas|lapack|mkl|dlfcn|socket|spawn|openblas|"
+    r"^\s*(?:#|%:)\s*include\s*[<\"]([^>\"]*(cblas|blas|lapack|mkl|dlfcn|socket|spawn|openblas|"
     r"blis)[^>\"]*)[>\"]", re.MULTILINE | re.IGNORECASE,
 )
+# A line directive in the kernel would make its following lines look like a header's in the
+# preprocessor output, hiding them from the checks that read that output.
+_LINE_DIRECTIVE_RE = re.compile(r"^[ \t]*(?:#|%:)[ \t]*(?:line\b|\d)", re.MULTILINE)
 _OPTIMIZE_RE = re.compile(r"__attribute__\s*\(\([^;{]*\b_?_?optimize_?_?\b")
 
 
@@ -107,6 +110,8 @@ def source_violations(source: str, preprocessed_main: str = "") -> list[str]:
         code = strip_comments_and_strings(text)
         for match in _FORBIDDEN_INCLUDES.finditer(code if text is source else ""):
             reasons.append(f"includes <{match.group(1)}>: numeric libraries are not allowed")
+        if text is source and _LINE_DIRECTIVE_RE.search(code):
+            reasons.append("uses a #line directive or line marker: not allowed in a kernel")
         for match in _FORBIDDEN_CALL_RE.finditer(code):
             reasons.append(f"calls {match.group(1)}(): not allowed in a kernel")
         if _ASM_RE.search(code):
@@ -162,7 +167,7 @@ def object_violations(
         if kind in "iI":
             reasons.append(f"defines {name} as an indirect function (runs before main)")
         elif kind.isupper() and name != function and (
-            name == "main" or name.startswith("__") or name in runtime_symbols
+            name == "main" or name.startswith("__") or name.split("@")[0] in runtime_symbols
             or name.startswith(("hpcrl", "GOMP_", "omp_"))
         ):
             reasons.append(f"defines {name}, a name of the C/OpenMP runtime or the harness")
@@ -186,3 +191,44 @@ def parse_nm(text: str) -> tuple[list[str], list[tuple[str, str]]]:
 
 def parse_sections(readelf: str) -> list[str]:
     return re.findall(r"^\s*\[\s*\d+\]\s+(\S+)", readelf, re.MULTILINE)
+
+
+_SYMBOL_ROW = re.compile(r"^\s*\d+:\s")
+_SYMBOL = re.compile(
+    r"^\s*\d+:\s+[0-9a-fA-F]+\s+(?:0x)?[0-9a-fA-F]+\s+(?P<type>\w+)\s+(?P<bind>\w+)\s+"
+    r"(?P<vis>\w+)\s+(?P<ndx>\w+)(?:\s+(?P<name>\S+))?\s*$"
+)
+
+
+def parse_readelf_symbols(readelf: str) -> tuple[list[str], list[tuple[str, str]], list[str]]:
+    """``readelf -s -W`` output to the same (undefined names, [(type, name)]) as ``parse_nm``,
+    plus the rows that could not be read (the caller fails closed on those).
+
+    One readelf call replaces ``nm``, which loads the LTO plugin and costs ~10x more. Types
+    follow nm's convention where the checks care: ``i`` for an IFUNC, upper case for a
+    global/weak/unique definition, lower case for a local one; file and section symbols
+    (which nm hides) are skipped.
+    """
+    undefined: list[str] = []
+    defined: list[tuple[str, str]] = []
+    unreadable: list[str] = []
+    for line in readelf.splitlines():
+        if not _SYMBOL_ROW.match(line):
+            continue
+        match = _SYMBOL.match(line)
+        if match is None:
+            unreadable.append(line.strip())
+            continue
+        name = match.group("name") or ""
+        kind, bind = match.group("type"), match.group("bind")
+        if match.group("ndx") == "UND":
+            if name:
+                undefined.append(name)
+            continue
+        if kind in ("FILE", "SECTION") or not name:
+            continue
+        if kind == "IFUNC":
+            defined.append(("i", name))
+        else:
+            defined.append(("t" if bind == "LOCAL" else "T", name))
+    return undefined, defined, unreadable

@@ -36,25 +36,29 @@ def pragma_text(code: str) -> list[str]:
     """
     found = [
         " ".join(m.group(1).split())
-        for m in re.finditer(r"^\s*#\s*pragma\b([^\n]*)", code, re.MULTILINE)
+        for m in re.finditer(r"^\s*(?:#|%:)\s*pragma\b([^\n]*)", code, re.MULTILINE)
     ]
     operators = re.finditer(r"_Pragma\s*\(\s*\"([^\"]*)\"", code)
     found += [" ".join(m.group(1).split()) for m in operators]
     return found
 
 
-_LINE_MARKER = re.compile(r'^#\s*(\d+)\s+"((?:\\.|[^"\\])*)"')
+# gcc writes its line markers at the start of a line: split on "\n" only (str.splitlines would
+# also split on form feeds and other characters a kernel could smuggle into a line). The
+# pattern starts with a literal so that the search skips ahead quickly through large headers.
+_LINE_MARKER = re.compile(r'\n#[ \t]*\d+[ \t]+"((?:\\.|[^"\\\n])*)"[^\n]*')
 
 
 def main_file_lines(preprocessed: str, main_file: str) -> str:
     """The lines of a ``gcc -E`` output that came from ``main_file`` (not from headers)."""
     keep: list[str] = []
-    current = None
-    for line in preprocessed.splitlines():
-        marker = _LINE_MARKER.match(line)
-        if marker:
-            current = marker.group(2)
-            continue
+    current: str | None = None
+    start = 0
+    text = "\n" + preprocessed  # every line, the first included, now follows a newline
+    for marker in _LINE_MARKER.finditer(text):
         if current is not None and current.endswith(main_file):
-            keep.append(line)
-    return "\n".join(keep)
+            keep.append(text[start:marker.start()])
+        current, start = marker.group(1), marker.end()
+    if current is not None and current.endswith(main_file):
+        keep.append(text[start:])
+    return "\n".join(chunk.strip("\n") for chunk in keep if chunk.strip("\n"))

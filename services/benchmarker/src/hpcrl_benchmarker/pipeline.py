@@ -9,6 +9,7 @@ reference are computed here, in the trusted process.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import hashlib
 import os
@@ -19,7 +20,8 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -54,6 +56,7 @@ class Settings:
     file_size_mb: int = 64
     open_files: int = 64
     keep_scratch: bool = False
+    pin_threads: bool = True  # bind each OpenMP thread of a kernel to one CPU
 
 
 @dataclass
@@ -63,6 +66,22 @@ class Events:
     sandbox_kills: list[str] = field(default_factory=list)
 
 
+@dataclass
+class _Plan:
+    verify: list[gemm.Job]  # the reward size, then every extra verification size
+    timing: list[gemm.Job]  # warm-up, timed runs, final verification
+    expected: Future[list[gemm.Expected]]  # for verify + timing, in order
+
+
+@dataclass
+class _Run:
+    frames: list[gemm.Frame]
+    status: str | None
+    text: str
+    wall_s: float
+    phase_started: float | None  # monotonic time the second phase began
+
+
 class Benchmarker:
     def __init__(self, settings: Settings | None = None, host: HostProfile | None = None) -> None:
         self.settings = settings or Settings()
@@ -70,6 +89,7 @@ class Benchmarker:
         self.settings.work_dir.mkdir(parents=True, exist_ok=True)
         self._harness_lock = threading.Lock()
         self._runtime_symbols: frozenset[str] | None = None
+        self._references = ThreadPoolExecutor(max_workers=2, thread_name_prefix="reference")
 
     # --- the pipeline -----------------------------------------------------------------
 
@@ -101,7 +121,8 @@ class Benchmarker:
         if broken := policy.violations(techniques):
             return self._fail(verdict, "stage_violation", _stage_message(stage, broken))
 
-        with self._scratch() as scratch:
+        plan = self._plan(task)
+        with self._scratch() as scratch, _cancelling(plan.expected):
             (scratch / _KERNEL_FILE).write_text(code)
             started = time.monotonic()
             compiled = self._compile(scratch, task, flags, events)
@@ -114,10 +135,13 @@ class Benchmarker:
             verdict.techniques = sorted(techniques)
             reasons = checks.source_violations("", preprocessed)
             if compiled.object_ok:
-                undefined, defined = checks.parse_nm(_read(scratch / "nm.txt"))
-                sections = checks.parse_sections(_read(scratch / "sections.txt"))
+                elf = _read(scratch / "elf.txt")
+                undefined, defined, unreadable = checks.parse_readelf_symbols(elf)
+                if unreadable:
+                    reasons.append(f"the object's symbol table could not be read: "
+                                   f"{unreadable[0][:200]}")
                 reasons += checks.object_violations(
-                    undefined, defined, sections, function=task.function,
+                    undefined, defined, checks.parse_sections(elf), function=task.function,
                     runtime_symbols=self.runtime_symbols())
             if reasons:
                 return self._fail(verdict, "library_violation", "; ".join(reasons))
@@ -126,15 +150,7 @@ class Benchmarker:
             if compiled.error:
                 return self._fail(verdict, "compile_error", compiled.error)
 
-            started = time.monotonic()
-            failure = self._verify(scratch, task, verdict, events)
-            durations["verify"] = time.monotonic() - started
-            if failure:
-                return self._fail(verdict, *failure)
-
-            started = time.monotonic()
-            failure = self._time(scratch, task, verdict, events)
-            durations["time"] = time.monotonic() - started
+            failure = self._measure(scratch, task, plan, verdict, events)
             if failure:
                 return self._fail(verdict, *failure)
         return verdict
@@ -158,11 +174,13 @@ class Benchmarker:
         cc = task.compile.compiler
         quoted = " ".join(_shell_quote(f) for f in flags)
         # One sandbox for the whole step: compile (keeping the preprocessor output for the
-        # checks), list symbols and sections, then link with the harness.
+        # checks: -save-temps compiles exactly the kernel.i that the checks read), list
+        # sections and symbols with one readelf (nm costs ~10x more: it loads the LTO
+        # plugin), then link with the harness.
         script = (
             f"{cc} {quoted} -fdiagnostics-color=never -save-temps=obj -c {_KERNEL_FILE} "
             "-o kernel.o 2> cc.txt || exit 10\n"
-            "nm kernel.o > nm.txt && readelf -S -W kernel.o > sections.txt || exit 11\n"
+            "readelf -S -s -W kernel.o > elf.txt || exit 11\n"
             f"{cc} {quoted} kernel.o /harness/{harness.name} -o run -lm 2> ld.txt || exit 12\n"
         )
         limits = sandbox.Limits(
@@ -225,72 +243,194 @@ class Benchmarker:
 
     # --- run --------------------------------------------------------------------------
 
-    def _run_jobs(self, scratch: Path, task: TaskSpec, jobs: list[gemm.Job],
-                  events: Events) -> tuple[list[gemm.Frame], str | None, str]:
+    def _plan(self, task: TaskSpec) -> _Plan:
+        """Fresh seeds for every run, and their references computed in the background (they
+        depend only on the seeds, so this overlaps with the compilation)."""
+        reward = task.sizes.reward
+        verify = [gemm.Job("v", s, secrets.randbits(63)) for s in [reward, *task.sizes.verify]]
+        timing = [gemm.Job("w", reward, secrets.randbits(63))
+                  for _ in range(task.timing.warmup_runs)]
+        timing += [gemm.Job("t", reward, secrets.randbits(63))
+                   for _ in range(task.timing.timed_runs)]
+        timing.append(gemm.Job("v", reward, secrets.randbits(63)))
+        jobs = verify + timing
+        return _Plan(verify, timing, self._references.submit(self._expect, task, jobs))
+
+    @staticmethod
+    def _expect(task: TaskSpec, jobs: list[gemm.Job]) -> list[gemm.Expected]:
+        # The check points are drawn here, in the trusted process, and never leave it.
+        rng = np.random.default_rng(secrets.randbits(64))
+        return [gemm.expect(job, task.verification.random_points,
+                            task.verification.corners_and_centre, rng) for job in jobs]
+
+    def _expected(self, task: TaskSpec, plan: _Plan) -> list[gemm.Expected]:
+        if plan.expected.cancel():  # not started yet (the pool is busy): do it here
+            return self._expect(task, plan.verify + plan.timing)
+        return plan.expected.result()
+
+    def _run_jobs(self, scratch: Path, task: TaskSpec, jobs: list[gemm.Job], events: Events,
+                  *, verify_runs: int = 0,
+                  watch: Callable[[gemm.Frame], bool] | None = None,
+                  ) -> tuple[list[gemm.Frame], str | None, str]:
         """Run the harness; (frames completed, failure status or None, failure text)."""
+        run = self._run(scratch, task, jobs, events, verify_runs=verify_runs, watch=watch)
+        return run.frames, run.status, run.text
+
+    def _run(self, scratch: Path, task: TaskSpec, jobs: list[gemm.Job], events: Events,
+             *, verify_runs: int = 0,
+             watch: Callable[[gemm.Frame], bool] | None = None) -> _Run:
+        """Run ``jobs`` in one harness process. With ``verify_runs`` (0 < n < len(jobs)) the
+        run has two phases, the first n jobs and the rest, each with the task's full wall
+        limit and CPU budget; ``watch`` sees each frame of the first phase as it arrives and
+        may end the run (its outcome is known)."""
         nonce = secrets.randbits(64)
-        threads = self.settings.threads or self.host.cores
+        threads, cpus, allowed = self._cpu_set()
+        phases = 2 if 0 < verify_runs < len(jobs) else 1
         limits = sandbox.Limits(
             wall_s=task.timing.time_limit_s,
-            cpu_s=int(task.timing.time_limit_s * threads) + 2,
+            # Each phase gets the budget a process of its own had. Running on at most
+            # `threads` CPUs (the CPU set below), no phase can use more than its wall
+            # limit x threads of it, so no phase can borrow the other's share.
+            cpu_s=phases * int(task.timing.time_limit_s * threads) + 2,
             address_space_mb=self.settings.address_space_mb,
             file_size_mb=self.settings.file_size_mb, open_files=self.settings.open_files,
         )
+        reader = gemm.FrameReader(nonce, jobs)
+        tampered: list[str] = []
+
+        def on_chunk(chunk: bytes) -> str | None:
+            try:
+                frames = reader.feed(chunk)
+            except gemm.ProtocolError as exc:
+                tampered.append(str(exc))
+                return sandbox.STOP
+            for frame in frames:
+                if frame.job < verify_runs and watch is not None and watch(frame):
+                    return sandbox.STOP
+                if phases == 2 and frame.job == verify_runs - 1:
+                    return sandbox.NEW_PHASE
+            return None
+
         outcome = sandbox.run(["./run", "{fd}"], scratch, limits, stdin=gemm.request(nonce, jobs),
-                              env={"OMP_NUM_THREADS": str(threads)}, extra_pipe=True)
-        try:
-            frames, finished = gemm.parse_frames(outcome.extra, nonce, jobs)
-        except gemm.ProtocolError as exc:
-            return [], "runtime_error", f"the harness's output was tampered with: {exc}"
-        if finished and outcome.returncode == 0 and not outcome.timed_out:
-            return frames, None, ""
-        failed_job = jobs[min(len(frames), len(jobs) - 1)]
-        where = f"during run {len(frames) + 1} of {len(jobs)} ({_sizes(failed_job.sizes)})"
+                              env=self.harness_env(), extra_pipe=True,
+                              watch=on_chunk, cpus=cpus if len(cpus) < len(allowed) else None)
+        run = _Run(reader.frames, None, "", outcome.wall_s, outcome.phase_started)
+        if tampered:
+            run.frames, run.status = [], "runtime_error"
+            run.text = f"the harness's output was tampered with: {tampered[0]}"
+            return run
+        if outcome.stopped or (reader.finished and outcome.returncode == 0
+                               and not outcome.timed_out):
+            return run
+        done = len(reader.frames)
+        first, total = (0, verify_runs) if done < verify_runs else (verify_runs, len(jobs))
+        failed_job = jobs[min(done, len(jobs) - 1)]
+        where = (f"during run {min(done, len(jobs) - 1) - first + 1} of {total - first} "
+                 f"({_sizes(failed_job.sizes)})")
         if outcome.timed_out:
             events.sandbox_kills.append("timeout")
-            return frames, "timeout", (f"did not finish within {task.timing.time_limit_s:g} s "
-                                       f"{where}; the process group was killed")
+            run.status, run.text = "timeout", (
+                f"did not finish within {task.timing.time_limit_s:g} s {where}; the process "
+                "group was killed")
+            return run
         sig = outcome.signal
         if sig is not None:
             name = _signal_name(sig)
             hint = " (CPU time limit)" if sig == signal.SIGXCPU else ""
-            return frames, "runtime_error", f"killed by {name}{hint} {where}"
+            run.status, run.text = "runtime_error", f"killed by {name}{hint} {where}"
+            return run
         if outcome.returncode == 97:
-            return frames, "runtime_error", f"out of memory {where}"
+            run.status, run.text = "runtime_error", f"out of memory {where}"
+            return run
         if outcome.returncode in (96, 98):
             raise InternalError(f"harness refused to start (rc {outcome.returncode}): "
                                 f"{outcome.stderr[-1000:].decode(errors='replace')}")
-        return frames, "runtime_error", (f"the process exited early with status "
-                                         f"{outcome.returncode} {where} (exit() in the kernel?)")
+        run.status, run.text = "runtime_error", (
+            f"the process exited early with status {outcome.returncode} {where} "
+            "(exit() in the kernel?)")
+        return run
 
-    def _check_frames(self, task: TaskSpec, jobs: list[gemm.Job],
-                      frames: list[gemm.Frame]) -> list[str]:
-        """One message per frame ('' when right)."""
-        rng = np.random.default_rng(secrets.randbits(64))
-        results = []
-        for frame in frames:
-            job = jobs[frame.job]
-            if frame.flags & gemm.FLAG_INPUTS_MODIFIED:
-                results.append("the kernel modified its inputs A or B")
-                continue
-            if frame.flags & gemm.FLAG_CHANGED_AFTER_RETURN:
-                results.append("C was still being written after the kernel returned")
-                continue
-            a, b = gemm.inputs(job.sizes, job.seed)
-            ref = gemm.reference(a, b)
-            points = gemm.sample_points(job.sizes["M"], job.sizes["N"],
-                                        task.verification.random_points,
-                                        task.verification.corners_and_centre, rng)
-            results.append(gemm.check(frame.c, ref, a, b, points,
-                                      task.verification.rel_tolerance))
-        return results
+    def _cpu_set(self) -> tuple[int, list[int], list[int]]:
+        """(OpenMP threads, the CPUs a kernel runs on, the CPUs this process may use)."""
+        threads = self.settings.threads or self.host.cores
+        allowed = sorted(os.sched_getaffinity(0))
+        return threads, allowed[:threads], allowed
 
-    def _verify(self, scratch: Path, task: TaskSpec, verdict: Verdict,
-                events: Events) -> tuple[str, str] | None:
-        sizes = [task.sizes.reward, *task.sizes.verify]
-        jobs = [gemm.Job("v", s, secrets.randbits(63)) for s in sizes]
-        frames, status, text = self._run_jobs(scratch, task, jobs, events)
-        messages = self._check_frames(task, jobs, frames)
+    def harness_env(self) -> dict[str, str]:
+        """The environment of a harness run (the bench's bare floor uses it too)."""
+        threads, cpus, _ = self._cpu_set()
+        env = {"OMP_NUM_THREADS": str(threads)}
+        if self.settings.pin_threads:
+            # Explicit places: the sandbox has no /sys, so OMP_PLACES=cores would find no
+            # topology and bind nothing. Bound threads do not migrate between timed runs.
+            env["OMP_PROC_BIND"] = "close"
+            env["OMP_PLACES"] = ",".join(f"{{{c}}}" for c in cpus)
+        return env
+
+    @staticmethod
+    def _message(frame: gemm.Frame, expected: gemm.Expected, tolerance: float) -> str:
+        """'' when the frame's C is right, else why not."""
+        if frame.flags & gemm.FLAG_INPUTS_MODIFIED:
+            return "the kernel modified its inputs A or B"
+        if frame.flags & gemm.FLAG_CHANGED_AFTER_RETURN:
+            return "C was still being written after the kernel returned"
+        return gemm.check_expected(frame.c, expected, tolerance)
+
+    def _measure(self, scratch: Path, task: TaskSpec, plan: _Plan, verdict: Verdict,
+                 events: Events) -> tuple[str, str] | None:
+        """Verification at every size, then warm-up, timed runs and a last verification,
+        in one harness process under the node's timing lock: one sandbox and one process
+        start fewer than two processes, and no verification of another candidate on these
+        cores while this one is timed. Each phase keeps its own wall limit; a kernel that
+        fails the reward-size verification is stopped before it is timed."""
+        expected = self._expected(task, plan)
+        tolerance = task.verification.rel_tolerance
+        nverify = len(plan.verify)
+        messages: dict[int, str] = {}
+
+        def watch(frame: gemm.Frame) -> bool:
+            messages[frame.job] = self._message(frame, expected[frame.job], tolerance)
+            if frame.job == 0:
+                return bool(messages[0])  # the verdict is a verification error: stop
+            return (frame.job == nverify - 1 and task.penalize_generalization
+                    and any(messages.values()))
+
+        durations = verdict.durations_s
+        with self.exclusive_timing():
+            started = time.monotonic()
+            run = self._run(scratch, task, plan.verify + plan.timing, events,
+                            verify_runs=nverify, watch=watch)
+        boundary = started + run.wall_s if run.phase_started is None else run.phase_started
+        durations["verify"] = boundary - started
+        verify_frames = [f for f in run.frames if f.job < nverify]
+        in_verify = len(verify_frames) < nverify
+        # A frame that arrived in the same read as the one that stopped the run was not
+        # watched: check it here.
+        checked = [messages[f.job] if f.job in messages
+                   else self._message(f, expected[f.job], tolerance) for f in verify_frames]
+        failure = self._judge_verification(task, plan.verify, verify_frames, checked,
+                                           run.status if in_verify else None, run.text, verdict)
+        if failure:
+            return failure
+        if in_verify:
+            # It ended at an extra size, which only decides `generalizes`: time it in a
+            # process of its own, as if the verification had been separate.
+            with self.exclusive_timing():
+                started = time.monotonic()
+                run = self._run(scratch, task, plan.timing, events)
+            durations["time"] = time.monotonic() - started
+            frames = run.frames
+        else:
+            durations["time"] = started + run.wall_s - boundary
+            frames = [dataclasses.replace(f, job=f.job - nverify) for f in run.frames
+                      if f.job >= nverify]
+        return self._judge_timing(task, plan.timing, frames, expected[nverify:], run.status,
+                                  run.text, verdict)
+
+    @staticmethod
+    def _judge_verification(task: TaskSpec, jobs: list[gemm.Job], frames: list[gemm.Frame],
+                            messages: list[str], status: str | None, text: str,
+                            verdict: Verdict) -> tuple[str, str] | None:
         if not frames:
             assert status is not None
             return status, text
@@ -308,17 +448,13 @@ class Benchmarker:
             verdict.error = text
         return None
 
-    def _time(self, scratch: Path, task: TaskSpec, verdict: Verdict,
-              events: Events) -> tuple[str, str] | None:
-        size = task.sizes.reward
-        jobs = [gemm.Job("w", size, secrets.randbits(63)) for _ in range(task.timing.warmup_runs)]
-        jobs += [gemm.Job("t", size, secrets.randbits(63)) for _ in range(task.timing.timed_runs)]
-        jobs.append(gemm.Job("v", size, secrets.randbits(63)))
-        with self.exclusive_timing():
-            frames, status, text = self._run_jobs(scratch, task, jobs, events)
+    def _judge_timing(self, task: TaskSpec, jobs: list[gemm.Job], frames: list[gemm.Frame],
+                      expected: list[gemm.Expected], status: str | None, text: str,
+                      verdict: Verdict) -> tuple[str, str] | None:
         if status is not None:
             return status, text
-        for frame, message in zip(frames, self._check_frames(task, jobs, frames), strict=True):
+        for frame in frames:
+            message = self._message(frame, expected[frame.job], task.verification.rel_tolerance)
             if message:
                 phase = {"w": "warm-up", "t": "timed", "v": "final verification"}[
                     jobs[frame.job].kind]
@@ -327,6 +463,7 @@ class Benchmarker:
         if not all(gemm.is_finite_positive(r) for r in runs):
             return "runtime_error", f"the harness's clock reported impossible times {runs}"
         timing = timing_stats(runs)
+        size = task.sizes.reward
         gflops = task.flop_count(size) / timing.mean_s / 1e9
         peak = self.host.peak_gflops
         if gflops > peak:
@@ -371,6 +508,15 @@ def evaluate(completion: str, *, stage: int, opt_level: str, task: TaskSpec,
             _DEFAULT = Benchmarker()
         benchmarker = _DEFAULT
     return benchmarker.evaluate(completion, stage=stage, opt_level=opt_level, task=task)
+
+
+@contextlib.contextmanager
+def _cancelling(future: Future[object]) -> Iterator[None]:
+    """Drop background work that an early verdict made useless."""
+    try:
+        yield
+    finally:
+        future.cancel()
 
 
 def _stage_message(stage: int, broken: list[str]) -> str:

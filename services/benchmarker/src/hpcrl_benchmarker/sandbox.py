@@ -12,19 +12,21 @@ the PID namespace takes every descendant with it.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import selectors
 import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 _SYSTEM_RO = ("/usr/bin", "/usr/lib", "/usr/lib64", "/usr/libexec", "/usr/include",
               "/etc/ld.so.cache")
 OUTPUT_LIMIT = 256 * 1024  # bytes of stdout/stderr kept; the rest is drained and dropped
+PIPE_SIZE = 1024 * 1024  # the default /proc/sys/fs/pipe-max-size for unprivileged users
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,8 @@ class Outcome:
     wall_s: float
     extra: bytes = b""  # what the process wrote on the extra pipe (fd 3), if requested
     extra_times: list[tuple[int, float]] = field(default_factory=list)
+    phase_started: float | None = None  # monotonic time the watcher restarted the wall clock
+    stopped: bool = False  # the watcher ended the run (the process group was killed)
 
     @property
     def signal(self) -> int | None:
@@ -58,7 +62,7 @@ class Outcome:
 
 
 def available() -> bool:
-    return all(shutil.which(tool) for tool in ("bwrap", "prlimit"))
+    return all(shutil.which(tool) for tool in ("bwrap", "prlimit", "taskset"))
 
 
 def _command(argv: Sequence[str], scratch: Path, *, writable: bool,
@@ -81,6 +85,12 @@ def _command(argv: Sequence[str], scratch: Path, *, writable: bool,
     return [*cmd, "--", *argv]
 
 
+# What a watcher of the extra pipe may answer for each chunk it is shown.
+NEW_PHASE = "phase"  # restart the wall clock: the next phase has the full limit again
+STOP = "stop"  # the outcome is known: kill the process group now
+Watcher = Callable[[bytes], str | None]
+
+
 def _prlimit(limits: Limits) -> list[str]:
     # util-linux prlimit rather than a preexec_fn: the service forks from several threads,
     # where preexec_fn is unsafe.
@@ -100,17 +110,28 @@ def run(
     env: dict[str, str] | None = None,
     stdin: bytes = b"",
     extra_pipe: bool = False,
+    watch: Watcher | None = None,
+    cpus: Sequence[int] | None = None,
 ) -> Outcome:
     """Run ``argv`` in the sandbox. With ``extra_pipe``, ``{fd}`` in argv becomes the number
-    of a descriptor whose output is collected separately (Outcome.extra)."""
+    of a descriptor whose output is collected separately (Outcome.extra); ``watch`` is shown
+    each chunk of it as it arrives and may restart the wall clock once (``NEW_PHASE``: a run
+    of two phases, each with the full wall limit) or end the run (``STOP``). ``cpus``
+    restricts the whole sandbox to those CPUs."""
     pass_fds: tuple[int, ...] = ()
     read_end = write_end = -1
     if extra_pipe:
         read_end, write_end = os.pipe()
+        # A result frame (a whole matrix) fits at once: the writer need not wait for this
+        # process to be scheduled and drain the pipe 64 KiB at a time.
+        with contextlib.suppress(OSError):
+            fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, PIPE_SIZE)
         pass_fds = (write_end,)
         argv = [arg.replace("{fd}", str(write_end)) for arg in argv]
     cmd = _prlimit(limits) + _command(argv, scratch, writable=writable, ro_binds=ro_binds,
                                       env=env or {}, tmp_mb=limits.tmp_mb)
+    if cpus is not None:
+        cmd = ["taskset", "--cpu-list", ",".join(str(c) for c in cpus), *cmd]
 
     started = time.monotonic()
     proc = subprocess.Popen(
@@ -133,9 +154,10 @@ def run(
     if extra_pipe:
         selector.register(read_end, selectors.EVENT_READ)
     deadline = started + limits.wall_s
-    timed_out = False
+    timed_out = stopped = False
+    phase_started: float | None = None
     open_streams = len(selector.get_map())
-    while open_streams:
+    while open_streams and not stopped:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             timed_out = True
@@ -150,9 +172,21 @@ def run(
             if fd == read_end:
                 extra += chunk
                 extra_times.append((len(extra), time.monotonic()))
+                if watch is not None:
+                    try:
+                        action = watch(chunk)
+                    except BaseException:
+                        kill_group(proc)
+                        raise
+                    if action == STOP:
+                        stopped = True
+                        break
+                    if action == NEW_PHASE and phase_started is None:
+                        phase_started = time.monotonic()
+                        deadline = phase_started + limits.wall_s
             elif len(buffers[fd]) < OUTPUT_LIMIT:
                 buffers[fd] += chunk[: OUTPUT_LIMIT - len(buffers[fd])]
-    if timed_out:
+    if timed_out or stopped:
         kill_group(proc)
     try:
         returncode = proc.wait(timeout=max(0.1, deadline - time.monotonic()) + 2)
@@ -166,7 +200,8 @@ def run(
     if extra_pipe:
         os.close(read_end)
     return Outcome(returncode, bytes(buffers[out_fd]), bytes(buffers[err_fd]), timed_out,
-                   time.monotonic() - started, bytes(extra), extra_times)
+                   time.monotonic() - started, bytes(extra), extra_times, phase_started,
+                   stopped)
 
 
 def kill_group(proc: subprocess.Popen) -> None:

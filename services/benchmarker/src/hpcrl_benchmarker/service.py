@@ -56,6 +56,8 @@ class BenchmarkerSection(ServiceSection):
     lock_path: Path = Field(Path("/tmp/hpcrl-benchmarker-timing.lock"),
                             description="per-node lock file that makes timings exclusive")
     address_space_mb: int = Field(4096, ge=256, description="RLIMIT_AS of a kernel run")
+    pin_threads: bool = Field(True, description="bind each OpenMP thread of a kernel to one "
+                              "CPU (OMP_PROC_BIND/OMP_PLACES) for steadier timings")
     tasks: list[str] = Field(default_factory=list,
                              description="task TOML paths accepted besides the built-in tasks")
     include_source: bool = Field(True, description="put the extracted code into each result")
@@ -89,7 +91,8 @@ class TaskCatalogue:
 
 def settings_of(section: BenchmarkerSection) -> Settings:
     return Settings(work_dir=section.work_dir, lock_path=section.lock_path,
-                    threads=section.threads, address_space_mb=section.address_space_mb)
+                    threads=section.threads, address_space_mb=section.address_space_mb,
+                    pin_threads=section.pin_threads)
 
 
 class BenchHandler:

@@ -1,0 +1,277 @@
+"""The cheaper paths keep every check: one readelf instead of nm, references computed ahead,
+one harness process for verification and timing (two phases, each with its own limits), the
+streamed result reader, pinned OpenMP threads."""
+
+from __future__ import annotations
+
+import secrets
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hpcrl_benchmarker import checks, cscan, gemm, sandbox
+from hpcrl_benchmarker.pipeline import Benchmarker, Events, Settings
+from hpcrl_benchmarker.verdict import Verdict
+from hpcrl_common.task import TaskSpec
+
+from .conftest import HOST, KERNELS, kernel
+
+Judge = Callable[..., Verdict]
+
+# Every kind of symbol the object check cares about, in one object.
+SYMBOLS = """#include <math.h>
+#include <stddef.h>
+static int local_state;
+int common_sym;
+__attribute__((weak)) int weak_def = 3;
+extern int weak_ref __attribute__((weak));
+static void *resolver(void) { return 0; }
+void indirect(void) __attribute__((ifunc("resolver")));
+__attribute__((constructor)) static void early(void) { local_state = 1; }
+__attribute__((visibility("hidden"))) int hidden_fn(void) { return local_state + weak_ref; }
+__attribute__((symver("malloc@GLIBC_2.2.5"))) void *versioned(size_t n) { (void)n; return 0; }
+void matmul_optimized(double *A, double *B, double *C, int M, int N, int K) {
+    #pragma omp parallel for
+    for (int i = 0; i < M; i++) C[i] = sqrt(A[i]) + B[i] + N + K;
+}
+"""
+
+
+def _object(tmp_path: Path, name: str, code: str) -> Path:
+    source = tmp_path / f"{name}.c"
+    source.write_text(code)
+    obj = tmp_path / f"{name}.o"
+    done = subprocess.run(["gcc", "-O2", "-march=native", "-fopenmp", "-fcommon", "-c",
+                           str(source), "-o", str(obj)], capture_output=True)
+    if done.returncode:
+        pytest.skip(f"{name} does not compile on this host")
+    return obj
+
+
+@pytest.mark.parametrize("name", ["symbols", *sorted(p.stem for p in KERNELS.glob("*.c"))])
+def test_readelf_reads_the_same_symbols_as_nm(tmp_path: Path, name: str) -> None:
+    code = SYMBOLS if name == "symbols" else kernel(f"{name}.c")
+    obj = _object(tmp_path, name, code)
+    nm = subprocess.run(["nm", str(obj)], capture_output=True, text=True, check=True).stdout
+    elf = subprocess.run(["readelf", "-S", "-s", "-W", str(obj)], capture_output=True,
+                         text=True, check=True).stdout
+    nm_undefined, nm_defined = checks.parse_nm(nm)
+    undefined, defined, unreadable = checks.parse_readelf_symbols(elf)
+    assert unreadable == []
+    assert sorted(undefined) == sorted(nm_undefined)
+
+    def classes(pairs: list[tuple[str, str]]) -> dict[str, set[str]]:
+        return {"ifunc": {n for k, n in pairs if k in "iI"},
+                "global": {n for k, n in pairs if k.isupper() and k not in "iI"}}
+
+    assert classes(defined) == classes(nm_defined)
+    # And the same verdict on both inputs.
+    sections = checks.parse_sections(elf)
+    runtime = frozenset({"malloc", "free"})
+    assert checks.object_violations(undefined, defined, sections, function="matmul_optimized",
+                                    runtime_symbols=runtime) == checks.object_violations(
+        nm_undefined, nm_defined, sections, function="matmul_optimized", runtime_symbols=runtime)
+    if name == "symbols":
+        text = " | ".join(checks.object_violations(undefined, defined, sections,
+                                                   function="matmul_optimized",
+                                                   runtime_symbols=runtime))
+        assert "indirect" in text and ".init_array" in text and "malloc@GLIBC_2.2.5" in text
+
+
+def test_unreadable_symbol_rows_fail_closed() -> None:
+    text = ("Symbol table '.symtab' contains 2 entries:\n"
+            "   Num:    Value          Size Type    Bind   Vis      Ndx Name\n"
+            "     0: 0000000000000000     0 NOTYPE  LOCAL  DEFAULT  UND \n"
+            "     1: garbled row\n")
+    undefined, defined, unreadable = checks.parse_readelf_symbols(text)
+    assert unreadable == ["1: garbled row"] and undefined == [] and defined == []
+
+
+@pytest.mark.parametrize("directive", ['#line 1 "/usr/include/stdlib.h"',
+                                       '# 7 "/usr/include/x.h" 1 3', '%: 3 "x.h"',
+                                       '  #  line 9'])
+def test_line_directives_are_refused(directive: str) -> None:
+    code = f"{directive}\nvoid matmul_optimized(double *A, double *B, double *C, int M, int N, " \
+           "int K) { C[0] = 0; }\n"
+    assert any("#line" in r for r in checks.source_violations(code))
+
+
+def test_line_directive_cannot_hide_macro_made_simd(judge: Judge) -> None:
+    # Without the refusal, the lines after the directive would look like a header's in the
+    # preprocessor output and escape the stage check that reads it.
+    code = ('#define V(x) _mm256##x\n#line 1 "/usr/include/immintrin-extra.h"\n'
+            + kernel("naive.c").replace("double s = 0.0;", "double s = 0.0; V(_zeroall)();"))
+    verdict = judge(code, stage=2)
+    assert verdict.status == "library_violation" and "#line" in verdict.error
+
+
+def test_main_file_lines_ignores_fake_markers_inside_a_line() -> None:
+    text = ('# 1 "kernel.c"\nint a;\fint b;\n# 1 "/usr/include/x.h" 1 3\nint hidden;\n'
+            '# 4 "kernel.c" 2\nint c;\x1c# 1 "/usr/include/y.h"\nint d;')
+    kept = cscan.main_file_lines(text, "kernel.c")
+    assert "hidden" not in kept
+    assert all(name in kept for name in ("int a;", "int b;", "int c;", "int d;"))
+
+
+def test_expected_points_match_the_full_check() -> None:
+    job = gemm.Job("v", {"M": 37, "N": 29, "K": 41}, 12345)
+    a, b = gemm.inputs(job.sizes, job.seed)
+    ref = gemm.reference(a, b)
+    expected = gemm.expect(job, 100, True, np.random.default_rng(3))
+    assert len(expected.rows) == 105
+    assert np.array_equal(expected.values, ref[expected.rows, expected.cols])
+    assert gemm.check_expected(ref.copy(), expected, 1e-6) == ""
+    bad = ref.copy()
+    i, j = int(expected.rows[7]), int(expected.cols[7])
+    bad[i, j] += 1.0
+    assert f"C[{i}][{j}]" in gemm.check_expected(bad, expected, 1e-6)
+    bad = ref.copy()
+    bad[0, 0] = np.nan
+    assert "C[0][0] = nan" in gemm.check_expected(bad, expected, 1e-6)
+
+
+def _stream(nonce: int, jobs: list[gemm.Job], seconds: float = 0.5) -> bytes:
+    out = b""
+    for index, job in enumerate(jobs):
+        count = job.sizes["M"] * job.sizes["N"]
+        out += gemm.FRAME.pack(nonce, index, 0, seconds, count)
+        out += np.arange(count, dtype="<f8").tobytes()
+    return out + gemm.FRAME.pack(nonce, len(jobs), gemm.FLAG_END, 0.0, 0)
+
+
+def test_frame_reader_streams_and_detects_tampering() -> None:
+    jobs = [gemm.Job("v", {"M": 3, "N": 5, "K": 2}, 1), gemm.Job("t", {"M": 2, "N": 2, "K": 2}, 2)]
+    data = _stream(99, jobs)
+    reader = gemm.FrameReader(99, jobs)
+    seen = [frame.job for i in range(0, len(data), 7) for frame in reader.feed(data[i:i + 7])]
+    assert seen == [0, 1] and reader.finished
+    assert reader.frames[0].c.shape == (3, 5) and reader.frames[0].c[2, 4] == 14.0
+    assert gemm.parse_frames(data, 99, jobs)[1] is True
+    frames, finished = gemm.parse_frames(data[:-3], 99, jobs)
+    assert len(frames) == 2 and not finished
+    with pytest.raises(gemm.ProtocolError, match="nonce"):
+        gemm.parse_frames(data, 98, jobs)
+    with pytest.raises(gemm.ProtocolError, match="end marker"):
+        gemm.parse_frames(data + b"x" * 40, 99, jobs)
+    with pytest.raises(gemm.ProtocolError, match="end marker"):
+        reader.feed(b"late")
+    swapped = _stream(99, [jobs[1], jobs[0]])
+    with pytest.raises(gemm.ProtocolError):
+        gemm.parse_frames(swapped, 99, jobs)
+
+
+def test_a_wrong_kernel_is_stopped_before_it_is_timed(judge: Judge) -> None:
+    verdict = judge(kernel("wrong.c"))
+    assert verdict.status == "verification_error"
+    assert "verify" in verdict.durations_s and "time" not in verdict.durations_s
+
+
+def test_a_crash_at_an_extra_size_still_gets_timed(judge: Judge) -> None:
+    # Extra sizes decide `generalizes` only: the kernel is timed in a process of its own.
+    code = kernel("naive.c").replace(
+        "for (int i = 0; i < M; i++)",
+        "if (N % 8) *(volatile int *)0 = 1;\n    for (int i = 0; i < M; i++)", 1)
+    verdict = judge(code, stage=1)
+    assert verdict.status == "success", verdict.error
+    assert verdict.generalizes is False and "SIGSEGV" in verdict.error
+    assert verdict.timing is not None and len(verdict.timing.runs_s) == 3
+
+
+# Compiled straight into the harness (no checks): sleeps in every call of size 64.
+SLEEPER = """#include <time.h>
+void matmul_optimized(double *A, double *B, double *C, int M, int N, int K) {
+    if (M == 64) { struct timespec t = {0, 500000000}; nanosleep(&t, 0); }
+    for (int i = 0; i < M * N; i++) C[i] = 0;
+}
+"""
+
+
+def test_each_phase_has_its_own_wall_limit(bench: Benchmarker, task: TaskSpec,
+                                           scratch: Path) -> None:
+    (scratch / "kernel.c").write_text(SLEEPER)
+    assert bench._compile(scratch, task, task.compile_flags("O1"), Events()).error == ""
+    short = task.model_copy(update={"timing": task.timing.model_copy(
+        update={"time_limit_s": 1.6})})
+    slow, quick = {"M": 64, "N": 8, "K": 4}, {"M": 2, "N": 3, "K": 4}
+    seen: list[int] = []
+
+    def watch(frame: gemm.Frame) -> bool:
+        seen.append(frame.job)
+        return False
+
+    # 1 s of sleep per phase: each fits 1.6 s, both together do not.
+    jobs = [gemm.Job("v", slow, 1), gemm.Job("v", quick, 2), gemm.Job("v", slow, 3),
+            gemm.Job("t", slow, 4), gemm.Job("t", slow, 5)]
+    run = bench._run(scratch, short, jobs, Events(), verify_runs=3, watch=watch)
+    assert run.status is None, run.text
+    assert len(run.frames) == 5 and seen == [0, 1, 2] and run.phase_started is not None
+    assert run.wall_s > 1.6
+    # A second phase over its own limit is a timeout, reported within that phase.
+    jobs = jobs[:3] + [gemm.Job("t", slow, 6 + i) for i in range(4)]
+    run = bench._run(scratch, short, jobs, Events(), verify_runs=3)
+    assert run.status == "timeout" and "of 4 (64x8x4)" in run.text
+
+
+@pytest.fixture
+def scratch(tmp_path: Path) -> Path:
+    path = tmp_path / "scratch"
+    path.mkdir()
+    path.chmod(0o777)
+    return path
+
+
+def test_threads_pinned_and_restricted_to_their_cpus(bench: Benchmarker, task: TaskSpec,
+                                                    tmp_path: Path, scratch: Path) -> None:
+    def make(**kwargs: object) -> Benchmarker:
+        return Benchmarker(Settings(work_dir=bench.settings.work_dir,
+                                    lock_path=bench.settings.lock_path, **kwargs), HOST)
+
+    env = make(threads=1).harness_env()
+    assert env["OMP_NUM_THREADS"] == "1" and env["OMP_PROC_BIND"] == "close"
+    assert env["OMP_PLACES"].count("{") == 1
+    assert make().harness_env()["OMP_PLACES"].count("{") == HOST.cores
+    assert "OMP_PROC_BIND" not in make(pin_threads=False).harness_env()
+    # Unpinned, the kernel's thread sees the sandbox's CPU set: `threads` CPUs of them.
+    (scratch / "kernel.c").write_text(AFFINITY)
+    one = make(threads=1, pin_threads=False)
+    assert one._compile(scratch, task, task.compile_flags("O1"), Events()).error == ""
+    jobs = [gemm.Job("v", {"M": 1, "N": 2, "K": 1}, secrets.randbits(63))]
+    frames, status, text = one._run_jobs(scratch, task, jobs, Events())
+    assert status is None, text
+    assert frames[0].c[0, 0] == 1
+    frames, status, text = make(pin_threads=False)._run_jobs(scratch, task, jobs, Events())
+    assert status is None and frames[0].c[0, 0] == HOST.cores
+
+
+# Compiled straight into the harness (no checks): counts the CPUs of its affinity mask.
+AFFINITY = """#define _GNU_SOURCE
+#include <sched.h>
+void matmul_optimized(double *A, double *B, double *C, int M, int N, int K) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    sched_getaffinity(0, sizeof set, &set);
+    for (int i = 0; i < M * N; i++) C[i] = CPU_COUNT(&set);
+}
+"""
+
+
+def test_a_watcher_can_stop_a_run_and_start_a_second_phase(tmp_path: Path) -> None:
+    tmp_path.chmod(0o777)
+    script = ("import os, sys, time\nfd = int(sys.argv[1])\nfor part in b'abc':\n"
+              "    os.write(fd, bytes([part]))\n    time.sleep(1.5)\ntime.sleep(60)")
+    seen: list[bytes] = []
+
+    def watch(chunk: bytes) -> str | None:
+        seen.append(chunk)
+        return {b"a": None, b"b": sandbox.NEW_PHASE, b"c": sandbox.STOP}[chunk]
+
+    started = time.monotonic()
+    outcome = sandbox.run(["/usr/bin/python3", "-c", script, "{fd}"], tmp_path,
+                          sandbox.Limits(wall_s=2.5, cpu_s=5), extra_pipe=True, watch=watch)
+    # 3 s in all: past one wall limit of 2.5 s, but within the second phase's.
+    assert seen == [b"a", b"b", b"c"] and outcome.stopped and not outcome.timed_out
+    assert outcome.phase_started is not None and time.monotonic() - started < 30
