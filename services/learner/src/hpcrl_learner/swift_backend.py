@@ -1,17 +1,24 @@
-"""The `swift` backend: status and the checks that run before it would start.
+"""The `swift` backend: ms-swift 4.6.0's Megatron workers driven by our rollout batches.
 
-Status: NOT IMPLEMENTED in this build; `backend = "swift"` refuses to start and says why.
-What we found in ms-swift 4.6.0 (the wheel read line by line; see services/learner/README.md):
+Why this route (ms-swift 4.6.0, read line by line; see services/learner/README.md):
 
-* its GRPO trainers generate completions themselves; externally generated ones can only be
+* its GRPO trainers generate completions themselves; externally generated ones could only be
   injected by overriding private methods, which ties us to one ms-swift release;
-* the Ray/Megatron worker ``swift.ray.megatron.megatron_worker.MegatronWorker`` exposes
-  ``compute_logps``, ``train_step`` and ``update_weights`` on already-collated micro-batches
-  (``collate_to_grpo_micro_batch`` -> ``(model_inputs, GRPOBatch)``), which is the route a
-  driver pulling our rollout batches would take: it can be fed our exact token ids;
-* it needs Megatron-Core, Ray and CUDA GPUs; it imports ``msgspec`` without declaring it;
-* it pins ``transformers<5.20`` and ``peft<0.21``: it cannot share an environment with a
-  newer transformers, so it is installed into its own environment on the GPU nodes.
+* its Ray/Megatron worker ``swift.ray.megatron.megatron_worker.MegatronWorker`` is driven by a
+  driver process through public methods (``compute_logps``, ``compute_ref_logps``,
+  ``train_step``) on micro-batches the driver collates with ``collate_to_grpo_micro_batch``.
+  Our learner is that driver: :mod:`hpcrl_learner.swift.convert` builds the micro-batches from
+  the exact sampled token ids (ms-swift's templates would rebuild prompts from messages),
+  :mod:`hpcrl_learner.swift.driver` runs the step, :mod:`hpcrl_learner.swift.worker` adds a
+  Hugging Face export into our checkpoint store, :mod:`hpcrl_learner.swift.cluster` starts the
+  workers on Ray GPUs;
+* it imports ``msgspec``, Ray and pyzmq without declaring them (our ``[swift]`` extra does) and
+  pins ``transformers<5.20`` / ``peft<0.21``, so it lives in its own environment
+  (``deploy/local/install-swift.sh``), plus Megatron-Core and CUDA on the GPU nodes.
+
+Verified on CPU (tests/learner/test_swift_backend.py, in that environment): conversion, collation
+by ms-swift's own code, and the driver's step end to end against a CPU worker group with a real
+model. The GPU route (``cluster.start`` + the Megatron worker) has not run: no GPU was lent.
 """
 
 from __future__ import annotations
@@ -56,9 +63,14 @@ def missing_requirements() -> list[str]:
 def swift_backend(settings: LearnerSettings, resume_from: Path | None,
                   optimizer_dir: Path | None, seed: int) -> object:
     missing = missing_requirements()
-    needs = f"; this host also lacks: {', '.join(missing)}" if missing else ""
-    raise SwiftUnavailable(
-        "learner.backend = 'swift' is not implemented in this build (the Megatron driver "
-        "for ms-swift 4.6.0 is documented in services/learner/README.md but not built); "
-        f"use backend = 'torch'{needs}"
-    )
+    if missing:
+        raise SwiftUnavailable(
+            "learner.backend = 'swift' cannot start on this host, which lacks: "
+            f"{', '.join(missing)}. It runs in its own environment "
+            "(deploy/local/install-swift.sh, plus Megatron-Core on CUDA GPUs); its GPU route "
+            "is written but has never run on a GPU (see services/learner/README.md). "
+            "Use backend = 'torch' here."
+        )
+    from hpcrl_learner.swift.cluster import start
+
+    return start(settings, resume_from, optimizer_dir)

@@ -1,0 +1,165 @@
+"""``hpcrl-learner bootstrap-model`` / ``python -m hpcrl_learner.bootstrap``.
+
+Builds the embedded policy if it is not cached yet, shows progress on stderr, and prints the
+model directory as the last line of stdout (so scripts can do ``dir=$(... | tail -1)``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from hpcrl_common.config import ServiceConfig
+from hpcrl_common.logs import configure_logging
+from hpcrl_common.service import add_config_argument, load_or_exit
+from hpcrl_learner.bootstrap.build import BootstrapSettings, default_dir, ensure_model, is_ready
+
+_DEFAULTS = BootstrapSettings()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    if "--config" not in parser._option_string_actions:  # the learner may have added it
+        add_config_argument(parser)
+    parser.add_argument("--data-dir", type=Path, default=None,
+                        help="data directory (default: experiment.data_dir of the config); the "
+                        "model goes to <data-dir>/policy/bootstrap-<hash of the settings>/")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="model directory to use instead of the hashed one under --data-dir")
+    parser.add_argument("--steps", type=int, default=_DEFAULTS.steps,
+                        help=f"training steps (default {_DEFAULTS.steps})")
+    parser.add_argument("--batch-size", type=int, default=_DEFAULTS.batch_size,
+                        help=f"examples per step (default {_DEFAULTS.batch_size})")
+    parser.add_argument("--examples", type=int, default=_DEFAULTS.examples,
+                        help=f"distinct training examples generated (default "
+                        f"{_DEFAULTS.examples})")
+    parser.add_argument("--learning-rate", type=float, default=_DEFAULTS.learning_rate,
+                        help=f"peak learning rate (default {_DEFAULTS.learning_rate:g})")
+    parser.add_argument("--seed", type=int, default=_DEFAULTS.seed,
+                        help="seed of the corpus, the examples and the initial weights "
+                        f"(default {_DEFAULTS.seed})")
+    parser.add_argument("--precision", choices=("auto", "bf16", "fp32"),
+                        default=_DEFAULTS.precision,
+                        help="auto: bfloat16 autocast where the CPU has avx512_bf16/amx_bf16")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default: all cores)")
+    parser.add_argument("--force", action="store_true",
+                        help="rebuild even if a finished model is cached")
+    parser.add_argument("--evaluate", type=int, default=0, metavar="N",
+                        help="afterwards, sample N kernels and report how many compile, are "
+                        "correct and respect their stage (default 0: skip)")
+    parser.add_argument("--temperature", type=float, default=0.8,
+                        help="sampling temperature of --evaluate (default 0.8)")
+
+
+def settings_from_args(args: argparse.Namespace, task: str) -> BootstrapSettings:
+    return BootstrapSettings(seed=args.seed, task=task, examples=args.examples,
+                             steps=args.steps, batch_size=args.batch_size,
+                             learning_rate=args.learning_rate, precision=args.precision)
+
+
+def run(args: argparse.Namespace) -> int:
+    config = load_or_exit(ServiceConfig, getattr(args, "config", None))
+    configure_logging("learner", config.logging.level, config.logging.format)
+    settings = settings_from_args(args, config.experiment.task)
+    data_dir = args.data_dir if args.data_dir is not None else config.experiment.data_dir
+    out = args.out if args.out is not None else default_dir(data_dir, settings)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    if is_ready(out) and not args.force:
+        print(f"bootstrap model already built: {out}", file=sys.stderr)
+    else:
+        with _Progress() as progress:
+            ensure_model(settings, out, force=args.force, progress=progress)
+    if args.evaluate > 0:
+        _evaluate(out, args.evaluate, args.temperature, settings.task)
+    print(os.fspath(out))
+    return 0
+
+
+class _Progress:
+    """A rich progress display on stderr: one line per phase, a bar for training."""
+
+    def __enter__(self) -> _Progress:
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
+
+        self.console = Console(stderr=True)
+        self.bar = Progress(
+            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[rate]}"),
+            TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+            console=self.console, transient=False,
+        )
+        self.bar.__enter__()
+        self.task_id: Any = None
+        self.smoothed: float | None = None
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.bar.__exit__(*exc)  # type: ignore[arg-type]
+
+    def __call__(self, phase: str, fields: dict[str, Any]) -> None:
+        if phase == "step":
+            info = fields["info"]
+            self.smoothed = info.loss if self.smoothed is None else (
+                0.9 * self.smoothed + 0.1 * info.loss)
+            rate = f"{info.tokens / max(info.seconds, 1e-9):,.0f} tok/s"
+            self.bar.update(self.task_id, completed=info.step, loss=f"{self.smoothed:.3f}",
+                            rate=rate)
+            if not self.console.is_terminal and (info.step % 50 == 0 or
+                                                 info.step == info.steps):
+                self.console.print(f"step {info.step}/{info.steps} loss {self.smoothed:.3f} "
+                                   f"{rate} lr {info.lr:.2e} {info.seconds:.0f}s")
+            return
+        if phase == "train":
+            self.console.print(f"training a {fields['parameters'] / 1e6:.1f}M-parameter Qwen2 "
+                               f"on {fields['examples']} examples "
+                               f"({'bf16 autocast' if fields['bf16'] else 'fp32'})")
+            self.task_id = self.bar.add_task("train", total=fields["steps"], loss="-", rate="")
+            return
+        details = ", ".join(f"{k} {v}" for k, v in fields.items())
+        self.console.print(f"{phase}: {details}")
+
+
+def _evaluate(model_dir: Path, samples: int, temperature: float, task: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from hpcrl_learner.bootstrap.evaluate import evaluate
+
+    report = evaluate(model_dir, samples=samples, temperature=temperature, task_name=task)
+    table = Table(title=f"{samples} samples at temperature {temperature:g}")
+    table.add_column("measure")
+    table.add_column("count", justify="right")
+    table.add_column("fraction", justify="right")
+    for name, count, total in report.rows():
+        table.add_row(name, str(count), f"{count / max(total, 1):.0%}")
+    console = Console(stderr=True)
+    console.print(table)
+    console.print("statuses: " + ", ".join(f"{k} {v}" for k, v in report.statuses().items()))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m hpcrl_learner.bootstrap",
+        description="Build the embedded policy: a small Qwen2 code model trained on CPU on a "
+        "generated corpus of matrix-multiply kernels; prints its directory.",
+    )
+    add_arguments(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(build_parser().parse_args(argv))

@@ -1,0 +1,715 @@
+"""A seeded generator of matrix-multiply kernels: the policy bootstrap's training corpus.
+
+Pure (no I/O): the same seed gives the same kernels. A kernel is rendered from a
+:class:`KernelSpec` (loop order, register block, SIMD ISA, cache tiles, unrolling, OpenMP,
+prefetch) and may carry one realistic mistake, so that the policy trained on the corpus writes
+kernels whose rewards spread (GRPO learns nothing from a group of equal rewards).
+
+Every kernel defines the task's ``void matmul_optimized(double *A, double *B, double *C,
+int M, int N, int K)`` (row-major, C = A * B, C overwritten).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from hpcrl_common.stages import (
+    CACHE_BLOCKING,
+    LAST_STAGE,
+    OPENMP,
+    PREFETCH,
+    REGISTER_BLOCKING,
+    SIMD,
+    stage,
+)
+
+SIGNATURE = "void matmul_optimized(double *A, double *B, double *C, int M, int N, int K)"
+ISAS: tuple[str, ...] = ("avx512", "avx2")
+LANES = {None: 1, "avx2": 4, "avx512": 8}
+
+# Mistakes. The first five make a kernel wrong somewhere (the last two only at sizes that are
+# not multiples of a block, or not square, which the paper says generated code gets wrong).
+NO_ZERO = "no_zero"  # accumulates into C instead of overwriting it
+OFF_BY_ONE = "off_by_one"  # k <= K
+COMPILE_ERROR = "compile_error"  # typo, undeclared name, missing include or brace
+RACE = "race"  # OpenMP over a loop whose iterations write the same C elements
+STAGE_VIOLATION = "stage_violation"  # uses a technique its stage forbids
+NO_BOUNDARY = "no_boundary"  # blocked loops without remainder handling
+WRONG_STRIDE = "wrong_stride"  # a leading dimension mixed up (right only when square)
+MISTAKES: tuple[str, ...] = (NO_ZERO, OFF_BY_ONE, COMPILE_ERROR, RACE, STAGE_VIOLATION,
+                             NO_BOUNDARY, WRONG_STRIDE)
+
+Family = Literal["loops", "block"]
+Omp = Literal["static", "dynamic", "collapse"]
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """Everything a kernel's source is rendered from."""
+
+    family: Family = "loops"
+    order: str = "ikj"  # loop order of the "loops" family
+    rm: int = 1  # register block: rows
+    rn: int = 1  # register block: vectors (or scalars) per row
+    simd: str | None = None  # None, "avx2", "avx512"
+    fma: bool = True
+    tile: tuple[int, int, int] | None = None  # cache tile (BM, BN, BK)
+    tile_order: str = "ikj"  # order of the tile loops
+    unroll: int = 1
+    omp: Omp | None = None
+    prefetch: tuple[str, int] | None = None  # ("mm" | "builtin", distance in k)
+    style: int = 0  # cosmetic variants (names, constants, comments)
+    mistake: str | None = None
+    mistake_variant: int = 0
+
+    @property
+    def width(self) -> int:
+        return LANES[self.simd]
+
+    @property
+    def techniques(self) -> tuple[str, ...]:
+        found = []
+        if self.family == "block" and (self.rm * self.rn > 1 or self.simd):
+            found.append(REGISTER_BLOCKING)
+        if self.tile is not None:
+            found.append(CACHE_BLOCKING)
+        if self.simd:
+            found.append(SIMD)
+        if self.omp or self.mistake == RACE:
+            found.append(OPENMP)
+        if self.prefetch:
+            found.append(PREFETCH)
+        return tuple(found)
+
+    @property
+    def min_stage(self) -> int:
+        """The first stage at which every technique used is allowed."""
+        used = set(self.techniques)
+        return next(s for s in range(1, LAST_STAGE + 1) if used <= set(stage(s).allowed))
+
+    def score(self) -> float:
+        """A rough speed estimate, only to rank specs (the benchmarker measures for real)."""
+        value = 1.0
+        if self.family == "loops":
+            value *= 2.0 if self.order in ("ikj", "kij") else 1.0
+            value *= 1.15 if self.unroll > 1 else 1.0
+        else:
+            value *= 1.5 * self.width * min(self.rm * self.rn, 8) ** 0.5
+            value *= 1.0 if self.fma else 0.8
+        value *= 1.4 if self.tile else 1.0
+        value *= 1.8 if self.omp else 1.0
+        value *= 1.05 if self.prefetch else 1.0
+        return value
+
+    def without_mistake(self) -> KernelSpec:
+        return replace(self, mistake=None, mistake_variant=0)
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One corpus sample: source, the stage it is labelled with, its techniques, its mistake."""
+
+    source: str
+    stage: int
+    techniques: tuple[str, ...]
+    mistake: str | None
+    isa: str
+    spec: KernelSpec = field(repr=False)
+
+    @property
+    def correct(self) -> bool:
+        return self.mistake is None
+
+
+# --- spec sampling -------------------------------------------------------------------------
+
+_TILES = (16, 32, 48, 64, 128)
+# Blocks up to 8 accumulators: larger ones are rarely faster here and cost many tokens (a
+# kernel is ~800 tokens under Qwen2's pre-tokenization, which the tiny policy must write).
+_VECTOR_BLOCKS = {"avx2": ((1, 1), (1, 2), (2, 1), (2, 2), (4, 1), (4, 2), (3, 2)),
+                  "avx512": ((1, 1), (1, 2), (2, 1), (2, 2), (4, 1), (4, 2), (3, 2))}
+_SCALAR_BLOCKS = ((1, 2), (2, 1), (2, 2), (1, 4), (4, 1), (2, 4))
+
+
+def sample_spec(rng: random.Random, target_stage: int, isa: str) -> KernelSpec:
+    """A correct spec that uses what ``target_stage`` newly allows (and nothing it forbids)."""
+    if isa not in ISAS:
+        raise ValueError(f"isa must be one of {ISAS}, got {isa!r}")
+    need_tile = target_stage == 2 or target_stage == 6
+    want_simd = target_stage == 3 or target_stage == 6 or (
+        target_stage >= 4 and rng.random() < 0.75)
+    want_omp = target_stage == 4 or target_stage == 6 or (target_stage == 5 and rng.random() < 0.6)
+    want_tile = need_tile or (target_stage >= 3 and rng.random() < 0.55)
+    want_prefetch = target_stage >= 5
+    style = rng.randrange(6)
+    if want_simd:
+        rm, rn = rng.choice(_VECTOR_BLOCKS[isa])
+        spec = KernelSpec(family="block", rm=rm, rn=rn, simd=isa, style=style,
+                          fma=isa == "avx512" or rng.random() < 0.85)
+    elif rng.random() < 0.5:
+        rm, rn = rng.choice(_SCALAR_BLOCKS)
+        spec = KernelSpec(family="block", rm=rm, rn=rn, style=style)
+    else:
+        orders = ("ikj", "ijk", "jik") if want_omp else ("ikj", "ijk", "kij", "jik")
+        spec = KernelSpec(family="loops", order=rng.choice(orders),
+                          unroll=rng.choice((1, 1, 2, 4)), style=style)
+    if want_tile:
+        bm, bn, bk = rng.choice(_TILES), rng.choice(_TILES), rng.choice(_TILES)
+        if spec.family == "block":  # tiles hold whole register blocks, as people write them
+            bm = max(bm // spec.rm, 1) * spec.rm
+            bn = max(bn // (spec.rn * spec.width), 1) * spec.rn * spec.width
+        spec = replace(spec, tile=(bm, bn, bk), tile_order=rng.choice(("ikj", "ijk")))
+    if want_omp:
+        choices: tuple[Omp, ...] = ("static", "dynamic")
+        if spec.tile is not None and spec.tile_order == "ijk":
+            choices = ("static", "dynamic", "collapse")
+        spec = replace(spec, omp=rng.choice(choices))
+    if want_prefetch:
+        spec = replace(spec, prefetch=(rng.choice(("mm", "builtin")), rng.choice((2, 4, 8, 16))))
+    return spec
+
+
+def applicable_mistakes(spec: KernelSpec, target_stage: int) -> list[str]:
+    kinds = [NO_ZERO, OFF_BY_ONE, COMPILE_ERROR, WRONG_STRIDE]
+    if spec.omp:
+        kinds.append(RACE)
+    if target_stage < 5:
+        kinds.append(STAGE_VIOLATION)
+    if spec.tile or spec.family == "block" or spec.unroll > 1:
+        kinds.append(NO_BOUNDARY)
+    return kinds
+
+
+def with_mistake(rng: random.Random, spec: KernelSpec, target_stage: int, isa: str,
+                 kind: str | None = None) -> KernelSpec:
+    """``spec`` with one mistake (a random applicable one unless ``kind`` is given)."""
+    kind = kind or rng.choice(applicable_mistakes(spec, target_stage))
+    if kind == STAGE_VIOLATION:
+        # Asked for this stage, the writer reached for a later stage's technique.
+        higher = sample_spec(rng, rng.randint(max(target_stage + 1, 3), 5), isa)
+        return replace(higher, mistake=STAGE_VIOLATION)
+    if kind in (RACE, OFF_BY_ONE):
+        spec = replace(spec, unroll=1)  # keeps the k loop in the form the mistake needs
+    return replace(spec, mistake=kind, mistake_variant=rng.randrange(5))
+
+
+def render_kernel(spec: KernelSpec, label_stage: int, isa: str) -> Kernel:
+    source = render(spec)
+    return Kernel(source=source, stage=label_stage, techniques=spec.techniques,
+                  mistake=spec.mistake, isa=isa, spec=spec)
+
+
+def sample_kernel(rng: random.Random, target_stage: int, isa: str,
+                  mistake_rate: float = 0.0) -> Kernel:
+    spec = sample_spec(rng, target_stage, isa)
+    if rng.random() < mistake_rate:
+        spec = with_mistake(rng, spec, target_stage, isa)
+    return render_kernel(spec, target_stage, isa)
+
+
+def generate_corpus(seed: int, size: int, mistake_rate: float = 0.3) -> list[Kernel]:
+    """``size`` kernels, stages and ISAs spread evenly, about ``mistake_rate`` with a mistake."""
+    rng = random.Random(f"hpcrl-corpus/{seed}")
+    return [sample_kernel(rng, 1 + n % LAST_STAGE, ISAS[(n // LAST_STAGE) % 2], mistake_rate)
+            for n in range(size)]
+
+
+def best_kernels(seed: int = 0, per_stage: int = 3, isa: str = "avx512",
+                 pool: int = 400) -> list[Kernel]:
+    """The corpus's most promising correct kernels, ``per_stage`` per stage, best first.
+
+    Ranked by :meth:`KernelSpec.score`, a guess; benchmark them to know which is fastest.
+    """
+    rng = random.Random(f"hpcrl-corpus-best/{seed}/{isa}")
+    chosen: list[Kernel] = []
+    for number in range(1, LAST_STAGE + 1):
+        seen: set[str] = set()
+        specs = sorted((sample_spec(rng, number, isa) for _ in range(pool)),
+                       key=lambda s: -s.score())
+        for spec in specs:
+            kernel = render_kernel(spec, number, isa)
+            if kernel.source not in seen:
+                seen.add(kernel.source)
+                chosen.append(kernel)
+            if len(seen) == per_stage:
+                break
+    return chosen
+
+
+# --- rendering -----------------------------------------------------------------------------
+
+
+class _Code:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.depth = 0
+
+    def line(self, text: str = "") -> None:
+        self.lines.append("    " * self.depth + text if text else "")
+
+    def open(self, head: str) -> None:
+        self.line(head + " {")
+        self.depth += 1
+
+    def close(self) -> None:
+        self.depth -= 1
+        self.line("}")
+
+    def text(self) -> str:
+        return "\n".join(self.lines) + "\n"
+
+
+def _plus(base: str, offset: int | str) -> str:
+    if offset in (0, "0"):
+        return base
+    return f"{base} + {offset}"
+
+
+def _paren(expr: str) -> str:
+    return f"({expr})" if " " in expr else expr
+
+
+class _Index:
+    """Row-major indexing of A, B, C; the wrong-stride mistake bends exactly one of them."""
+
+    def __init__(self, spec: KernelSpec) -> None:
+        self.a_ld, self.b_ld, self.c_ld = "K", "N", "N"
+        self.transposed_b = False
+        if spec.mistake == WRONG_STRIDE:
+            variant = spec.mistake_variant % 4
+            if variant == 0:
+                self.a_ld = "N"
+            elif variant == 1:
+                self.b_ld = "K"
+            elif variant == 2:
+                self.c_ld = "K"
+            else:
+                self.transposed_b = True
+
+    def a(self, i: str, k: str) -> str:
+        return f"A[{_paren(i)} * {self.a_ld} + {k}]"
+
+    def b(self, k: str, j: str) -> str:
+        if self.transposed_b:
+            return f"B[{_paren(j)} * K + {k}]"
+        return f"B[{_paren(k)} * {self.b_ld} + {j}]"
+
+    def c(self, i: str, j: str) -> str:
+        return f"C[{_paren(i)} * {self.c_ld} + {j}]"
+
+
+_TILE_NAMES = (("ii", "jj", "kk"), ("i0", "j0", "k0"), ("ib", "jb", "kb"))
+
+
+@dataclass
+class _Ctx:
+    spec: KernelSpec
+    ix: _Index
+    tile_names: tuple[str, str, str]
+    defines: bool  # tile sizes as #define (else literals through const ints)
+
+    @property
+    def mistake(self) -> str | None:
+        return self.spec.mistake
+
+
+def render(spec: KernelSpec) -> str:
+    """The C source of ``spec``: includes, constants, then ``matmul_optimized``."""
+    ctx = _Ctx(spec=spec, ix=_Index(spec), tile_names=_TILE_NAMES[spec.style % 3],
+               defines=spec.style % 2 == 0)
+    head: list[str] = []
+    if spec.simd or (spec.prefetch and spec.prefetch[0] == "mm"):
+        head.append("#include <immintrin.h>")
+    if (spec.omp or spec.mistake == RACE) and spec.style % 3 != 1:
+        head.append("#include <omp.h>")
+    if spec.tile and ctx.defines:
+        if head:
+            head.append("")
+        bm, bn, bk = spec.tile
+        head += [f"#define BM {bm}", f"#define BN {bn}", f"#define BK {bk}"]
+    code = _Code()
+    if spec.style % 3 == 2:
+        code.line(f"/* {describe(spec)} */")
+    code.open(SIGNATURE)
+    if spec.family == "loops":
+        _loops(code, ctx)
+    else:
+        _block(code, ctx)
+    code.close()
+    body = code.text()
+    source = ("\n".join(head) + "\n\n" if head else "") + body
+    if spec.mistake == COMPILE_ERROR:
+        source = _break_compilation(source, spec.mistake_variant)
+    return source
+
+
+def describe(spec: KernelSpec) -> str:
+    parts = []
+    if spec.family == "loops":
+        parts.append(f"{spec.order} loop order")
+        if spec.unroll > 1:
+            parts.append(f"unrolled by {spec.unroll}")
+    else:
+        width = spec.rn * spec.width
+        parts.append(f"{spec.rm}x{width} register block")
+        if spec.simd:
+            parts.append("AVX-512" if spec.simd == "avx512" else "AVX2")
+    if spec.tile:
+        parts.append("{}x{}x{} cache tiles".format(*spec.tile))
+    if spec.omp:
+        parts.append("OpenMP")
+    if spec.prefetch:
+        parts.append(f"prefetch distance {spec.prefetch[1]}")
+    return ", ".join(parts)
+
+
+def _omp_pragma(spec: KernelSpec, collapse_ok: bool = False) -> str:
+    assert spec.omp is not None
+    if spec.omp == "collapse" and collapse_ok:
+        return "#pragma omp parallel for collapse(2) schedule(static)"
+    if spec.omp == "dynamic":
+        return "#pragma omp parallel for schedule(dynamic)"
+    return "#pragma omp parallel for" + (" schedule(static)" if spec.style % 2 else "")
+
+
+def _zero_c(code: _Code, ctx: _Ctx) -> None:
+    if ctx.mistake == NO_ZERO:
+        return
+    if ctx.spec.omp:
+        code.line(_omp_pragma(ctx.spec))
+    if ctx.spec.style % 2 or ctx.ix.c_ld != "N":
+        code.open("for (int i = 0; i < M; i++)")
+        code.open("for (int j = 0; j < N; j++)")
+        code.line(f"{ctx.ix.c('i', 'j')} = 0.0;")
+        code.close()
+        code.close()
+    else:
+        code.open("for (long i = 0; i < (long)M * N; i++)")
+        code.line("C[i] = 0.0;")
+        code.close()
+
+
+def _prefetch(code: _Code, ctx: _Ctx, k: str, j: str) -> None:
+    if not ctx.spec.prefetch:
+        return
+    kind, distance = ctx.spec.prefetch
+    address = f"&{ctx.ix.b(f'{k} + {distance}', j)}"
+    if kind == "mm":
+        code.line(f"_mm_prefetch((const char *){address}, _MM_HINT_T0);")
+    else:
+        code.line(f"__builtin_prefetch({address}, 0, 3);")
+
+
+def _k_bound(ctx: _Ctx, hi: str) -> str:
+    return f"k <= {hi}" if ctx.mistake == OFF_BY_ONE else f"k < {hi}"
+
+
+def _tile_consts(code: _Code, ctx: _Ctx) -> tuple[str, str, str]:
+    assert ctx.spec.tile is not None
+    if ctx.defines:
+        return "BM", "BN", "BK"
+    bm, bn, bk = ctx.spec.tile
+    code.line(f"const int bm = {bm}, bn = {bn}, bk = {bk};")
+    return "bm", "bn", "bk"
+
+
+def _tile_loops(code: _Code, ctx: _Ctx) -> tuple[str, str, str, str, str, str]:
+    """Open the three tile loops; return (i0, i1, j0, j1, k0, k1) of the current tile."""
+    spec = ctx.spec
+    bm, bn, bk = _tile_consts(code, ctx)
+    ti, tj, tk = ctx.tile_names
+    heads = {"i": f"for (int {ti} = 0; {ti} < M; {ti} += {bm})",
+             "j": f"for (int {tj} = 0; {tj} < N; {tj} += {bn})",
+             "k": f"for (int {tk} = 0; {tk} < K; {tk} += {bk})"}
+    race_on_k = ctx.mistake == RACE
+    for depth, name in enumerate(spec.tile_order):
+        if race_on_k and name == "k":
+            code.line("#pragma omp parallel for")
+        elif spec.omp and not race_on_k and depth == 0:
+            code.line(_omp_pragma(spec, collapse_ok=spec.tile_order[1] == "j"))
+        code.open(heads[name])
+    ends = []
+    for var, size, dim in ((ti, bm, "M"), (tj, bn, "N"), (tk, bk, "K")):
+        end = f"{var[0]}_end"
+        if ctx.mistake == NO_BOUNDARY:
+            code.line(f"int {end} = {var} + {size};")
+        elif spec.style % 2:
+            code.line(f"int {end} = {var} + {size} < {dim} ? {var} + {size} : {dim};")
+        else:
+            code.line(f"int {end} = {var} + {size};")
+            code.line(f"if ({end} > {dim}) {end} = {dim};")
+        ends.append(end)
+    return ti, ends[0], tj, ends[1], tk, ends[2]
+
+
+def _close_tiles(code: _Code) -> None:
+    for _ in range(3):
+        code.close()
+
+
+# --- the "loops" family: plain loop nests, optionally tiled and unrolled --------------------
+
+
+def _loops(code: _Code, ctx: _Ctx) -> None:
+    spec = ctx.spec
+    if spec.tile is not None:
+        _zero_c(code, ctx)
+        i0, i1, j0, j1, k0, k1 = _tile_loops(code, ctx)
+        _axpy_nest(code, ctx, (i0, i1), (j0, j1), (k0, k1), outer_pragma=False)
+        _close_tiles(code)
+    elif spec.order in ("ijk", "jik"):
+        _dot_nest(code, ctx)
+    else:
+        _zero_c(code, ctx)
+        _axpy_nest(code, ctx, ("0", "M"), ("0", "N"), ("0", "K"), outer_pragma=True)
+
+
+def _dot_nest(code: _Code, ctx: _Ctx) -> None:
+    spec, ix = ctx.spec, ctx.ix
+    outer, inner = ("i", "j") if spec.order == "ijk" else ("j", "i")
+    limit = {"i": "M", "j": "N"}
+    if spec.omp and ctx.mistake != RACE:
+        code.line(_omp_pragma(spec))
+    code.open(f"for (int {outer} = 0; {outer} < {limit[outer]}; {outer}++)")
+    code.open(f"for (int {inner} = 0; {inner} < {limit[inner]}; {inner}++)")
+    init = ix.c("i", "j") if ctx.mistake == NO_ZERO else "0.0"
+    code.line(f"double sum = {init};")
+    if ctx.mistake == RACE:
+        code.line("#pragma omp parallel for")
+    u = spec.unroll
+    if u > 1:
+        if ctx.mistake == NO_BOUNDARY:
+            code.line(f"for (int k = 0; k < K; k += {u}) {{")
+        else:
+            code.line("int k = 0;")
+            code.line(f"for (; k + {u} <= K; k += {u}) {{")
+        code.depth += 1
+        terms = [f"{ix.a('i', _plus('k', t))} * {ix.b(_plus('k', t), 'j')}" for t in range(u)]
+        _prefetch(code, ctx, "k", "j")
+        code.line("sum += " + terms[0])
+        for term in terms[1:]:
+            code.line(f"     + {term}")
+        code.lines[-1] += ";"
+        code.close()
+        if ctx.mistake != NO_BOUNDARY:
+            code.open(f"for (; {_k_bound(ctx, 'K')}; k++)")
+            code.line(f"sum += {ix.a('i', 'k')} * {ix.b('k', 'j')};")
+            code.close()
+    else:
+        code.open(f"for (int k = 0; {_k_bound(ctx, 'K')}; k++)")
+        _prefetch(code, ctx, "k", "j")
+        code.line(f"sum += {ix.a('i', 'k')} * {ix.b('k', 'j')};")
+        code.close()
+    code.line(f"{ix.c('i', 'j')} = sum;")
+    code.close()
+    code.close()
+
+
+def _axpy_nest(code: _Code, ctx: _Ctx, irange: tuple[str, str], jrange: tuple[str, str],
+               krange: tuple[str, str], outer_pragma: bool) -> None:
+    """C[i, j0:j1] += A[i, k] * B[k, j0:j1] over the ranges (C already zeroed)."""
+    spec, ix = ctx.spec, ctx.ix
+    order = "kij" if spec.order == "kij" and outer_pragma else "ikj"
+    i_head = f"for (int i = {irange[0]}; i < {irange[1]}; i++)"
+    k_head = f"for (int k = {krange[0]}; {_k_bound(ctx, krange[1])}; k++)"
+    for depth, head in enumerate((i_head, k_head) if order == "ikj" else (k_head, i_head)):
+        is_k = head is k_head
+        if ctx.mistake == RACE and is_k and outer_pragma:
+            code.line("#pragma omp parallel for")
+        elif outer_pragma and spec.omp and depth == 0 and ctx.mistake != RACE:
+            code.line(_omp_pragma(spec))
+        code.open(head)
+    code.line(f"double a = {ix.a('i', 'k')};")
+    _prefetch(code, ctx, "k", jrange[0])
+    u = spec.unroll
+    j0, j1 = jrange
+    if u > 1:
+        if ctx.mistake == NO_BOUNDARY:
+            code.open(f"for (int j = {j0}; j < {j1}; j += {u})")
+        else:
+            code.line(f"int j = {j0};")
+            code.open(f"for (; j + {u} <= {j1}; j += {u})")
+        for t in range(u):
+            code.line(f"{ix.c('i', _plus('j', t))} += a * {ix.b('k', _plus('j', t))};")
+        code.close()
+        if ctx.mistake != NO_BOUNDARY:
+            code.open(f"for (; j < {j1}; j++)")
+            code.line(f"{ix.c('i', 'j')} += a * {ix.b('k', 'j')};")
+            code.close()
+    else:
+        code.open(f"for (int j = {j0}; j < {j1}; j++)")
+        code.line(f"{ix.c('i', 'j')} += a * {ix.b('k', 'j')};")
+        code.close()
+    code.close()
+    code.close()
+
+
+# --- the "block" family: an rm x (rn * lanes) register block, scalar or SIMD ----------------
+
+
+@dataclass(frozen=True)
+class _Vec:
+    type: str
+    zero: str
+    load: str
+    store: str
+    set1: str
+    fma: str
+    add: str
+    mul: str
+
+
+_VECS = {
+    "avx2": _Vec("__m256d", "_mm256_setzero_pd()", "_mm256_loadu_pd", "_mm256_storeu_pd",
+                 "_mm256_set1_pd", "_mm256_fmadd_pd", "_mm256_add_pd", "_mm256_mul_pd"),
+    "avx512": _Vec("__m512d", "_mm512_setzero_pd()", "_mm512_loadu_pd", "_mm512_storeu_pd",
+                   "_mm512_set1_pd", "_mm512_fmadd_pd", "_mm512_add_pd", "_mm512_mul_pd"),
+}
+
+
+def _block(code: _Code, ctx: _Ctx) -> None:
+    spec = ctx.spec
+    if spec.tile is not None:
+        _zero_c(code, ctx)
+        i0, i1, j0, j1, k0, k1 = _tile_loops(code, ctx)
+        _micro(code, ctx, (i0, i1), (j0, j1), (k0, k1), accumulate=True, outer_pragma=False)
+        _close_tiles(code)
+    else:
+        _micro(code, ctx, ("0", "M"), ("0", "N"), ("0", "K"),
+               accumulate=ctx.mistake == NO_ZERO, outer_pragma=True)
+
+
+def _micro(code: _Code, ctx: _Ctx, irange: tuple[str, str], jrange: tuple[str, str],
+           krange: tuple[str, str], accumulate: bool, outer_pragma: bool) -> None:
+    """Register-blocked C[irange, jrange] (+)= A[irange, krange] * B[krange, jrange]."""
+    spec, ix = ctx.spec, ctx.ix
+    rm, cols = spec.rm, spec.rn * spec.width
+    i0, i1 = irange
+    j0, j1 = jrange
+    k0, k1 = krange
+    bounded = ctx.mistake != NO_BOUNDARY
+    tiled = i0 != "0"
+    if bounded and rm > 1:
+        i_main = "i_main" if tiled else "M_main"
+        span = f"({i1} - {i0})" if tiled else i1
+        base = f"{i0} + " if tiled else ""
+        code.line(f"int {i_main} = {base}{span} - {span} % {rm};")
+    else:
+        i_main = i1
+    if bounded and cols > 1:
+        j_main = "j_main" if tiled else "N_main"
+        span = f"({j1} - {j0})" if tiled else j1
+        base = f"{j0} + " if tiled else ""
+        code.line(f"int {j_main} = {base}{span} - {span} % {cols};")
+    else:
+        j_main = j1
+    pragma = outer_pragma and spec.omp and ctx.mistake != RACE
+    if pragma:
+        code.line(_omp_pragma(spec))
+    step = "i++" if rm == 1 else f"i += {rm}"
+    code.open(f"for (int i = {i0}; i < {i_main}; {step})")
+    jstep = "j++" if cols == 1 else f"j += {cols}"
+    code.open(f"for (int j = {j0}; j < {j_main}; {jstep})")
+    rows = [_plus("i", r) for r in range(rm)]
+    offsets = [v * spec.width for v in range(spec.rn)]
+    names = [[f"c{r}{v}" for v in range(spec.rn)] for r in range(rm)]
+    vec = _VECS.get(spec.simd or "")
+    for r in range(rm):
+        decls = []
+        for v in range(spec.rn):
+            cj = _plus("j", offsets[v])
+            if vec is None:
+                decls.append(f"{names[r][v]} = {ix.c(rows[r], cj) if accumulate else '0.0'}")
+            else:
+                init = f"{vec.load}(&{ix.c(rows[r], cj)})" if accumulate else vec.zero
+                decls.append(f"{names[r][v]} = {init}")
+        code.line(f"{vec.type if vec else 'double'} " + ", ".join(decls) + ";")
+    if ctx.mistake == RACE and not tiled:
+        code.line("#pragma omp parallel for")
+    code.open(f"for (int k = {k0}; {_k_bound(ctx, k1)}; k++)")
+    _prefetch(code, ctx, "k", "j")
+    for v in range(spec.rn):
+        bref = ix.b("k", _plus("j", offsets[v]))
+        code.line(f"{vec.type} b{v} = {vec.load}(&{bref});" if vec else f"double b{v} = {bref};")
+    for r in range(rm):
+        aref = ix.a(rows[r], "k")
+        code.line(f"{vec.type} a{r} = {vec.set1}({aref});" if vec else f"double a{r} = {aref};")
+        for v in range(spec.rn):
+            acc = names[r][v]
+            if vec is None:
+                code.line(f"{acc} += a{r} * b{v};")
+            elif spec.fma:
+                code.line(f"{acc} = {vec.fma}(a{r}, b{v}, {acc});")
+            else:
+                code.line(f"{acc} = {vec.add}({acc}, {vec.mul}(a{r}, b{v}));")
+    code.close()
+    for r in range(rm):
+        for v in range(spec.rn):
+            cref = ix.c(rows[r], _plus("j", offsets[v]))
+            code.line(f"{vec.store}(&{cref}, {names[r][v]});" if vec
+                      else f"{cref} = {names[r][v]};")
+    code.close()
+    if bounded and cols > 1:
+        code.open(f"for (int j = {j_main}; j < {j1}; j++)")
+        if rm > 1:
+            code.open(f"for (int r = 0; r < {rm}; r++)")
+        row = "i + r" if rm > 1 else "i"
+        _scalar_dot(code, ctx, row, "j", krange, accumulate)
+        if rm > 1:
+            code.close()
+        code.close()
+    code.close()
+    if bounded and rm > 1:
+        if pragma:
+            code.line(_omp_pragma(spec))
+        code.open(f"for (int i = {i_main}; i < {i1}; i++)")
+        code.open(f"for (int j = {j0}; j < {j1}; j++)")
+        _scalar_dot(code, ctx, "i", "j", krange, accumulate)
+        code.close()
+        code.close()
+
+
+def _scalar_dot(code: _Code, ctx: _Ctx, row: str, col: str, krange: tuple[str, str],
+                accumulate: bool) -> None:
+    ix = ctx.ix
+    code.line(f"double s = {ix.c(row, col) if accumulate else '0.0'};")
+    code.open(f"for (int k = {krange[0]}; k < {krange[1]}; k++)")
+    code.line(f"s += {ix.a(row, 'k')} * {ix.b('k', col)};")
+    code.close()
+    code.line(f"{ix.c(row, col)} = s;")
+
+
+# --- compile errors ------------------------------------------------------------------------
+
+
+def _break_compilation(source: str, variant: int) -> str:
+    """One realistic way to make ``source`` fail to compile."""
+    lines = source.splitlines()
+    statements = [n for n, text in enumerate(lines)
+                  if text.rstrip().endswith(";") and not text.lstrip().startswith(("#", "for"))]
+    variant %= 5
+    if variant == 0 and "#include <immintrin.h>" in source and "__m" in source:
+        return source.replace("#include <immintrin.h>\n", "")  # vector types undeclared
+    if variant == 1 and "_pd(" in source and "fmadd" in source:
+        return source.replace("_fmadd_pd(", "_fmadd_ps(", 1)  # float intrinsic on doubles
+    if variant == 2:
+        text = re.sub(r"\[i \* K \+ k\]", "[i * K + kk]", source, count=1)
+        if text != source and "int kk" not in source:
+            return text  # undeclared variable
+    if variant == 3:
+        return source.rstrip()[:-1].rstrip() + "\n"  # missing closing brace
+    target = statements[len(statements) // 2]
+    lines[target] = lines[target].rstrip()[:-1]  # missing semicolon
+    return "\n".join(lines) + "\n"
+
+
+def iter_specs_for_tests(seed: int, count: int) -> Iterator[tuple[KernelSpec, int, str]]:
+    """Correct specs over every stage and ISA, for tests and quality checks."""
+    rng = random.Random(f"hpcrl-specs/{seed}")
+    for n in range(count):
+        number, isa = 1 + n % LAST_STAGE, ISAS[(n // LAST_STAGE) % 2]
+        yield sample_spec(rng, number, isa), number, isa
