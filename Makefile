@@ -8,13 +8,14 @@ SERVICES := services/benchmarker services/sqd_scheduler services/learner service
 PACKAGES := libs/common $(SERVICES)
 PYPROJECTS := $(addsuffix /pyproject.toml,$(PACKAGES))
 
-.PHONY: install system test lint demo clean help
+.PHONY: install install-swift system test lint demo clean help
 
 help:
 	@echo "make install  - system packages, RabbitMQ, .venv with every package (editable)"
 	@echo "make test     - install, then run the whole test suite"
 	@echo "make lint     - ruff"
-	@echo "make demo     - not yet: comes with the demo issue (#9)"
+	@echo "make demo     - install, then run the whole system locally (DEMO_ARGS=--fresh to restart)"
+	@echo "make install-swift - optional: the ms-swift learner backend's own venv (.venv-swift)"
 
 install: system $(STAMP)
 	@# vLLM's CPU build pulls GPU builds of torchvision/torchaudio/triton that break
@@ -34,15 +35,17 @@ $(STAMP): $(PYPROJECTS) requirements-dev.txt
 	$(BIN)/python -m pip install -q --no-deps -e libs/common
 	@touch $@
 
+install-swift: install
+	bash deploy/local/install-swift.sh
+
 test: install
 	$(BIN)/python -m pytest
 
 lint: install
 	$(BIN)/ruff check .
 
-demo:
-	@echo "make demo is not implemented yet: it comes with the demo issue (#9)." >&2
-	@exit 2
+demo: install
+	$(BIN)/python deploy/local/demo.py $(DEMO_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,56 @@
+"""A reduced `make demo` end to end: four real services over the real broker, one iteration.
+
+The policy is a quickly bootstrapped (weak) one; this checks the whole system runs and
+reports, not that it learns (bench/learning.py measures that).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = [pytest.mark.broker, pytest.mark.slow]
+
+
+def test_reduced_demo_runs_end_to_end(broker_settings, tmp_path):
+    config = tmp_path / "demo.toml"
+    source = (ROOT / "deploy/local/demo.toml").read_text()
+    config.write_text(
+        source.replace('namespace = "demo"', f'namespace = "{broker_settings.namespace}"')
+        .replace('data_dir = "data/demo"', f'data_dir = "{tmp_path / "data" / "demo"}"')
+        .replace("iterations = 3", "iterations = 1")
+        .replace("group_size = 4", "group_size = 2")
+        .replace("node_budget = 4", "node_budget = 1")
+        .replace("groups_per_step = 2", "groups_per_step = 1")
+        .replace("initial_groups_per_step = 2", "initial_groups_per_step = 1")
+        .replace("max_tokens = 1024", "max_tokens = 256")
+    )
+    env_ports = {f"HPCRL__{svc}__METRICS_PORT": "0"
+                 for svc in ("GENERATOR", "BENCHMARKER", "LEARNER", "SCHEDULER")}
+    runs = tmp_path / "runs"
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "deploy/local/demo.py"), "--config", str(config),
+         "--runs", str(runs), "--bootstrap-arg=--steps=4", "--bootstrap-arg=--examples=64"],
+        capture_output=True, text=True, timeout=900, cwd=ROOT,
+        env={**__import__("os").environ, **env_ports},
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    run_dir = runs / "demo"
+    assert str(run_dir) in result.stdout
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    scheduler = metrics["scheduler"]
+    assert scheduler["done"] and scheduler["iterations_done"] == 1
+    iteration = scheduler["iterations"][0]
+    assert iteration["groups"] == 1 and iteration["closed"] == 1
+    assert metrics["learner"]["policy_version"] == 1  # one group, one step, one version
+    for name in ("iterations.csv", "reward_curve.png", "best_gflops.png", "kernels/index.json"):
+        assert (run_dir / name).stat().st_size > 0, name
+    for service in ("benchmarker", "learner", "generator", "scheduler"):
+        assert (run_dir / "logs" / f"{service}.log").exists()
+    assert "SQD iterations" in result.stdout
