@@ -289,6 +289,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="discard an unfinished run of this experiment and start over")
     parser.add_argument("--backend", choices=["auto", "vllm", "transformers"], default="auto",
                         help="generator backend (auto: vLLM where it imports)")
+    parser.add_argument("--policy-data-dir", type=Path, default=ROOT / "data",
+                        help="where the bootstrapped policy is cached, shared by experiments "
+                        "(default: data/, i.e. data/policy/bootstrap-<hash>/)")
     parser.add_argument("--bootstrap-arg", action="append", default=[], metavar="ARG",
                         help="extra argument for `hpcrl-learner bootstrap-model` (repeatable), "
                         "e.g. --bootstrap-arg=--steps=20 for a quick, weak policy")
@@ -309,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     elif previous is not None:
         console.print(f"resuming the unfinished run at iteration {previous['iteration'] + 1}")
 
-    model_dir = bootstrap_policy(data_dir.parent, args.bootstrap_arg)
+    model_dir = bootstrap_policy(args.policy_data_dir.resolve(), args.bootstrap_arg)
     backend = args.backend
     if backend == "auto":
         backend = "vllm" if vllm_importable() else "transformers"

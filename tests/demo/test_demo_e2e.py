@@ -36,7 +36,8 @@ def test_reduced_demo_runs_end_to_end(broker_settings, tmp_path):
     runs = tmp_path / "runs"
     result = subprocess.run(
         [sys.executable, str(ROOT / "deploy/local/demo.py"), "--config", str(config),
-         "--runs", str(runs), "--bootstrap-arg=--steps=4", "--bootstrap-arg=--examples=64"],
+         "--runs", str(runs), "--policy-data-dir", str(tmp_path / "data"),
+         "--bootstrap-arg=--steps=4", "--bootstrap-arg=--examples=64"],
         capture_output=True, text=True, timeout=900, cwd=ROOT,
         env={**__import__("os").environ, **env_ports},
     )

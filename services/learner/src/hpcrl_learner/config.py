@@ -34,7 +34,9 @@ class LearnerSettings(ServiceSection):
         "the generators"
     )
     groups_per_step: int = Field(4, ge=1, le=4096, description="rollout batches per step")
-    learning_rate: float = Field(5e-7, gt=0, description="AdamW learning rate")
+    learning_rate: float = Field(
+        5e-7, ge=0, description="AdamW learning rate (0: the no-update baseline)"
+    )
     warmup_steps: int = Field(0, ge=0, description="linear learning-rate warm-up steps")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     adam_betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
