@@ -41,17 +41,22 @@ class BrokerSettings(Section):
 
 
 class LoggingSettings(Section):
-    level: Literal["debug", "info", "warning", "error"] = "info"
+    level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="debug, info, warning or error"
+    )
     format: Literal["auto", "json", "console"] = Field(
         "auto", description="auto: console on a terminal, JSON otherwise"
     )
 
 
 class ExperimentSettings(Section):
-    name: str = Field("default", min_length=1, max_length=128)
-    seed: int = 0
+    name: str = Field("default", min_length=1, max_length=128,
+                      description="names the run: group ids, the scheduler's database")
+    seed: int = Field(0, description="seed of selection tie-breaks and sampling")
     task: str = Field("matmul", description="task name or path of a task TOML")
-    opt_level: Literal["O0", "O1", "O2", "O3"] = "O3"
+    opt_level: Literal["O0", "O1", "O2", "O3"] = Field(
+        "O3", description="gcc optimisation level of the benchmarks (the paper's O0/O1/O3)"
+    )
     data_dir: Path = Field(Path("data"), description="where services keep local state")
 
 
