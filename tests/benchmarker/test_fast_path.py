@@ -134,34 +134,113 @@ def test_expected_points_match_the_full_check() -> None:
     assert "C[0][0] = nan" in gemm.check_expected(bad, expected, 1e-6)
 
 
-def _stream(nonce: int, jobs: list[gemm.Job], seconds: float = 0.5) -> bytes:
-    out = b""
-    for index, job in enumerate(jobs):
-        count = job.sizes["M"] * job.sizes["N"]
-        out += gemm.FRAME.pack(nonce, index, 0, seconds, count)
-        out += np.arange(count, dtype="<f8").tobytes()
-    return out + gemm.FRAME.pack(nonce, len(jobs), gemm.FLAG_END, 0.0, 0)
+def test_the_full_matrix_check_catches_what_the_sampled_points_miss() -> None:
+    job = gemm.Job("v", {"M": 64, "N": 48, "K": 40}, 777)
+    expected = gemm.expect(job, 100, True, np.random.default_rng(5))
+    assert expected.full is not None
+    sampled = set(zip(expected.rows.tolist(), expected.cols.tolist(), strict=True))
+    wrong = [(i, j) for i in range(64) for j in range(48) if (i, j) not in sampled][:40]
+    c = expected.full.copy()
+    for i, j in wrong:
+        c[i, j] = 0.0  # finite garbage where no point looks
+    message = gemm.check_expected(c, expected, 1e-6)
+    assert "40 of 3072 elements are wrong (full-matrix check" in message
+    assert "105 check points passed" in message
+    assert gemm.check_expected(expected.full.copy(), expected, 1e-6) == ""
+    # A last-bit difference everywhere (another summation order) is fine.
+    assert gemm.check_expected(expected.full * (1 + 1e-12), expected, 1e-6) == ""
 
 
-def test_frame_reader_streams_and_detects_tampering() -> None:
-    jobs = [gemm.Job("v", {"M": 3, "N": 5, "K": 2}, 1), gemm.Job("t", {"M": 2, "N": 2, "K": 2}, 2)]
-    data = _stream(99, jobs)
-    reader = gemm.FrameReader(99, jobs)
-    seen = [frame.job for i in range(0, len(data), 7) for frame in reader.feed(data[i:i + 7])]
-    assert seen == [0, 1] and reader.finished
-    assert reader.frames[0].c.shape == (3, 5) and reader.frames[0].c[2, 4] == 14.0
-    assert gemm.parse_frames(data, 99, jobs)[1] is True
-    frames, finished = gemm.parse_frames(data[:-3], 99, jobs)
-    assert len(frames) == 2 and not finished
-    with pytest.raises(gemm.ProtocolError, match="nonce"):
-        gemm.parse_frames(data, 98, jobs)
-    with pytest.raises(gemm.ProtocolError, match="end marker"):
-        gemm.parse_frames(data + b"x" * 40, 99, jobs)
-    with pytest.raises(gemm.ProtocolError, match="end marker"):
-        reader.feed(b"late")
-    swapped = _stream(99, [jobs[1], jobs[0]])
-    with pytest.raises(gemm.ProtocolError):
-        gemm.parse_frames(swapped, 99, jobs)
+def _mark(nonce: int, job: int, kind: int, value: int = 0, count: int = 0) -> bytes:
+    return gemm.MARK.pack(nonce, job, kind, value, count)
+
+
+def _feed_job(reader: gemm.RunReader, nonce: int, index: int, job: gemm.Job,
+              start_ns: int) -> list[gemm.Frame]:
+    """One job as the harness sends it: sent, BEGIN, RESULT, C (in two chunks), CHECK."""
+    count = job.sizes["M"] * job.sizes["N"]
+    reader.sent(index, start_ns)
+    c = np.arange(count, dtype="<f8").tobytes()
+    done = reader.mark(_mark(nonce, index, gemm.MARK_BEGIN, start_ns + 10), start_ns + 20)
+    done += reader.data(c[:8])  # C may be read before its RESULT mark
+    done += reader.mark(_mark(nonce, index, gemm.MARK_RESULT, start_ns + 5000, count),
+                        start_ns + 5030)
+    done += reader.data(c[8:])
+    done += reader.mark(_mark(nonce, index, gemm.MARK_CHECK, 0), start_ns + 9000)
+    return done
+
+
+JOBS = [gemm.Job("v", {"M": 3, "N": 5, "K": 2}, 1), gemm.Job("t", {"M": 2, "N": 2, "K": 2}, 2)]
+
+
+def test_run_reader_follows_the_protocol_and_keeps_the_clocks() -> None:
+    reader = gemm.RunReader(99, JOBS)
+    [first] = _feed_job(reader, 99, 0, JOBS[0], 1_000_000)
+    assert first.c.shape == (3, 5) and first.c[2, 4] == 14.0
+    assert (first.sent_ns, first.t0_ns, first.begin_ns) == (1_000_000, 1_000_010, 1_000_020)
+    assert first.seconds == pytest.approx(4990e-9) and first.timing_problem() == ""
+    [second] = _feed_job(reader, 99, 1, JOBS[1], 2_000_000)
+    assert second.job == 1 and not reader.finished
+    assert reader.mark(_mark(99, 2, gemm.MARK_END), 3_000_000) == [] and reader.finished
+    with pytest.raises(gemm.ProtocolError, match="after the end"):
+        reader.mark(_mark(99, 2, gemm.MARK_END), 3_000_001)
+
+
+@pytest.mark.parametrize("tamper, match", [
+    (lambda r: r.mark(_mark(98, 0, gemm.MARK_BEGIN, 5), 6), "nonce"),
+    (lambda r: r.mark(_mark(99, 0, gemm.MARK_BEGIN, 5)[:-1], 6), "size"),
+    # a forged RESULT before the harness's own BEGIN, or a second BEGIN
+    (lambda r: r.mark(_mark(99, 0, gemm.MARK_RESULT, 5, 15), 6), "order"),
+    (lambda r: [r.mark(_mark(99, 0, gemm.MARK_BEGIN, 5), 6),
+                r.mark(_mark(99, 0, gemm.MARK_BEGIN, 5), 6)], "order"),
+    # a job the parent has not sent yet: its inputs cannot exist
+    (lambda r: r.mark(_mark(99, 1, gemm.MARK_BEGIN, 5), 6), "order"),
+    (lambda r: r.data(b"x" * (8 * 15 + 1)), "unexpected data"),
+    (lambda r: r.mark(_mark(99, 0, gemm.MARK_END), 6), "end marker"),
+])
+def test_run_reader_rejects_forged_or_misordered_output(tamper: Callable[[gemm.RunReader],
+                                                                         object],
+                                                        match: str) -> None:
+    reader = gemm.RunReader(99, JOBS)
+    reader.sent(0, 1)
+    with pytest.raises(gemm.ProtocolError, match=match):
+        tamper(reader)
+
+
+def test_a_forged_result_mark_cannot_replace_the_harness_s_own() -> None:
+    reader = gemm.RunReader(99, JOBS)
+    reader.sent(0, 0)
+    reader.mark(_mark(99, 0, gemm.MARK_BEGIN, 10), 20)
+    reader.mark(_mark(99, 0, gemm.MARK_RESULT, 30, 15), 40)  # forged early by the kernel
+    with pytest.raises(gemm.ProtocolError, match="order"):
+        reader.mark(_mark(99, 0, gemm.MARK_RESULT, 9_000_000, 15), 9_000_020)  # the real one
+
+
+def _frame(**clocks: int) -> gemm.Frame:
+    base = {"t0_ns": 1_000_000, "t1_ns": 31_000_000, "sent_ns": 0, "begin_ns": 1_000_010,
+            "result_ns": 31_000_020}
+    return gemm.Frame(0, 0, np.zeros((1, 1)), **{**base, **clocks})
+
+
+def test_reported_clocks_must_fit_the_stamps() -> None:
+    honest = _frame()
+    assert honest.timing_problem() == ""
+    assert honest.effective_seconds() == pytest.approx(0.030)
+    # start moved later than its own message was sent, or earlier than the job existed
+    assert "start" in _frame(t0_ns=2_000_000).timing_problem()
+    assert "start" in _frame(sent_ns=1_500_000).timing_problem()
+    # end reported after its message, or before the start
+    assert "end" in _frame(t1_ns=32_000_000).timing_problem()
+    assert "end" in _frame(t1_ns=500_000).timing_problem()
+
+
+def test_a_forged_early_end_counts_no_earlier_than_the_stamp_allows() -> None:
+    # The call really returned at 31 ms (the RESULT stamp), a rewritten t1 claims 2 ms.
+    forged = _frame(t1_ns=2_000_000)
+    assert forged.timing_problem() == ""  # possible on its face...
+    slack = gemm.END_SLACK_NS
+    assert forged.effective_seconds() == pytest.approx((31_000_020 - slack - 1_000_000) / 1e9)
+    assert forged.effective_seconds() >= 0.030 - slack / 1e9  # ...but gains at most the slack
 
 
 def test_a_wrong_kernel_is_stopped_before_it_is_timed(judge: Judge) -> None:
@@ -259,19 +338,31 @@ void matmul_optimized(double *A, double *B, double *C, int M, int N, int K) {
 """
 
 
-def test_a_watcher_can_stop_a_run_and_start_a_second_phase(tmp_path: Path) -> None:
+def test_a_watcher_can_stop_a_run_start_a_second_phase_and_feed_input(tmp_path: Path) -> None:
     tmp_path.chmod(0o777)
-    script = ("import os, sys, time\nfd = int(sys.argv[1])\nfor part in b'abc':\n"
-              "    os.write(fd, bytes([part]))\n    time.sleep(1.5)\ntime.sleep(60)")
-    seen: list[bytes] = []
+    # Writes a byte to the data pipe and a message to the mark socket, then echoes each line
+    # it is sent to the data pipe.
+    script = ("import os, socket, sys, time\nfd, mk = int(sys.argv[1]), int(sys.argv[2])\n"
+              "s = socket.socket(fileno=mk)\nos.write(fd, b'a')\ns.send(b'm')\n"
+              "for line in sys.stdin:\n    time.sleep(1.5)\n    os.write(fd, line[0].encode())\n"
+              "time.sleep(60)")
+    seen: list[tuple[str, bytes]] = []
+    stamps: list[int] = []
 
-    def watch(chunk: bytes) -> str | None:
-        seen.append(chunk)
-        return {b"a": None, b"b": sandbox.NEW_PHASE, b"c": sandbox.STOP}[chunk]
+    def watch(channel: str, payload: bytes, at_ns: int) -> sandbox.Reply | None:
+        seen.append((channel, payload))
+        stamps.append(at_ns)
+        return {b"a": None, b"m": sandbox.Reply(send=b"b\n"),
+                b"b": sandbox.Reply(new_phase=True, send=b"c\n"),
+                b"c": sandbox.Reply(stop=True)}[payload]
 
-    started = time.monotonic()
-    outcome = sandbox.run(["/usr/bin/python3", "-c", script, "{fd}"], tmp_path,
-                          sandbox.Limits(wall_s=2.5, cpu_s=5), extra_pipe=True, watch=watch)
+    started_ns = time.monotonic_ns()
+    outcome = sandbox.run(["/usr/bin/python3", "-c", script, "{fd}", "{marks}"], tmp_path,
+                          sandbox.Limits(wall_s=2.5, cpu_s=5), extra_pipe=True, marks=True,
+                          watch=watch)
     # 3 s in all: past one wall limit of 2.5 s, but within the second phase's.
-    assert seen == [b"a", b"b", b"c"] and outcome.stopped and not outcome.timed_out
-    assert outcome.phase_started is not None and time.monotonic() - started < 30
+    assert sorted(seen) == sorted([("data", b"a"), ("mark", b"m"), ("data", b"b"),
+                                   ("data", b"c")])
+    assert outcome.stopped and not outcome.timed_out and outcome.phase_started is not None
+    # Every stamp is on this process's monotonic clock, after the start.
+    assert all(started_ns < at < time.monotonic_ns() for at in stamps)

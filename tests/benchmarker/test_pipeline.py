@@ -96,9 +96,61 @@ def test_verification_error(judge: Judge) -> None:
 # --- hostile kernels -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["accumulate.c", "once.c", "cached.c", "modifies_inputs.c"])
+@pytest.mark.parametrize("name", ["accumulate.c", "once.c", "cached.c", "modifies_inputs.c",
+                                  "timed_only.c", "sparse_wrong.c", "float_precision.c"])
 def test_reward_hacks_fail_verification(judge: Judge, name: str) -> None:
     assert_status(judge(kernel(name)), "verification_error")
+
+
+# Each of these busy-waits >= 30 ms in every call at the reward size (its own clock), so an
+# honest measurement is >= 30 ms per timed run, and a success must not report less.
+TIMING_FLOOR_S = 0.03
+
+
+def assert_not_inflated(verdict: Verdict) -> None:
+    if verdict.status == "success":
+        assert verdict.timing is not None
+        assert verdict.timing.min_s >= TIMING_FLOOR_S - 0.001, verdict.timing
+        assert verdict.gflops is not None
+        assert verdict.gflops <= 2 * 256**3 / (TIMING_FLOOR_S - 0.001) / 1e9
+
+
+def test_rewriting_the_harness_s_start_time_on_the_stack_gains_nothing(judge: Judge) -> None:
+    # The kernel finds values near "now" on its caller's stack (the saved start time, as
+    # seconds or nanoseconds) and moves them to 0.3 ms before its return. The harness sent
+    # its start time out before the call, so the rewrite changes nothing the parent uses.
+    verdict = judge(kernel("stack_time.c"))
+    assert verdict.status in ("success", "verification_error"), verdict.error
+    assert_not_inflated(verdict)
+
+
+def test_forged_result_messages_are_tampering(judge: Judge) -> None:
+    # Forged RESULT marks (claiming 0.1 ms) written to every descriptor through stdout's
+    # FILE, with every value on the caller's stack tried as the nonce.
+    verdict = judge(kernel("forge_marks.c"))
+    assert_status(verdict, "runtime_error")
+    assert "tampered" in verdict.error
+
+
+def test_threads_left_running_after_the_call_fail(judge: Judge) -> None:
+    verdict = judge(kernel("leftover_thread.c"))
+    assert_status(verdict, "verification_error")
+    assert "parallel region still open" in verdict.error
+    # A GOMP entry point called by hand is OpenMP, whatever the source looks like.
+    hidden = kernel("leftover_thread.c").replace("#include <omp.h>\n", "").replace(
+        "double start = omp_get_wtime();\n    while (omp_get_wtime() - start < 0.001) {\n    }",
+        "")
+    verdict = judge(hidden, stage=1)
+    assert_status(verdict, "stage_violation")
+    assert "openmp" in verdict.techniques
+
+
+def test_changing_the_fp_environment_is_allowed_and_does_not_leak(judge: Judge) -> None:
+    # Round toward zero + FTZ/DAZ, left set: the results stay within tolerance and every call
+    # starts from the default environment again (decided: allowed, it gains nothing here).
+    verdict = judge(kernel("fp_modes.c"))
+    assert_status(verdict, "success")
+    assert verdict.generalizes is True
 
 
 def test_early_exit_is_a_runtime_error(judge: Judge) -> None:

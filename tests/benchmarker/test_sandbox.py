@@ -62,7 +62,8 @@ def test_file_size_limit(scratch: Path) -> None:
     assert (scratch / "big").stat().st_size <= 1024 * 1024
 
 
-ESCAPES = """#include <stdio.h>
+ESCAPES = """#define _GNU_SOURCE
+#include <stdio.h>
 #include <unistd.h>
 #include <sys/mman.h>
 /* Compiled straight into the harness (no source or symbol checks) to test the seccomp
@@ -75,6 +76,18 @@ void matmul_optimized(double *A, double *B, double *C, int M, int N, int K) {
     escaped += fopen("/tmp/x", "w") != NULL;
     escaped += mmap(0, 4096, PROT_READ | PROT_WRITE | PROT_EXEC, MAP_PRIVATE | MAP_ANONYMOUS,
                     -1, 0) != MAP_FAILED;
+    /* The executable's own pages (its read-only GOT among them) stay as they are: no
+     * mprotect, no mapping placed over or next to them, no mremap to a fixed address. */
+    extern char __executable_start[];
+    char *page = (char *)((unsigned long)&matmul_optimized & ~4095ul);
+    escaped += mprotect(page, 4096, PROT_READ | PROT_WRITE) == 0;
+    escaped += mprotect(__executable_start, 4096, PROT_READ | PROT_WRITE) == 0;
+    escaped += mmap(__executable_start - 4096, 4096, PROT_READ | PROT_WRITE,
+                    MAP_PRIVATE | MAP_ANONYMOUS, -1, 0) != MAP_FAILED;
+    void *heap = mmap(0, 8192, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    escaped += heap == MAP_FAILED;  /* ordinary anonymous memory still works */
+    escaped += mremap(heap, 8192, 4096, MREMAP_MAYMOVE | MREMAP_FIXED, page) != MAP_FAILED;
+    escaped += mprotect(heap, 4096, PROT_READ) != 0;  /* and so does mprotect outside */
     for (int i = 0; i < M; i++)
         for (int j = 0; j < N; j++) {
             double s = 0.0;

@@ -23,7 +23,7 @@ _SIMD_PRAGMA = re.compile(
     r"^(omp\b.*\bsimd\b|GCC\s+ivdep\b|ivdep\b|clang\s+loop\s+vectorize|vector\b|simd\b"
     r"|GCC\s+optimize\b.*vectori[sz]e)"
 )
-_OPENMP_CODE = re.compile(r"\bomp_\w+\s*\(|\b(pthread_create|thrd_create)\b")
+_OPENMP_CODE = re.compile(r"\b(omp_|GOMP_)\w+\s*\(|\b(pthread_create|thrd_create)\b")
 _PREFETCH_CODE = re.compile(
     r"\b(_mm_prefetch|_m_prefetch\w*|_mm512_\w*prefetch\w*|__builtin_prefetch|prefetch[tw]\w*)\b"
 )
@@ -47,6 +47,12 @@ def detect_techniques(source: str, preprocessed_main: str = "") -> set[str]:
             found.add(PREFETCH)
         found |= _blocking(code)
     return found
+
+
+def object_techniques(undefined: Iterable[str]) -> set[str]:
+    """Techniques the compiled object shows whatever the source looked like: any call into
+    the OpenMP runtime (pragmas, ``omp_*``, or ``GOMP_*`` entry points called by hand)."""
+    return {OPENMP} if any(n.startswith(("GOMP_", "omp_")) for n in undefined) else set()
 
 
 def _pragma_operators(text: str) -> list[str]:

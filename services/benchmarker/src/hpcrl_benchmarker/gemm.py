@@ -17,10 +17,19 @@ import numpy as np
 
 from hpcrl_common.task import Sizes
 
-FRAME = struct.Struct("<QIIdQ")
+MARK = struct.Struct("<QIIQQ")  # nonce, job, type, value, count
+MARK_BEGIN, MARK_RESULT, MARK_CHECK, MARK_END = 1, 2, 3, 0x80000000
 FLAG_INPUTS_MODIFIED = 1
 FLAG_CHANGED_AFTER_RETURN = 2
-FLAG_END = 0x80000000
+FLAG_PARALLEL_LEFT_OPEN = 4
+# How much later than the harness's reported end of a call the host's kernel may stamp the
+# RESULT mark (it is sent right after the call returns; ~20 us is typical); a run is never
+# counted as shorter than (stamp - slack) - start, so a kernel that forges the end time gains
+# at most this much. Honest runs exceed it only when the harness is preempted in between.
+END_SLACK_NS = 250_000
+# Clock reads on either side of a message: what "before" may be off by (clock granularity
+# and the REALTIME -> MONOTONIC conversion of the stamps).
+CLOCK_TOLERANCE_NS = 50_000
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _B_SALT = 0x5DEECE66DA3B1F7F
 _CBLAS_ROW_MAJOR, _CBLAS_NO_TRANS = 101, 111
@@ -87,10 +96,42 @@ class Job:
 
 @dataclass(frozen=True)
 class Frame:
+    """One completed call: C and the clocks around it (all CLOCK_MONOTONIC ns)."""
+
     job: int
     flags: int
-    seconds: float
     c: np.ndarray
+    t0_ns: int = 0  # harness: just before the call (sent out before the kernel ran)
+    t1_ns: int = 0  # harness: just after the call
+    sent_ns: int = 0  # parent: when the job was sent (its inputs did not exist before)
+    begin_ns: int = 0  # host kernel: when the BEGIN mark was queued
+    result_ns: int = 0  # host kernel: when the RESULT mark was queued
+
+    @property
+    def seconds(self) -> float:
+        """The harness's own measurement."""
+        return (self.t1_ns - self.t0_ns) / 1e9
+
+    def timing_problem(self) -> str:
+        """'' when the reported clocks are possible, else why not: the start must lie between
+        the parent's send and the BEGIN stamp, the end between the start and the RESULT
+        stamp. Breaking this takes a forged or rewritten time."""
+        tol = CLOCK_TOLERANCE_NS
+        if not self.sent_ns - tol <= self.t0_ns <= self.begin_ns + tol:
+            return (f"the reported start of the call is not between the job's dispatch and "
+                    f"its start message ({(self.t0_ns - self.sent_ns) / 1e6:.3f} ms after "
+                    f"dispatch, {(self.t0_ns - self.begin_ns) / 1e6:.3f} ms after the message)")
+        if not self.t0_ns <= self.t1_ns <= self.result_ns + tol:
+            return (f"the reported end of the call is not between its start and its result "
+                    f"message ({(self.t1_ns - self.t0_ns) / 1e6:.3f} ms after the start, "
+                    f"{(self.t1_ns - self.result_ns) / 1e6:.3f} ms after the message)")
+        return ""
+
+    def effective_seconds(self, slack_ns: int = END_SLACK_NS) -> float:
+        """The measured time, but never shorter than the host kernel's stamps allow: the end
+        is at least the RESULT stamp minus ``slack_ns``."""
+        end = max(self.t1_ns, self.result_ns - slack_ns)
+        return (end - self.t0_ns) / 1e9
 
 
 class ProtocolError(ValueError):
@@ -98,14 +139,31 @@ class ProtocolError(ValueError):
 
 
 def request(nonce: int, jobs: list[Job]) -> bytes:
-    return ("\n".join([f"{nonce} {len(jobs)}", *(job.line() for job in jobs)]) + "\n").encode()
+    """The whole stdin stream at once (the bench's bare floor); the pipeline sends
+    ``header`` first and each ``Job.line`` only when the previous call is complete."""
+    return header(nonce) + b"".join(job_line(job) for job in jobs) + END_LINE
 
 
-class FrameReader:
-    """Reads the harness's result stream incrementally, as it arrives.
+def header(nonce: int) -> bytes:
+    return f"{nonce}\n".encode()
 
-    ``feed`` returns the frames completed by a chunk; it raises ProtocolError on a wrong
-    nonce, frames out of order, a wrong matrix size, a bad end marker or data after it.
+
+def job_line(job: Job) -> bytes:
+    return (job.line() + "\n").encode()
+
+
+END_LINE = b"e\n"
+
+
+class RunReader:
+    """Follows one harness run: marks (small timestamped messages) and data (the C matrices,
+    in order, on their own pipe).
+
+    ``sent(job, at_ns)`` records that the parent sent a job; ``mark`` and ``data`` return the
+    frames completed by an event. Anything out of protocol raises ProtocolError: a wrong size
+    or nonce, a mark for a job not sent yet, marks out of order or repeated (a forged mark
+    cannot replace the harness's own, which still follows), data beyond the announced C, an
+    early or late end.
     """
 
     def __init__(self, nonce: int, jobs: list[Job]) -> None:
@@ -113,55 +171,72 @@ class FrameReader:
         self.jobs = jobs
         self.frames: list[Frame] = []
         self.finished = False
-        self._buffer = bytearray()
-        self._header: tuple[int, int, float, int] | None = None  # job, flags, seconds, count
+        self._sent: list[int] = []
+        self._expect = MARK_BEGIN
+        self._current: dict[str, int] = {}
+        self._payload = bytearray()
+        self._count = 0  # doubles of C still owed for the current job
 
-    def feed(self, chunk: bytes) -> list[Frame]:
-        if self.finished and chunk:
-            raise ProtocolError("result stream corrupted (bad end marker)")
-        self._buffer += chunk
-        new: list[Frame] = []
-        while True:
-            if self._header is None:
-                if len(self._buffer) < FRAME.size:
-                    break
-                got_nonce, job, flags, seconds, count = FRAME.unpack_from(self._buffer, 0)
-                del self._buffer[: FRAME.size]
-                if got_nonce != self.nonce:
-                    raise ProtocolError("result stream corrupted (wrong nonce)")
-                if flags == FLAG_END:
-                    if (job != len(self.jobs) or len(self.frames) != len(self.jobs)
-                            or self._buffer):
-                        raise ProtocolError("result stream corrupted (bad end marker)")
-                    self.finished = True
-                    break
-                if job != len(self.frames) or job >= len(self.jobs):
-                    raise ProtocolError("result stream corrupted (jobs out of order)")
-                sizes = self.jobs[job].sizes
-                if count != sizes["M"] * sizes["N"]:
-                    raise ProtocolError("result stream corrupted (wrong matrix size)")
-                self._header = (job, flags, seconds, count)
-            job, flags, seconds, count = self._header
-            if len(self._buffer) < 8 * count:
-                break
-            # A copy: the buffer keeps changing, and a frame must outlive it.
-            with memoryview(self._buffer) as view:
-                payload = bytes(view[: 8 * count])
-            c = np.frombuffer(payload, dtype="<f8", count=count)
-            del self._buffer[: 8 * count]
+    def sent(self, job: int, at_ns: int) -> None:
+        assert job == len(self._sent)
+        self._sent.append(at_ns)
+
+    def mark(self, message: bytes, at_ns: int) -> list[Frame]:
+        if self.finished:
+            raise ProtocolError("result stream corrupted (message after the end)")
+        if len(message) != MARK.size:
+            raise ProtocolError("result stream corrupted (bad message size)")
+        nonce, job, kind, value, count = MARK.unpack(message)
+        if nonce != self.nonce:
+            raise ProtocolError("result stream corrupted (wrong nonce)")
+        if kind == MARK_END:
+            if (self._expect != MARK_BEGIN or job != len(self.frames)
+                    or len(self.frames) != len(self.jobs) or self._payload):
+                raise ProtocolError("result stream corrupted (bad end marker)")
+            self.finished = True
+            return []
+        if job != len(self.frames) or job >= len(self._sent) or kind != self._expect:
+            raise ProtocolError("result stream corrupted (messages out of order)")
+        if kind == MARK_BEGIN:
+            self._current = {"t0": value, "begin": at_ns}
+            self._expect = MARK_RESULT
+        elif kind == MARK_RESULT:
             sizes = self.jobs[job].sizes
-            frame = Frame(job, flags, seconds, c.reshape(sizes["M"], sizes["N"]))
-            self.frames.append(frame)
-            new.append(frame)
-            self._header = None
-        return new
+            if count != sizes["M"] * sizes["N"]:
+                raise ProtocolError("result stream corrupted (wrong matrix size)")
+            self._current.update(t1=value, result=at_ns)
+            self._count = count
+            self._expect = MARK_CHECK
+        else:
+            self._current["flags"] = value
+            self._expect = -1  # the C data, then the next job
+        return self._complete()
 
+    def data(self, chunk: bytes) -> list[Frame]:
+        # The pipe and the socket are read in whatever order the selector reports them, so C
+        # may be here before its RESULT mark: bound it by the current job's size instead.
+        job = len(self.frames)
+        limit = 8 * self.jobs[job].sizes["M"] * self.jobs[job].sizes["N"] if job < len(
+            self.jobs) else 0
+        if self.finished or len(self._payload) + len(chunk) > limit:
+            raise ProtocolError("result stream corrupted (unexpected data)")
+        self._payload += chunk
+        return self._complete()
 
-def parse_frames(data: bytes, nonce: int, jobs: list[Job]) -> tuple[list[Frame], bool]:
-    """The frames the harness completed, in order, and whether it reached its end marker."""
-    reader = FrameReader(nonce, jobs)
-    reader.feed(data)
-    return reader.frames, reader.finished
+    def _complete(self) -> list[Frame]:
+        if self._expect != -1 or len(self._payload) < 8 * self._count:
+            return []
+        job = len(self.frames)
+        sizes = self.jobs[job].sizes
+        c = np.frombuffer(bytes(self._payload), dtype="<f8").reshape(sizes["M"], sizes["N"])
+        cur = self._current
+        frame = Frame(job, cur["flags"], c, t0_ns=cur["t0"], t1_ns=cur["t1"],
+                      sent_ns=self._sent[job], begin_ns=cur["begin"], result_ns=cur["result"])
+        self.frames.append(frame)
+        self._payload = bytearray()
+        self._count = 0
+        self._expect = MARK_BEGIN
+        return [frame]
 
 
 def sample_points(m: int, n: int, random_points: int, corners_and_centre: bool,
@@ -177,30 +252,39 @@ def sample_points(m: int, n: int, random_points: int, corners_and_centre: bool,
 
 @dataclass(frozen=True)
 class Expected:
-    """What one job's C must hold at its check points, computed before the run (the inputs
-    and the points depend only on the seed and the trusted process's own generator)."""
+    """What one job's C must hold, computed before the run (the inputs and the points depend
+    only on the seed and the trusted process's own generator)."""
 
     rows: np.ndarray
     cols: np.ndarray
-    values: np.ndarray  # the reference at (rows, cols)
+    values: np.ndarray  # the reference at (rows, cols): the paper's check points
     scale: np.ndarray  # the denominator of the relative error at each point
+    full: np.ndarray | None = None  # the whole reference
+    full_scale: np.ndarray | None = None  # the denominator at every element
+
+
+def _scale(ref: np.ndarray, terms: np.ndarray) -> np.ndarray:
+    # terms = sum_k |a_ik b_kj|, the size of the terms, floors the denominator where
+    # cancellation makes |ref| tiny.
+    return np.maximum(np.maximum(np.abs(ref), 1e-3 * terms), 1e-300)
 
 
 def expected_at(ref: np.ndarray, a: np.ndarray, b: np.ndarray,
-                points: list[tuple[int, int]]) -> Expected:
+                points: list[tuple[int, int]], *, full: bool = True) -> Expected:
     rows = np.fromiter((i for i, _ in points), dtype=np.intp, count=len(points))
     cols = np.fromiter((j for _, j in points), dtype=np.intp, count=len(points))
     values = ref[rows, cols]
-    # sum_k |a_ik b_kj| per point: the size of the terms, which floors the denominator where
-    # cancellation makes |ref| tiny.
+    if full:
+        # |A| |B| with the same dgemm: every element's term size, for the full-matrix check.
+        full_scale = _scale(ref, reference(np.abs(a), np.abs(b)))
+        return Expected(rows, cols, values, full_scale[rows, cols], ref, full_scale)
     terms = np.einsum("pk,kp->p", np.abs(a[rows]), np.abs(b[:, cols]))
-    scale = np.maximum(np.maximum(np.abs(values), 1e-3 * terms), 1e-300)
-    return Expected(rows, cols, values, scale)
+    return Expected(rows, cols, values, _scale(values, terms))
 
 
 def expect(job: Job, random_points: int, corners_and_centre: bool,
            rng: np.random.Generator) -> Expected:
-    """The reference (OpenBLAS) for one job, reduced to its check points."""
+    """The reference (OpenBLAS) for one job: its check points and the whole matrix."""
     a, b = inputs(job.sizes, job.seed)
     ref = reference(a, b)
     points = sample_points(job.sizes["M"], job.sizes["N"], random_points, corners_and_centre,
@@ -208,13 +292,19 @@ def expect(job: Job, random_points: int, corners_and_centre: bool,
     return expected_at(ref, a, b, points)
 
 
+def _mismatch(got: float, want: float, error: float, tolerance: float, where: str) -> str:
+    return (f"{where} = {got!r} but the reference gives {want!r} (relative error "
+            f"{error:.3g} > {tolerance:g})")
+
+
 def check_expected(c: np.ndarray, expected: Expected, tolerance: float) -> str:
     """'' if C is right, else why not.
 
-    The task's points use relative error |c - ref| / |ref|; where cancellation makes |ref|
-    tiny the denominator is floored at 1e-3 of sum_k |a_ik b_kj| (the size of the terms), so
-    a correct kernel that sums in another order never fails. Every element must also have
-    been written (C starts as NaN).
+    First the task's points (the paper's check: 4 corners, centre, 100 random positions),
+    then, stricter than the paper, every element of C against the whole reference. Relative
+    error |c - ref| / |ref|, where cancellation makes |ref| tiny the denominator is floored
+    at 1e-3 of sum_k |a_ik b_kj| (the size of the terms), so a correct kernel that sums in
+    another order never fails. NaN (C starts as NaN: an element never written) fails.
     """
     got = c[expected.rows, expected.cols]
     with np.errstate(invalid="ignore", over="ignore"):
@@ -223,13 +313,26 @@ def check_expected(c: np.ndarray, expected: Expected, tolerance: float) -> str:
     if bad.any():
         p = int(np.argmax(bad))
         i, j = int(expected.rows[p]), int(expected.cols[p])
-        return (f"C[{i}][{j}] = {float(got[p])!r} but the reference gives "
-                f"{float(expected.values[p])!r} (relative error {float(error[p]):.3g} > "
-                f"{tolerance:g})")
+        return _mismatch(float(got[p]), float(expected.values[p]), float(error[p]), tolerance,
+                         f"C[{i}][{j}]")
+    full, full_scale = expected.full, expected.full_scale
+    if full is not None and full_scale is not None:
+        with np.errstate(invalid="ignore", over="ignore"):
+            if (np.abs(c - full) <= tolerance * full_scale).all():
+                return ""
     unwritten = int(c.size - np.count_nonzero(np.isfinite(c)))
     if unwritten:
         return f"{unwritten} of {c.size} elements of C were not written (still NaN) or not finite"
-    return ""
+    if full is None or full_scale is None:
+        return ""
+    with np.errstate(invalid="ignore", over="ignore"):
+        error = np.abs(c - full) / full_scale
+    wrong = int(np.count_nonzero(error > tolerance))
+    i, j = np.unravel_index(int(np.argmax(error)), error.shape)
+    return (_mismatch(float(c[i, j]), float(full[i, j]), float(error[i, j]), tolerance,
+                      f"C[{i}][{j}]")
+            + f"; {wrong} of {c.size} elements are wrong (full-matrix check; the paper's "
+            f"{len(expected.rows)} check points passed)")
 
 
 def check(c: np.ndarray, ref: np.ndarray, a: np.ndarray, b: np.ndarray,

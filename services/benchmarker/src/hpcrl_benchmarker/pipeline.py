@@ -137,6 +137,8 @@ class Benchmarker:
             if compiled.object_ok:
                 elf = _read(scratch / "elf.txt")
                 undefined, defined, unreadable = checks.parse_readelf_symbols(elf)
+                techniques |= checks.object_techniques(undefined)
+                verdict.techniques = sorted(techniques)
                 if unreadable:
                     reasons.append(f"the object's symbol table could not be read: "
                                    f"{unreadable[0][:200]}")
@@ -181,7 +183,10 @@ class Benchmarker:
             f"{cc} {quoted} -fdiagnostics-color=never -save-temps=obj -c {_KERNEL_FILE} "
             "-o kernel.o 2> cc.txt || exit 10\n"
             "readelf -S -s -W kernel.o > elf.txt || exit 11\n"
-            f"{cc} {quoted} kernel.o /harness/{harness.name} -o run -lm 2> ld.txt || exit 12\n"
+            # Full RELRO: the harness's GOT is read-only before the kernel first runs (and
+            # the harness's seccomp filter refuses to remap it).
+            f"{cc} {quoted} kernel.o /harness/{harness.name} -Wl,-z,relro,-z,now -o run -lm "
+            "2> ld.txt || exit 12\n"
         )
         limits = sandbox.Limits(
             wall_s=task.compile.time_limit_s, cpu_s=int(task.compile.time_limit_s) + 5,
@@ -295,25 +300,36 @@ class Benchmarker:
             address_space_mb=self.settings.address_space_mb,
             file_size_mb=self.settings.file_size_mb, open_files=self.settings.open_files,
         )
-        reader = gemm.FrameReader(nonce, jobs)
+        reader = gemm.RunReader(nonce, jobs)
         tampered: list[str] = []
 
-        def on_chunk(chunk: bytes) -> str | None:
+        def dispatch(job: int) -> bytes:
+            """The next line for the harness: a job (its inputs exist from now on) or the end."""
+            if job == len(jobs):
+                return gemm.END_LINE
+            reader.sent(job, time.monotonic_ns())
+            return gemm.job_line(jobs[job])
+
+        def on_event(channel: str, payload: bytes, at_ns: int) -> sandbox.Reply | None:
             try:
-                frames = reader.feed(chunk)
+                if channel == sandbox.MARK:
+                    frames = reader.mark(payload, at_ns)
+                else:
+                    frames = reader.data(payload)
             except gemm.ProtocolError as exc:
                 tampered.append(str(exc))
-                return sandbox.STOP
+                return sandbox.Reply(stop=True)
             for frame in frames:
                 if frame.job < verify_runs and watch is not None and watch(frame):
-                    return sandbox.STOP
-                if phases == 2 and frame.job == verify_runs - 1:
-                    return sandbox.NEW_PHASE
+                    return sandbox.Reply(stop=True)
+                new_phase = phases == 2 and frame.job == verify_runs - 1
+                return sandbox.Reply(new_phase=new_phase, send=dispatch(frame.job + 1))
             return None
 
-        outcome = sandbox.run(["./run", "{fd}"], scratch, limits, stdin=gemm.request(nonce, jobs),
-                              env=self.harness_env(), extra_pipe=True,
-                              watch=on_chunk, cpus=cpus if len(cpus) < len(allowed) else None)
+        first = gemm.header(nonce) + dispatch(0)
+        outcome = sandbox.run(["./run", "{fd}", "{marks}"], scratch, limits, stdin=first,
+                              env=self.harness_env(), extra_pipe=True, marks=True,
+                              watch=on_event, cpus=cpus if len(cpus) < len(allowed) else None)
         run = _Run(reader.frames, None, "", outcome.wall_s, outcome.phase_started)
         if tampered:
             run.frames, run.status = [], "runtime_error"
@@ -374,6 +390,9 @@ class Benchmarker:
             return "the kernel modified its inputs A or B"
         if frame.flags & gemm.FLAG_CHANGED_AFTER_RETURN:
             return "C was still being written after the kernel returned"
+        if frame.flags & gemm.FLAG_PARALLEL_LEFT_OPEN:
+            return ("the kernel returned with a parallel region still open (threads left "
+                    "running after the call)")
         return gemm.check_expected(frame.c, expected, tolerance)
 
     def _measure(self, scratch: Path, task: TaskSpec, plan: _Plan, verdict: Verdict,
@@ -402,6 +421,8 @@ class Benchmarker:
                             verify_runs=nverify, watch=watch)
         boundary = started + run.wall_s if run.phase_started is None else run.phase_started
         durations["verify"] = boundary - started
+        if problem := _timing_problem(run.frames):
+            return "verification_error", problem
         verify_frames = [f for f in run.frames if f.job < nverify]
         in_verify = len(verify_frames) < nverify
         # A frame that arrived in the same read as the one that stopped the run was not
@@ -459,7 +480,9 @@ class Benchmarker:
                 phase = {"w": "warm-up", "t": "timed", "v": "final verification"}[
                     jobs[frame.job].kind]
                 return "verification_error", f"wrong result in the {phase} run: {message}"
-        runs = [f.seconds for f in frames if jobs[f.job].kind == "t"]
+        if problem := _timing_problem(frames):
+            return "verification_error", problem
+        runs = [f.effective_seconds() for f in frames if jobs[f.job].kind == "t"]
         if not all(gemm.is_finite_positive(r) for r in runs):
             return "runtime_error", f"the harness's clock reported impossible times {runs}"
         timing = timing_stats(runs)
@@ -517,6 +540,13 @@ def _cancelling(future: Future[object]) -> Iterator[None]:
         yield
     finally:
         future.cancel()
+
+
+def _timing_problem(frames: list[gemm.Frame]) -> str:
+    for frame in frames:
+        if problem := frame.timing_problem():
+            return f"the timing was tampered with: {problem}"
+    return ""
 
 
 def _stage_message(stage: int, broken: list[str]) -> str:

@@ -17,6 +17,8 @@ import os
 import selectors
 import shutil
 import signal
+import socket
+import struct
 import subprocess
 import time
 from collections.abc import Callable, Sequence
@@ -85,10 +87,22 @@ def _command(argv: Sequence[str], scratch: Path, *, writable: bool,
     return [*cmd, "--", *argv]
 
 
-# What a watcher of the extra pipe may answer for each chunk it is shown.
-NEW_PHASE = "phase"  # restart the wall clock: the next phase has the full limit again
-STOP = "stop"  # the outcome is known: kill the process group now
-Watcher = Callable[[bytes], str | None]
+@dataclass(frozen=True)
+class Reply:
+    """What a watcher answers for each event it is shown."""
+
+    stop: bool = False  # the outcome is known: kill the process group now
+    new_phase: bool = False  # restart the wall clock: the next phase has the full limit again
+    send: bytes = b""  # write this to the process's stdin (kept open while a watcher runs)
+
+
+DATA, MARK = "data", "mark"
+# (channel, payload, time in ns on CLOCK_MONOTONIC): for DATA, when this process read the
+# chunk; for MARK, when the host's kernel queued the message (SO_TIMESTAMPNS), which no delay
+# of this process can move.
+Watcher = Callable[[str, bytes, int], "Reply | None"]
+_SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)
+_MARK_SIZE = 4096
 
 
 def _prlimit(limits: Limits) -> list[str]:
@@ -110,24 +124,35 @@ def run(
     env: dict[str, str] | None = None,
     stdin: bytes = b"",
     extra_pipe: bool = False,
+    marks: bool = False,
     watch: Watcher | None = None,
     cpus: Sequence[int] | None = None,
 ) -> Outcome:
     """Run ``argv`` in the sandbox. With ``extra_pipe``, ``{fd}`` in argv becomes the number
-    of a descriptor whose output is collected separately (Outcome.extra); ``watch`` is shown
-    each chunk of it as it arrives and may restart the wall clock once (``NEW_PHASE``: a run
-    of two phases, each with the full wall limit) or end the run (``STOP``). ``cpus``
-    restricts the whole sandbox to those CPUs."""
-    pass_fds: tuple[int, ...] = ()
+    of a descriptor whose output is collected separately (Outcome.extra); with ``marks``,
+    ``{marks}`` becomes a message socket whose messages are timestamped by the host's kernel.
+    ``watch`` is shown every chunk of the extra pipe and every mark as they arrive, and may
+    send more input (stdin then stays open until the run ends), restart the wall clock once
+    (a run of two phases, each with the full wall limit) or end the run. ``cpus`` restricts
+    the whole sandbox to those CPUs."""
+    pass_fds: list[int] = []
     read_end = write_end = -1
     if extra_pipe:
         read_end, write_end = os.pipe()
-        # A result frame (a whole matrix) fits at once: the writer need not wait for this
-        # process to be scheduled and drain the pipe 64 KiB at a time.
+        # A result (a whole matrix) fits at once: the writer need not wait for this process
+        # to be scheduled and drain the pipe 64 KiB at a time.
         with contextlib.suppress(OSError):
             fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, PIPE_SIZE)
-        pass_fds = (write_end,)
+        pass_fds.append(write_end)
         argv = [arg.replace("{fd}", str(write_end)) for arg in argv]
+    mark_parent: socket.socket | None = None
+    mark_child: socket.socket | None = None
+    if marks:
+        mark_parent, mark_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        mark_parent.setsockopt(socket.SOL_SOCKET, _SO_TIMESTAMPNS, 1)
+        mark_parent.setblocking(False)
+        pass_fds.append(mark_child.fileno())
+        argv = [arg.replace("{marks}", str(mark_child.fileno())) for arg in argv]
     cmd = _prlimit(limits) + _command(argv, scratch, writable=writable, ro_binds=ro_binds,
                                       env=env or {}, tmp_mb=limits.tmp_mb)
     if cpus is not None:
@@ -136,15 +161,17 @@ def run(
     started = time.monotonic()
     proc = subprocess.Popen(
         cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        start_new_session=True, pass_fds=pass_fds,
+        start_new_session=True, pass_fds=tuple(pass_fds),
     )
     if extra_pipe:
         os.close(write_end)
+    if mark_child is not None:
+        mark_child.close()
     assert proc.stdin and proc.stdout and proc.stderr
     out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
-    with contextlib.suppress(BrokenPipeError):
-        proc.stdin.write(stdin)
-    proc.stdin.close()
+    stdin_open = _send(proc, stdin)
+    if watch is None:
+        _close_stdin(proc)
     buffers: dict[int, bytearray] = {out_fd: bytearray(), err_fd: bytearray()}
     extra = bytearray()
     extra_times: list[tuple[int, float]] = []
@@ -153,9 +180,34 @@ def run(
     selector.register(proc.stderr, selectors.EVENT_READ)
     if extra_pipe:
         selector.register(read_end, selectors.EVENT_READ)
+    if mark_parent is not None:
+        selector.register(mark_parent, selectors.EVENT_READ)
     deadline = started + limits.wall_s
     timed_out = stopped = False
     phase_started: float | None = None
+
+    def react(reply: Reply | None) -> None:
+        nonlocal stopped, phase_started, deadline, stdin_open
+        if reply is None:
+            return
+        if reply.stop:
+            stopped = True
+            return
+        if reply.new_phase and phase_started is None:
+            phase_started = time.monotonic()
+            deadline = phase_started + limits.wall_s
+        if reply.send and stdin_open:
+            stdin_open = _send(proc, reply.send)
+
+    def show(channel: str, payload: bytes, at_ns: int) -> None:
+        assert watch is not None
+        try:
+            reply = watch(channel, payload, at_ns)
+        except BaseException:
+            kill_group(proc)
+            raise
+        react(reply)
+
     open_streams = len(selector.get_map())
     while open_streams and not stopped:
         remaining = deadline - time.monotonic()
@@ -163,6 +215,17 @@ def run(
             timed_out = True
             break
         for key, _ in selector.select(timeout=min(remaining, 0.5)):
+            if stopped:
+                break
+            if key.fileobj is mark_parent:
+                messages = _receive_marks(mark_parent)
+                if messages is None:
+                    selector.unregister(mark_parent)
+                    open_streams -= 1
+                for payload, at_ns in messages or ():
+                    if watch is not None and not stopped:
+                        show(MARK, payload, at_ns)
+                continue
             fd = key.fd if isinstance(key.fileobj, int) else key.fileobj.fileno()
             chunk = os.read(fd, 1 << 20)
             if not chunk:
@@ -173,21 +236,12 @@ def run(
                 extra += chunk
                 extra_times.append((len(extra), time.monotonic()))
                 if watch is not None:
-                    try:
-                        action = watch(chunk)
-                    except BaseException:
-                        kill_group(proc)
-                        raise
-                    if action == STOP:
-                        stopped = True
-                        break
-                    if action == NEW_PHASE and phase_started is None:
-                        phase_started = time.monotonic()
-                        deadline = phase_started + limits.wall_s
+                    show(DATA, chunk, time.monotonic_ns())
             elif len(buffers[fd]) < OUTPUT_LIMIT:
                 buffers[fd] += chunk[: OUTPUT_LIMIT - len(buffers[fd])]
     if timed_out or stopped:
         kill_group(proc)
+    _close_stdin(proc)
     try:
         returncode = proc.wait(timeout=max(0.1, deadline - time.monotonic()) + 2)
     except subprocess.TimeoutExpired:
@@ -199,9 +253,53 @@ def run(
     proc.stderr.close()
     if extra_pipe:
         os.close(read_end)
+    if mark_parent is not None:
+        mark_parent.close()
     return Outcome(returncode, bytes(buffers[out_fd]), bytes(buffers[err_fd]), timed_out,
                    time.monotonic() - started, bytes(extra), extra_times, phase_started,
                    stopped)
+
+
+def _send(proc: subprocess.Popen, data: bytes) -> bool:
+    """Write to the process's stdin; False once it can take no more (it closed or died)."""
+    assert proc.stdin
+    try:
+        proc.stdin.write(data)
+        proc.stdin.flush()
+    except (BrokenPipeError, ValueError, OSError):
+        return False
+    return True
+
+
+def _close_stdin(proc: subprocess.Popen) -> None:
+    assert proc.stdin
+    with contextlib.suppress(BrokenPipeError, OSError):
+        proc.stdin.close()
+
+
+def _receive_marks(sock: socket.socket) -> list[tuple[bytes, int]] | None:
+    """Every queued message with its kernel timestamp converted to CLOCK_MONOTONIC ns; None
+    when the other end is closed (and nothing is left)."""
+    messages: list[tuple[bytes, int]] = []
+    while True:
+        try:
+            data, ancillary, _, _ = sock.recvmsg(_MARK_SIZE, socket.CMSG_SPACE(16))
+        except (BlockingIOError, InterruptedError):
+            return messages
+        except OSError:
+            return messages or None
+        if not data and not ancillary:
+            return messages or None
+        # The stamp is CLOCK_REALTIME; the offset to CLOCK_MONOTONIC is read now, a moment
+        # after it (both clocks are slewed alike; only a step would move the offset).
+        offset = time.time_ns() - time.monotonic_ns()
+        stamp = None
+        for level, kind, payload in ancillary:
+            if level == socket.SOL_SOCKET and kind == _SO_TIMESTAMPNS and len(payload) >= 16:
+                seconds, nanos = struct.unpack_from("qq", payload)
+                stamp = seconds * 1_000_000_000 + nanos - offset
+        # No stamp (cannot happen on Linux): the arrival is no earlier than now.
+        messages.append((data, stamp if stamp is not None else time.monotonic_ns()))
 
 
 def kill_group(proc: subprocess.Popen) -> None:
