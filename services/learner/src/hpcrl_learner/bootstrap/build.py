@@ -26,7 +26,7 @@ from hpcrl_learner.bootstrap.check import host_has_avx512
 MARKER = "BOOTSTRAP_READY"
 INFO_FILE = "bootstrap.json"
 # Bump when the corpus, prompts or training change in a way the settings do not show.
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 
 log = structlog.get_logger("hpcrl.learner.bootstrap")
 

@@ -1,8 +1,6 @@
-"""``hpcrl-learner bootstrap-model`` / ``python -m hpcrl_learner.bootstrap``.
-
-Builds the embedded policy if it is not cached yet, shows progress on stderr, and prints the
-model directory as the last line of stdout (so scripts can do ``dir=$(... | tail -1)``).
-"""
+"""Build the embedded policy (a small Qwen2 code model trained on CPU on a generated corpus
+of matrix-multiply kernels) unless it is cached, showing progress on stderr; print the model
+directory as the last line of stdout. Also: python -m hpcrl_learner.bootstrap."""
 
 from __future__ import annotations
 

@@ -319,8 +319,10 @@ class _Ctx:
 
 def render(spec: KernelSpec) -> str:
     """The C source of ``spec``: includes, constants, then ``matmul_optimized``."""
-    ctx = _Ctx(spec=spec, ix=_Index(spec), tile_names=_TILE_NAMES[spec.style % 3],
-               defines=spec.style % 2 == 0)
+    # One naming for tiles: a 3M-parameter policy trained for minutes mixed names within one
+    # kernel (ib here, ii there) when the corpus varied them, and most of its compile errors
+    # were such mix-ups.
+    ctx = _Ctx(spec=spec, ix=_Index(spec), tile_names=_TILE_NAMES[0], defines=True)
     head: list[str] = []
     if spec.simd or (spec.prefetch and spec.prefetch[0] == "mm"):
         head.append("#include <immintrin.h>")

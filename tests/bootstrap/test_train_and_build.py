@@ -1,0 +1,110 @@
+"""SFT pieces, and a tiny end-to-end bootstrap that loads back with transformers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from hpcrl_learner.bootstrap import best_kernels
+from hpcrl_learner.bootstrap.build import (
+    INFO_FILE,
+    MARKER,
+    BootstrapSettings,
+    default_dir,
+    ensure_model,
+    is_ready,
+)
+from hpcrl_learner.bootstrap.cli import main
+from hpcrl_learner.bootstrap.train import (
+    IGNORE,
+    Encoded,
+    TrainSettings,
+    batches,
+    collate,
+    lr_at,
+)
+
+pytest.importorskip("hpcrl_scheduler.prompts")
+TINY = BootstrapSettings(examples=120, vocab_size=1024, hidden_size=64, layers=2, heads=4,
+                         kv_heads=2, intermediate_size=128, steps=3, batch_size=4,
+                         warmup_steps=1, precision="fp32")
+
+
+def test_collate_trains_on_the_completion_only() -> None:
+    batch = collate([Encoded([5, 6, 7, 8, 9], prompt_len=3), Encoded([1, 2], prompt_len=1)],
+                    pad_id=0, multiple=4)
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 8, 9, 0, 0, 0], [1, 2, 0, 0, 0, 0, 0, 0]]
+    assert batch["labels"].tolist() == [[IGNORE] * 3 + [8, 9] + [IGNORE] * 3,
+                                        [IGNORE, 2] + [IGNORE] * 6]
+
+
+def test_batches_are_full_and_lr_warms_up_then_decays() -> None:
+    encoded = [Encoded(list(range(n % 7 + 2)), 1) for n in range(50)]
+    plan = batches(encoded, batch_size=8, seed=0, steps=20)
+    assert len(plan) == 20 and all(len(b) == 8 for b in plan)
+    settings = TrainSettings(steps=100, learning_rate=1e-3, warmup_steps=10)
+    assert lr_at(0, settings) == pytest.approx(1e-4)
+    assert lr_at(9, settings) == pytest.approx(1e-3)
+    assert lr_at(99, settings) < lr_at(50, settings) < lr_at(10, settings)
+
+
+def test_settings_name_the_cache_directory(tmp_path: Path) -> None:
+    assert default_dir(tmp_path, TINY) == default_dir(tmp_path, TINY)
+    assert default_dir(tmp_path, TINY).parent == tmp_path / "policy"
+    other = BootstrapSettings(**{**TINY.__dict__, "steps": 4})
+    assert default_dir(tmp_path, other) != default_dir(tmp_path, TINY)
+
+
+@pytest.mark.slow
+def test_tiny_bootstrap_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "model"
+    (out).mkdir()  # a half-built directory (no marker) must not count as a model
+    (out / "config.json").write_text("{}")
+    assert not is_ready(out)
+    assert ensure_model(TINY, out) == out
+    assert is_ready(out)
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json",
+                 INFO_FILE, MARKER):
+        assert (out / name).is_file(), name
+    info = json.loads((out / INFO_FILE).read_text())
+    assert info["training"]["steps"] == 3 and info["key"] == TINY.key()
+
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2ForCausalLM"]
+    assert config["tie_word_embeddings"] is True
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    kernel = best_kernels(per_stage=1)[3].source
+    assert tokenizer(kernel)["input_ids"] == Tokenizer.from_file(
+        str(out / "tokenizer.json")).encode(kernel).ids
+    model = AutoModelForCausalLM.from_pretrained(out)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Stage 1."}],
+                                           tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)
+    torch.manual_seed(0)
+    generated = model.generate(**ids, do_sample=True, max_new_tokens=8,
+                               pad_token_id=tokenizer.pad_token_id)
+    assert generated.shape[1] > ids["input_ids"].shape[1]
+    assert isinstance(tokenizer.decode(generated[0]), str)
+
+    # Cached: a second call neither rebuilds nor touches the weights.
+    stamp = (out / "model.safetensors").stat().st_mtime_ns
+    assert ensure_model(TINY, out) == out
+    assert (out / "model.safetensors").stat().st_mtime_ns == stamp
+    # The CLI finds it and prints the directory as its last line.
+    capsys.readouterr()
+    assert main(["--out", str(out), "--steps", "3"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1] == str(out)
+
+
+def test_module_entry_point_has_truthful_help() -> None:
+    done = subprocess.run([sys.executable, "-m", "hpcrl_learner.bootstrap", "--help"],
+                          capture_output=True, text=True, check=True, timeout=120)
+    for flag in ("--data-dir", "--out", "--steps", "--seed", "--force", "--evaluate"):
+        assert flag in done.stdout
