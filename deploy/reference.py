@@ -59,25 +59,24 @@ def setting_rows(prefix: str, model: type[BaseModel]) -> Iterator[tuple[str, str
 
 
 def metric_rows() -> dict[str, list[tuple[str, str, str, str]]]:
-    owners: dict[int, str] = {}
+    """Every hpcrl metric in the registry, grouped by the component its name starts with."""
     for module in METRIC_MODULES:
-        before = set(map(id, REGISTRY._names_to_collectors.values()))
         importlib.import_module(module)
-        for collector in REGISTRY._names_to_collectors.values():
-            if id(collector) not in before:
-                owners.setdefault(id(collector), module.split(".")[0].removeprefix("hpcrl_"))
+    components = ("benchmarker", "scheduler", "learner", "generator")
     rows: dict[str, list[tuple[str, str, str, str]]] = {}
     seen: set[int] = set()
     for collector in list(REGISTRY._names_to_collectors.values()):
-        if id(collector) in seen or id(collector) not in owners:
+        base = getattr(collector, "_name", "")
+        if id(collector) in seen or not base.startswith("hpcrl_"):
             continue
         seen.add(id(collector))
+        owner = next((c for c in components if base.startswith(f"hpcrl_{c}_")), "common")
         kind = type(collector).__name__.lower()
-        name = collector._name + {"counter": "_total", "info": "_info"}.get(kind, "")
+        name = base + {"counter": "_total", "info": "_info"}.get(kind, "")
         labels = ", ".join(f"`{label}`" for label in collector._labelnames)
         doc = collector._documentation.replace("|", "\\|")
-        rows.setdefault(owners[id(collector)], []).append((name, kind, labels, doc))
-    return rows
+        rows.setdefault(owner, []).append((name, kind, labels, doc))
+    return dict(sorted(rows.items(), key=lambda item: ("common", *components).index(item[0])))
 
 
 def rewrite_readme(readme: Path) -> None:

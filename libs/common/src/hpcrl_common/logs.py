@@ -8,6 +8,21 @@ from typing import Literal
 
 import structlog
 
+
+class _CurrentStderr:
+    """Writes to whatever ``sys.stderr`` is now, not what it was at configuration time
+    (test runners and daemons swap it; a captured, since-closed stream must not be kept)."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+    def isatty(self) -> bool:
+        return sys.stderr.isatty()
+
+
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
            "error": logging.ERROR}
 
@@ -34,10 +49,10 @@ def configure_logging(
         if use_json
         else [*shared, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()),
         cache_logger_on_first_use=False,
     )
-    logging.basicConfig(level=max(_LEVELS[level], logging.WARNING), stream=sys.stderr,
+    logging.basicConfig(level=max(_LEVELS[level], logging.WARNING), stream=_CurrentStderr(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
     structlog.contextvars.bind_contextvars(service=service)
     return structlog.get_logger(service)
