@@ -208,8 +208,9 @@ def write_report(run_dir: Path, data: dict[str, Any], db: Path, checkpoints: Pat
     summary = {"scheduler": data, "learner": learner, "corpus_best": corpus_best}
     (run_dir / "metrics.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     rows = iteration_rows(data)
+    columns = list(dict.fromkeys(key for row in rows for key in row)) or ["iteration"]
     with (run_dir / "iterations.csv").open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]) if rows else ["iteration"])
+        writer = csv.DictWriter(handle, fieldnames=columns, restval="")
         writer.writeheader()
         writer.writerows(rows)
     its = [r["iteration"] for r in rows]
@@ -287,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="where run directories go (default: runs/)")
     parser.add_argument("--fresh", action="store_true",
                         help="discard an unfinished run of this experiment and start over")
+    parser.add_argument("--report-only", action="store_true",
+                        help="write the report of the finished run again; start nothing")
     parser.add_argument("--backend", choices=["auto", "vllm", "transformers"], default="auto",
                         help="generator backend (auto: vLLM where it imports)")
     parser.add_argument("--policy-data-dir", type=Path, default=ROOT / "data",
@@ -303,6 +306,12 @@ def main(argv: list[str] | None = None) -> int:
     db = (ROOT / config.db_path).resolve()
     checkpoints = data_dir / "checkpoints"
     previous = read_snapshot(db)
+    if args.report_only:
+        if previous is None or not previous["done"]:
+            raise SystemExit("error: no finished run of this experiment to report on")
+        write_report(run_dir, previous, db, checkpoints, benchmark_corpus_best(config))
+        console.print(f"\n[bold]run directory:[/] {run_dir}")
+        return 0
     if args.fresh or (previous is not None and previous["done"]):
         console.print("starting a fresh run" + (" (the previous one finished)" if previous else ""))
         shutil.rmtree(data_dir / "scheduler", ignore_errors=True)

@@ -15,7 +15,7 @@ from prometheus_client import Counter
 from hpcrl_common.metrics import MetricsServer
 
 ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = Counter("hpcrl_test_example_total", "A counter only this test increments")
+EXAMPLE = Counter("plumbing_test_example_total", "A counter only this test increments")
 
 
 def get(url: str) -> tuple[int, bytes]:
@@ -32,7 +32,7 @@ def test_metrics_and_health_endpoint():
     try:
         EXAMPLE.inc(3)
         status, body = get(f"http://127.0.0.1:{server.port}/metrics")
-        assert status == 200 and b"hpcrl_test_example_total 3.0" in body
+        assert status == 200 and b"plumbing_test_example_total 3.0" in body
         assert b'hpcrl_service_info{service="test"}' in body
         status, body = get(f"http://127.0.0.1:{server.port}/healthz")
         assert status == 200 and json.loads(body) == {"healthy": True, "detail": 1}

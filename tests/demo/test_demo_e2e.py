@@ -7,6 +7,7 @@ reports, not that it learns (bench/learning.py measures that).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,27 +20,26 @@ pytestmark = [pytest.mark.broker, pytest.mark.slow]
 
 
 def test_reduced_demo_runs_end_to_end(broker_settings, tmp_path):
-    config = tmp_path / "demo.toml"
-    source = (ROOT / "deploy/local/demo.toml").read_text()
-    config.write_text(
-        source.replace('namespace = "demo"', f'namespace = "{broker_settings.namespace}"')
-        .replace('data_dir = "data/demo"', f'data_dir = "{tmp_path / "data" / "demo"}"')
-        .replace("iterations = 3", "iterations = 1")
-        .replace("group_size = 4", "group_size = 2")
-        .replace("node_budget = 4", "node_budget = 1")
-        .replace("groups_per_step = 2", "groups_per_step = 1")
-        .replace("initial_groups_per_step = 2", "initial_groups_per_step = 1")
-        .replace("max_tokens = 1024", "max_tokens = 256")
-    )
-    env_ports = {f"HPCRL__{svc}__METRICS_PORT": "0"
-                 for svc in ("GENERATOR", "BENCHMARKER", "LEARNER", "SCHEDULER")}
+    """The shipped demo config, shrunk by environment overrides (as an operator would)."""
+    overrides = {
+        "HPCRL__BROKER__NAMESPACE": broker_settings.namespace,
+        "HPCRL__EXPERIMENT__DATA_DIR": str(tmp_path / "data" / "demo"),
+        "HPCRL__SCHEDULER__ITERATIONS": "1",
+        "HPCRL__SCHEDULER__GROUP_SIZE": "2",
+        "HPCRL__SCHEDULER__NODE_BUDGET": "1",
+        "HPCRL__SCHEDULER__MAX_TOKENS": "256",
+        "HPCRL__SCHEDULER__INITIAL_GROUPS_PER_STEP": "1",
+        "HPCRL__LEARNER__GROUPS_PER_STEP": "1",
+        **{f"HPCRL__{svc}__METRICS_PORT": "0"
+           for svc in ("GENERATOR", "BENCHMARKER", "LEARNER", "SCHEDULER")},
+    }
     runs = tmp_path / "runs"
     result = subprocess.run(
-        [sys.executable, str(ROOT / "deploy/local/demo.py"), "--config", str(config),
+        [sys.executable, str(ROOT / "deploy/local/demo.py"),
          "--runs", str(runs), "--policy-data-dir", str(tmp_path / "data"),
          "--bootstrap-arg=--steps=4", "--bootstrap-arg=--examples=64"],
         capture_output=True, text=True, timeout=900, cwd=ROOT,
-        env={**__import__("os").environ, **env_ports},
+        env={**os.environ, **overrides},
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     run_dir = runs / "demo"
