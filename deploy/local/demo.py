@@ -29,10 +29,11 @@ from rich.table import Table
 
 from hpcrl_common.checkpoints import CheckpointStore
 from hpcrl_common.config import load_config
-from hpcrl_common.topology import Topology
+from hpcrl_common.topology import WEIGHT_UPDATES, Topology
 from hpcrl_learner.config import LearnerConfig
 from hpcrl_scheduler.config import SchedulerConfig
 from hpcrl_scheduler.report import export, snapshot
+from hpcrl_scheduler.service import SUBSCRIBER as SCHEDULER_SUBSCRIBER
 from hpcrl_scheduler.store import Store
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -99,9 +100,14 @@ def bootstrap_policy(data_dir: Path, extra: list[str]) -> Path:
 
 def purge_broker(config: SchedulerConfig) -> None:
     """A fresh run must not see messages left by an earlier one in the same namespace."""
+    topology = Topology(config.broker.namespace, config.broker.delivery_limit)
     connection = pika.BlockingConnection(pika.URLParameters(config.broker.url))
     try:
-        Topology(config.broker.namespace, config.broker.delivery_limit).delete(connection.channel())
+        channel = connection.channel()
+        topology.delete(channel)
+        # The scheduler's durable subscription outlives the exchange: an announcement of
+        # the old run's last version must not become the new run's version floor.
+        channel.queue_delete(topology.subscriber_queue(WEIGHT_UPDATES, SCHEDULER_SUBSCRIBER))
     finally:
         connection.close()
 
