@@ -24,15 +24,18 @@ GRAFANA = ROOT / "deploy" / "grafana"
 DASHBOARD_DIR = GRAFANA / "dashboards"
 PROMETHEUS_CONFIG = ROOT / "deploy" / "prometheus" / "prometheus.yml"
 
-# Every module that defines a service's metrics (each service also imports the first two).
-METRIC_MODULES = (
-    "hpcrl_common.broker",
-    "hpcrl_common.metrics",
-    "hpcrl_benchmarker.service",
-    "hpcrl_scheduler.metrics",
-    "hpcrl_learner.metrics",
-    "hpcrl_generator.metrics",
-)
+
+
+def _metric_modules() -> tuple[str, ...]:
+    """Every module that defines a service's metrics: one list, kept in deploy/reference.py."""
+    path = ROOT / "deploy" / "reference.py"
+    spec = importlib.util.spec_from_file_location("hpcrl_reference", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.METRIC_MODULES
+
+
+METRIC_MODULES = _metric_modules()
 # Series names that Prometheus itself adds to every target; the dashboards may use them.
 PROMETHEUS_SERIES = {"up": frozenset()}
 TARGET_LABELS = frozenset({"job", "instance"})
