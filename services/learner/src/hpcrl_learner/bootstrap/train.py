@@ -26,12 +26,14 @@ IGNORE = -100
 
 @dataclass(frozen=True)
 class ModelShape:
-    hidden_size: int = 256
-    layers: int = 4
-    heads: int = 4
-    kv_heads: int = 2
-    intermediate_size: int = 688
-    max_positions: int = 2048
+    """The Qwen2 shape; its defaults live in build.BootstrapSettings (the cache key)."""
+
+    hidden_size: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate_size: int
+    max_positions: int
 
 
 @dataclass(frozen=True)
