@@ -12,7 +12,7 @@ A/B comparison. The load average is printed because other processes on the node 
 the figure when there are any.
 
     .venv/bin/python bench/timing_noise.py [--kernel avx2_prefetch.c] [--measurements 10]
-                                           [--no-pin]
+                                           [--no-pin] [--timed-runs N]
 """
 
 from __future__ import annotations
@@ -36,12 +36,17 @@ def main() -> None:
     parser.add_argument("--measurements", type=int, default=10)
     parser.add_argument("--opt-level", default="O3")
     parser.add_argument("--no-pin", action="store_true", help="do not bind OpenMP threads")
+    parser.add_argument("--timed-runs", type=int, default=None,
+                        help="override the task's timed runs per measurement (paper: 3)")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="hpcrl-noise-"))
     settings = Settings(work_dir=root / "work", lock_path=root / "lock",
                         pin_threads=not args.no_pin)
     bench = Benchmarker(settings, detect())
     task = load_task("matmul")
+    if args.timed_runs is not None:
+        timing = task.timing.model_copy(update={"timed_runs": args.timed_runs})
+        task = task.model_copy(update={"timing": timing})
     code = (KERNELS / args.kernel).read_text()
     load_before = os.getloadavg()[0]
     values, inner, best = [], [], []
@@ -55,7 +60,8 @@ def main() -> None:
               f"{verdict.timing.cv:.2%})")
     cv = statistics.pstdev(values) / statistics.fmean(values)
     cv_best = statistics.pstdev(best) / statistics.fmean(best)
-    print(f"kernel {args.kernel}, host {bench.host.host_class}, pinned {not args.no_pin}, "
+    print(f"kernel {args.kernel}, {task.timing.timed_runs} timed runs per measurement, host "
+          f"{bench.host.host_class}, pinned {not args.no_pin}, "
           f"load average {load_before:.2f} -> {os.getloadavg()[0]:.2f}")
     print(f"median within-measurement cv {statistics.median(inner):.2%}; cv of the best run "
           f"of each measurement (not the reward) {cv_best:.2%}")
