@@ -2,9 +2,11 @@
 
 Runs `deploy/local/demo.py` (the four real services over the real broker) once per
 (learning rate, seed), each as its own experiment (own namespace, data dir and run dir),
-then prints the best GFLOPS per iteration of every run, the learning gain (default LR minus
-LR 0, final best GFLOPS, mean over seeds) with its spread, and the overall best kernel as a
-fraction of OpenBLAS dgemm at 256³ timed in the same run. The last line is the gain.
+then prints, per iteration of every run, the best GFLOPS so far, the mean raw reward and the
+share of programs that were correct; the overall best kernel as a fraction of OpenBLAS dgemm
+at 256³ timed in the same run; and the learning gains (default LR minus LR 0, mean over seeds,
+with their spread): in the share correct and the mean reward over the later half of the
+iterations (less noisy: every sample counts), and in the final best GFLOPS (the last line).
 
     .venv/bin/python bench/learning.py                 # 3 seeds x 2 learning rates
     .venv/bin/python bench/learning.py --seeds 0 --iterations 2   # a quicker look
@@ -82,37 +84,84 @@ def best_per_iteration(metrics: dict) -> list[float]:
     return out
 
 
+def success_share_per_iteration(metrics: dict) -> list[float]:
+    """Fraction of each iteration's (deduplicated) programs that were correct and timed."""
+    out = []
+    for it in metrics["scheduler"]["iterations"]:
+        stages = it["pool"].values()
+        total = sum(s["count"] for s in stages)
+        ok = sum(s["count"] * s["status_share"].get("success", 0.0) for s in stages)
+        out.append(ok / total if total else 0.0)
+    return out
+
+
+def reward_mean_per_iteration(metrics: dict) -> list[float]:
+    return [it["reward_mean"] if it["reward_mean"] is not None else float("nan")
+            for it in metrics["scheduler"]["iterations"]]
+
+
+def _gain(label: str, unit: str, lr: float, treated: list[float], base: list[float]) -> str:
+    gains = [t - b for t, b in zip(treated, base, strict=True)]
+    spread = statistics.stdev(gains) if len(gains) > 1 else 0.0
+    return (f"{label} (lr {lr:g} - lr 0, per seed): mean {statistics.fmean(gains):+.3g}{unit}, "
+            f"std {spread:.3g} over {len(gains)} seeds")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--iterations", type=int, default=None,
                         help="override scheduler.iterations of the demo config")
+    parser.add_argument("--learning-rate", type=float, default=None,
+                        help="the learning rate compared with 0 (default: the demo's)")
     parser.add_argument("--runs", type=Path, default=ROOT / "runs" / "bench-learning")
     args = parser.parse_args()
 
     default_lr = load_config(LearnerConfig, CONFIG, env={}).learner.learning_rate
-    results: dict[float, list[list[float]]] = {0.0: [], default_lr: []}
-    for lr in results:
+    lrs = (0.0, args.learning_rate or default_lr)
+    runs: dict[float, list[dict]] = {lr: [] for lr in lrs}
+    for lr in lrs:
         for seed in args.seeds:
             name = f"learning-lr{lr:g}-s{seed}".replace(".", "p")
-            metrics = run_experiment(name, seed, lr, args.iterations, args.runs)
-            results[lr].append(best_per_iteration(metrics))
+            runs[lr].append(run_experiment(name, seed, lr, args.iterations, args.runs))
     blas = openblas_gflops()
 
-    print("\nbest GFLOPS so far, per iteration")
-    for lr, per_seed in results.items():
-        for seed, curve in zip(args.seeds, per_seed, strict=True):
-            print(f"  lr {lr:<8g} seed {seed}: " + "  ".join(f"{g:8.2f}" for g in curve))
-    finals = {lr: [curve[-1] for curve in per_seed] for lr, per_seed in results.items()}
-    gains = [t - b for t, b in zip(finals[default_lr], finals[0.0], strict=True)]
+    curves = {"best GFLOPS so far": best_per_iteration,
+              "mean reward (raw, SPEC table)": reward_mean_per_iteration,
+              "share of programs correct": success_share_per_iteration}
+    for title, curve_of in curves.items():
+        print(f"\n{title}, per iteration")
+        for lr in lrs:
+            for seed, metrics in zip(args.seeds, runs[lr], strict=True):
+                print(f"  lr {lr:<8g} seed {seed}: "
+                      + "  ".join(f"{v:8.2f}" for v in curve_of(metrics)))
+
+    def last(curve_of, lr: float) -> list[float]:
+        return [curve_of(m)[-1] for m in runs[lr]]
+
+    def later_half(curve_of, lr: float) -> list[float]:
+        out = []
+        for metrics in runs[lr]:
+            values = curve_of(metrics)
+            tail = values[len(values) // 2:]
+            out.append(statistics.fmean(tail))
+        return out
+
+    base, treated = lrs
+    finals = {lr: last(best_per_iteration, lr) for lr in lrs}
     overall = max(max(v) for v in finals.values())
-    spread = statistics.stdev(gains) if len(gains) > 1 else 0.0
-    print(f"\nfinal best GFLOPS, lr 0: mean {statistics.fmean(finals[0.0]):.2f}; "
-          f"lr {default_lr:g}: mean {statistics.fmean(finals[default_lr]):.2f}")
+    print(f"\nfinal best GFLOPS, lr 0: mean {statistics.fmean(finals[base]):.2f}; "
+          f"lr {treated:g}: mean {statistics.fmean(finals[treated]):.2f}")
     print(f"OpenBLAS dgemm 256^3 (same machine, same run): {blas:.2f} GFLOPS; best kernel "
           f"{overall:.2f} GFLOPS = {overall / blas:.1%} of it")
-    print(f"learning gain (lr {default_lr:g} - lr 0, per seed): mean "
-          f"{statistics.fmean(gains):+.2f} GFLOPS, std {spread:.2f} over {len(gains)} seeds")
+    print(_gain("gain in the share of programs correct, later half of the iterations", "",
+                treated, later_half(success_share_per_iteration, treated),
+                later_half(success_share_per_iteration, base)))
+    print(_gain("gain in mean reward, later half of the iterations", "", treated,
+                later_half(reward_mean_per_iteration, treated),
+                later_half(reward_mean_per_iteration, base)))
+    print(_gain("learning gain in final best GFLOPS", " GFLOPS", treated, finals[treated],
+                finals[base]))
     return 0
 
 
