@@ -127,7 +127,8 @@ def main() -> int:
     blas = openblas_gflops()
 
     curves = {"best GFLOPS so far": best_per_iteration,
-              "mean reward (raw, SPEC table)": reward_mean_per_iteration,
+              "mean reward (what the learner got: penalties, GFLOPS normalised per group)":
+                  reward_mean_per_iteration,
               "share of programs correct": success_share_per_iteration}
     for title, curve_of in curves.items():
         print(f"\n{title}, per iteration")
