@@ -366,3 +366,31 @@ def test_a_watcher_can_stop_a_run_start_a_second_phase_and_feed_input(tmp_path: 
     assert outcome.stopped and not outcome.timed_out and outcome.phase_started is not None
     # Every stamp is on this process's monotonic clock, after the start.
     assert all(started_ns < at < time.monotonic_ns() for at in stamps)
+
+
+def test_marks_after_data_keeps_this_process_asleep_until_the_data(tmp_path: Path) -> None:
+    """While a timed call runs, the parent must not wake on the kernel's cores: with
+    marks_after_data, a mark is read only once data follows it, with its early stamp kept,
+    and still before that data."""
+    tmp_path.chmod(0o777)
+    script = ("import os, socket, sys, time\nfd, mk = int(sys.argv[1]), int(sys.argv[2])\n"
+              "s = socket.socket(fileno=mk)\ns.send(b'begin')\ntime.sleep(0.8)\n"
+              "s.send(b'result')\nos.write(fd, b'C')\ntime.sleep(0.3)\ns.send(b'check')\n")
+    seen: list[tuple[str, bytes, int, int]] = []
+
+    def watch(channel: str, payload: bytes, at_ns: int) -> sandbox.Reply | None:
+        seen.append((channel, payload, at_ns, time.monotonic_ns()))
+        return None
+
+    started = time.monotonic_ns()
+    outcome = sandbox.run(["/usr/bin/python3", "-c", script, "{fd}", "{marks}"], tmp_path,
+                          sandbox.Limits(wall_s=5, cpu_s=5), extra_pipe=True, marks=True,
+                          watch=watch, marks_after_data=True)
+    assert outcome.returncode == 0 and not outcome.timed_out
+    assert [(c, p) for c, p, _, _ in seen] == [("mark", b"begin"), ("mark", b"result"),
+                                              ("data", b"C"), ("mark", b"check")]
+    begin_stamp, begin_seen = seen[0][2], seen[0][3]
+    result_stamp = seen[1][2]
+    assert result_stamp - begin_stamp > 0.7e9  # the stamps keep the real times
+    assert begin_seen >= result_stamp  # but "begin" was read only when the data came
+    assert begin_stamp - started < 0.7e9

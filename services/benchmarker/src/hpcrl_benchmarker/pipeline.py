@@ -328,13 +328,15 @@ class Benchmarker:
                 if frame.job < verify_runs and watch is not None and watch(frame):
                     return sandbox.Reply(stop=True)
                 new_phase = phases == 2 and frame.job == verify_runs - 1
-                return sandbox.Reply(new_phase=new_phase, send=dispatch(frame.job + 1))
+                return sandbox.Reply(new_phase=new_phase, send=dispatch(frame.job + 1),
+                                     marks_after_data=frame.job + 1 < len(jobs))
             return None
 
         first = gemm.header(nonce) + dispatch(0)
         outcome = sandbox.run(["./run", "{fd}", "{marks}"], scratch, limits, stdin=first,
                               env=self.harness_env(), extra_pipe=True, marks=True,
-                              watch=on_event, cpus=cpus if len(cpus) < len(allowed) else None)
+                              watch=on_event, cpus=cpus if len(cpus) < len(allowed) else None,
+                              marks_after_data=True)
         run = _Run(reader.frames, None, "", outcome.wall_s, outcome.phase_started)
         if tampered:
             run.frames, run.status = [], "runtime_error"

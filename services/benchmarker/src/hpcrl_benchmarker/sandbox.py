@@ -94,6 +94,10 @@ class Reply:
     stop: bool = False  # the outcome is known: kill the process group now
     new_phase: bool = False  # restart the wall clock: the next phase has the full limit again
     send: bytes = b""  # write this to the process's stdin (kept open while a watcher runs)
+    # Read no marks until the process writes data (or ends): while a timed call runs, this
+    # process must not wake up on a core the kernel's threads are using. The marks keep
+    # their kernel timestamps and are read, in order, before that data.
+    marks_after_data: bool = False
 
 
 DATA, MARK = "data", "mark"
@@ -127,6 +131,7 @@ def run(
     marks: bool = False,
     watch: Watcher | None = None,
     cpus: Sequence[int] | None = None,
+    marks_after_data: bool = False,
 ) -> Outcome:
     """Run ``argv`` in the sandbox. With ``extra_pipe``, ``{fd}`` in argv becomes the number
     of a descriptor whose output is collected separately (Outcome.extra); with ``marks``,
@@ -134,7 +139,8 @@ def run(
     ``watch`` is shown every chunk of the extra pipe and every mark as they arrive, and may
     send more input (stdin then stays open until the run ends), restart the wall clock once
     (a run of two phases, each with the full wall limit) or end the run. ``cpus`` restricts
-    the whole sandbox to those CPUs."""
+    the whole sandbox to those CPUs. ``marks_after_data``: as the watcher's Reply field, from the
+    start."""
     pass_fds: list[int] = []
     read_end = write_end = -1
     if extra_pipe:
@@ -185,6 +191,31 @@ def run(
     deadline = started + limits.wall_s
     timed_out = stopped = False
     phase_started: float | None = None
+    marks_open = mark_parent is not None
+    marks_paused = False
+
+    def pause_marks(pause: bool) -> None:
+        nonlocal marks_paused
+        if mark_parent is None or not marks_open or pause == marks_paused:
+            return
+        if pause:
+            selector.unregister(mark_parent)
+        else:
+            selector.register(mark_parent, selectors.EVENT_READ)
+        marks_paused = pause
+
+    def read_marks() -> None:
+        nonlocal marks_open
+        if mark_parent is None or not marks_open:
+            return
+        messages = _receive_marks(mark_parent)
+        if messages is None:
+            pause_marks(False)
+            selector.unregister(mark_parent)
+            marks_open = False
+        for payload, at_ns in messages or ():
+            if watch is not None and not stopped:
+                show(MARK, payload, at_ns)
 
     def react(reply: Reply | None) -> None:
         nonlocal stopped, phase_started, deadline, stdin_open
@@ -198,6 +229,7 @@ def run(
             deadline = phase_started + limits.wall_s
         if reply.send and stdin_open:
             stdin_open = _send(proc, reply.send)
+            pause_marks(reply.marks_after_data)
 
     def show(channel: str, payload: bytes, at_ns: int) -> None:
         assert watch is not None
@@ -208,29 +240,31 @@ def run(
             raise
         react(reply)
 
-    open_streams = len(selector.get_map())
-    while open_streams and not stopped:
+    pause_marks(marks_after_data and stdin_open)
+    open_pipes = len(selector.get_map()) - (marks_open and not marks_paused)
+    while (open_pipes or marks_open) and not stopped:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             timed_out = True
             break
+        if not open_pipes:
+            pause_marks(False)  # the process has closed every pipe: only marks are left
         for key, _ in selector.select(timeout=min(remaining, 0.5)):
             if stopped:
                 break
             if key.fileobj is mark_parent:
-                messages = _receive_marks(mark_parent)
-                if messages is None:
-                    selector.unregister(mark_parent)
-                    open_streams -= 1
-                for payload, at_ns in messages or ():
-                    if watch is not None and not stopped:
-                        show(MARK, payload, at_ns)
+                read_marks()
                 continue
+            # Whatever the process writes, the marks it sent first are read first.
+            pause_marks(False)
+            read_marks()
+            if stopped:
+                break
             fd = key.fd if isinstance(key.fileobj, int) else key.fileobj.fileno()
             chunk = os.read(fd, 1 << 20)
             if not chunk:
                 selector.unregister(key.fileobj)
-                open_streams -= 1
+                open_pipes -= 1
                 continue
             if fd == read_end:
                 extra += chunk
