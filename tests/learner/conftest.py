@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from hpcrl_common.messages import PackedArray, RolloutBatch, RolloutSample
+from hpcrl_learner.batches import TrainSequence
 from hpcrl_learner.tiny import build_tiny_model
 
 PROMPT = [5, 6, 7, 8]
@@ -19,6 +20,12 @@ BAD = [20, 21, 22, 2]
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen2")
+
+
+def sequences_of(completions: Sequence[Sequence[int]]) -> list[TrainSequence]:
+    """Training sequences of PROMPT + each completion, with zero log-probs and advantage."""
+    return [TrainSequence(np.array(PROMPT), np.array(ids), np.zeros(len(ids), np.float32), 0.0)
+            for ids in completions]
 
 
 def rollout_batch(

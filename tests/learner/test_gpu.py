@@ -13,19 +13,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hpcrl_learner.batches import TrainSequence, prepare_group
+from hpcrl_learner.batches import prepare_group
 from hpcrl_learner.config import LearnerSettings
 from hpcrl_learner.trainer import TorchTrainer
 
-from .conftest import BAD, GOOD, PROMPT, good_bad_batch
+from .conftest import BAD, GOOD, good_bad_batch, sequences_of
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU (none visible on this machine)")
-
-
-def sequences_of(completions):
-    return [TrainSequence(np.array(PROMPT), np.array(ids), np.zeros(len(ids), np.float32), 0.0)
-            for ids in completions]
 
 
 def one_step(trainer: TorchTrainer, batch_id: str) -> dict[str, float]:

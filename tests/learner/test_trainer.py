@@ -14,12 +14,7 @@ from hpcrl_learner.config import LearnerSettings
 from hpcrl_learner.state import LearnerState, StateStore
 from hpcrl_learner.trainer import TorchTrainer
 
-from .conftest import BAD, GOOD, PROMPT, good_bad_batch, rollout_batch
-
-
-def sequences_of(completions):
-    return [TrainSequence(np.array(PROMPT), np.array(ids), np.zeros(len(ids), np.float32), 0.0)
-            for ids in completions]
+from .conftest import BAD, GOOD, PROMPT, good_bad_batch, rollout_batch, sequences_of
 
 
 def total_logprob(trainer: TorchTrainer, ids) -> float:
