@@ -324,6 +324,13 @@ def test_threads_pinned_and_restricted_to_their_cpus(bench: Benchmarker, task: T
     assert frames[0].c[0, 0] == 1
     frames, status, text = make(pin_threads=False)._run_jobs(scratch, task, jobs, Events())
     assert status is None and frames[0].c[0, 0] == HOST.cores
+    # However many threads a team asks for, it gets at most `threads`.
+    assert make(threads=1).harness_env()["OMP_THREAD_LIMIT"] == "1"
+    (scratch / "kernel.c").write_text(GREEDY_TEAM)
+    assert one._compile(scratch, task, task.compile_flags("O1"), Events()).error == ""
+    frames, status, text = one._run_jobs(scratch, task, jobs, Events())
+    assert status is None, text
+    assert frames[0].c[0, 0] == 1
 
 
 # Compiled straight into the harness (no checks): counts the CPUs of its affinity mask.
@@ -334,6 +341,18 @@ void matmul_optimized(double *A, double *B, double *C, int M, int N, int K) {
     CPU_ZERO(&set);
     sched_getaffinity(0, sizeof set, &set);
     for (int i = 0; i < M * N; i++) C[i] = CPU_COUNT(&set);
+}
+"""
+
+
+# Asks for 64 threads and reports how many it got.
+GREEDY_TEAM = """#include <omp.h>
+void matmul_optimized(double *A, double *B, double *C, int M, int N, int K) {
+    int got = 0;
+#pragma omp parallel num_threads(64)
+#pragma omp single
+    got = omp_get_num_threads();
+    for (int i = 0; i < M * N; i++) C[i] = got;
 }
 """
 

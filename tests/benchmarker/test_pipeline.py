@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from hpcrl_benchmarker import checks
 from hpcrl_benchmarker.host import HostProfile
 from hpcrl_benchmarker.pipeline import Benchmarker, Settings
 from hpcrl_benchmarker.verdict import REWARDS, Verdict
 from hpcrl_common.messages import STATUSES
 from hpcrl_common.task import TaskSpec
 
-from .conftest import HOST, kernel, needs_avx512
+from .conftest import HAS_AVX512, HOST, KERNELS, kernel, needs_avx512
 
 Judge = Callable[..., Verdict]
 
@@ -258,6 +260,45 @@ void matmul_optimized(double *A, double *B, double *C, int M, int N, int K) {
     verdict = judge(code)
     assert_status(verdict, "library_violation")
     assert "popen" in verdict.error
+
+
+@pytest.mark.parametrize(("name", "reason"), [
+    ("text_section_code.c", "section attribute"),
+    ("nested_trampoline.c", "executable stack"),
+])
+def test_hand_placed_machine_code_is_a_library_violation(judge: Judge, name: str,
+                                                          reason: str) -> None:
+    verdict = judge(kernel(name), stage=6)
+    assert_status(verdict, "library_violation")
+    assert reason in verdict.error
+
+
+def _object_layout(source: str, directory: Path) -> list[str]:
+    (directory / "k.c").write_text(source)
+    subprocess.run(["gcc", "-O3", "-march=native", "-fopenmp", "-c", "k.c", "-o", "k.o"],
+                   cwd=directory, check=True, capture_output=True)
+    elf = subprocess.run(["readelf", "-S", "-s", "-W", "k.o"], cwd=directory, check=True,
+                         capture_output=True, text=True).stdout
+    return checks.layout_violations(elf)
+
+
+def test_object_layout_check_is_the_gate_behind_the_source_checks(tmp_path: Path) -> None:
+    # Straight from gcc, as if the source checks had been fooled.
+    assert "places the data code in an executable section" in " ".join(
+        _object_layout(kernel("text_section_code.c"), tmp_path))
+    assert any("executable stack" in r
+               for r in _object_layout(kernel("nested_trampoline.c"), tmp_path))
+    hidden = '__attribute__((section(".hpcrl,\\"awx\\",@progbits#"))) char c[] = {1};\n'
+    assert any("both writable and executable" in r
+               for r in _object_layout(hidden + kernel("naive.c"), tmp_path))
+    # Compiled C passes: every kernel of the suite that gcc takes here.
+    for path in sorted(KERNELS.glob("*.c")):
+        if path.name in ("text_section_code.c", "nested_trampoline.c"):
+            continue
+        try:
+            assert _object_layout(path.read_text(), tmp_path) == [], path.name
+        except subprocess.CalledProcessError:
+            assert not HAS_AVX512, path.name  # AVX-512 intrinsics on an AVX2 host
 
 
 def test_including_host_files_shows_nothing_of_them(judge: Judge) -> None:

@@ -62,11 +62,42 @@ def test_strip_keeps_length_and_blanks_comments_and_strings() -> None:
     ("__builtin_prefetch(p, 0, 3);", {"prefetch"}),
     ("_mm_prefetch((char*)p, _MM_HINT_T0);", {"prefetch", "simd"}),
     ("/* _mm512_add_pd #pragma omp parallel __builtin_prefetch */ int x;", set()),
+    # Vector types and vector functions however the attribute is spelled.
+    ("typedef double v4 __attribute__((__vector_size__(32)));", {"simd"}),
+    ("typedef double v4 [[gnu::vector_size(32)]];", {"simd"}),
+    ("typedef double v4 __attribute__((mode(V4DF)));", {"simd"}),
+    ("typedef int i32 __attribute__((mode(SI))); i32 x;", set()),
+    ("__attribute__((simd)) double f(double);", {"simd"}),
+    ("[[gnu::__simd__]] double f(double);", {"simd"}),
+    ("[[omp::directive(parallel for)]] for(;;);", {"openmp"}),
+    ("__builtin_ia32_gatherpfdpd(m, i, p, 4, 1);", {"prefetch", "simd"}),
+    # Names that only look like attributes' are not techniques.
+    ("__attribute__((aligned(64))) double simd[8]; int vector_sizes;", set()),
     ('const char *s = "_mm256_add_pd omp_get_num_threads()";', set()),
 ])
 def test_detect_policed_techniques(code: str, expected: set[str]) -> None:
     found = checks.detect_techniques(code) & {"simd", "openmp", "prefetch"}
     assert found == expected
+
+
+@pytest.mark.parametrize(("code", "reason"), [
+    ('__attribute__((section(".text"))) const char code[] = {0};', "section"),
+    ('[[gnu::section(".data,\\"awx\\"#")]] char code[1];', "section"),
+    ('__attribute__((__symver__("f@V1"))) void f(void) {}', "symver"),
+    ('void g(void) __attribute__((alias("f")));', "alias"),
+    ("__attribute__((constructor)) static void early(void) {}", "constructor"),
+    ('[[gnu::optimize("O0")]] void f(void) {}', "optimisation level"),
+    ("double x __attribute__((aligned(64)", "cannot be read"),
+])
+def test_attributes_that_place_or_rename_code_are_refused(code: str, reason: str) -> None:
+    reasons = checks.source_violations(code)
+    assert any(reason in r for r in reasons), reasons
+
+
+def test_ordinary_attributes_pass() -> None:
+    code = ("static inline __attribute__((always_inline, aligned(64), hot)) double f(void);"
+            "[[gnu::noinline]] void g(void); double section, alias[4];")
+    assert checks.source_violations(code) == []
 
 
 def test_preprocessed_main_file_only() -> None:

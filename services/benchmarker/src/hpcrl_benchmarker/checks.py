@@ -3,8 +3,9 @@
 Source checks read code only (comments and string literals blanked) and run on both the
 completion and the main-file part of its preprocessor output, so a technique or a call
 hidden behind a macro or token pasting is still seen. The object check is the real gate:
-every undefined symbol of the compiled kernel must be on an allow-list, and the object may
-not define symbols of the C or OpenMP runtime nor code that runs outside the kernel call.
+every undefined symbol of the compiled kernel must be on an allow-list, the object may
+not define symbols of the C or OpenMP runtime nor code that runs outside the kernel call,
+and nothing but compiled functions may be executable.
 """
 
 from __future__ import annotations
@@ -12,20 +13,25 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
-from hpcrl_benchmarker.cscan import pragma_text, strip_comments_and_strings
+from hpcrl_benchmarker.cscan import attributes, pragma_text, strip_comments_and_strings
 from hpcrl_common.stages import CACHE_BLOCKING, OPENMP, PREFETCH, REGISTER_BLOCKING, SIMD
 
 _SIMD_CODE = re.compile(
     r"\b(_mm\d*_\w+|_m_\w+|__m(64|128|256|512)[dhi]?\w*|__builtin_ia32_\w+|__v\d+[a-z]+\w*)\b"
-    r"|\bvector_size\b|\b__builtin_shufflevector\b|\b__builtin_convertvector\b"
+    r"|\b_*vector_size_*\b|\b__builtin_shufflevector\b|\b__builtin_convertvector\b"
 )
+# Attributes that make vectors or vector functions: vector_size, a vector machine mode
+# (mode(V4DF)), and simd (a vector variant of a function, like `omp declare simd`).
+_SIMD_ATTRIBUTES = frozenset({"vector_size", "simd"})
+_VECTOR_MODE = re.compile(r"^\s*_*V\d+[A-Z]+")
 _SIMD_PRAGMA = re.compile(
     r"^(omp\b.*\bsimd\b|GCC\s+ivdep\b|ivdep\b|clang\s+loop\s+vectorize|vector\b|simd\b"
     r"|GCC\s+optimize\b.*vectori[sz]e)"
 )
 _OPENMP_CODE = re.compile(r"\b(omp_|GOMP_)\w+\s*\(|\b(pthread_create|thrd_create)\b")
 _PREFETCH_CODE = re.compile(
-    r"\b(_mm_prefetch|_m_prefetch\w*|_mm512_\w*prefetch\w*|__builtin_prefetch|prefetch[tw]\w*)\b"
+    r"\b(_mm_prefetch|_m_prefetch\w*|_mm512_\w*prefetch\w*|__builtin_prefetch|prefetch[tw]\w*"
+    r"|__builtin_ia32_(gather|scatter)pf\w*)\b"
 )
 _FOR_STEP = re.compile(r"\bfor\s*\([^;]*;[^;]*;\s*\w+\s*(\+=|=\s*\w+\s*\+)\s*(\w+)\s*\)")
 
@@ -38,7 +44,11 @@ def detect_techniques(source: str, preprocessed_main: str = "") -> set[str]:
             continue
         code = strip_comments_and_strings(text)
         pragmas = pragma_text(strip_comments_and_strings(text)) + _pragma_operators(text)
-        if _SIMD_CODE.search(code) or any(_SIMD_PRAGMA.match(p) for p in pragmas):
+        # OpenMP directives as attributes ([[omp::directive(...)]]) read like pragmas.
+        pragmas += [f"omp {args}" for namespace, _, args in attributes(code)
+                    if namespace == "omp"]
+        if (_SIMD_CODE.search(code) or any(_SIMD_PRAGMA.match(p) for p in pragmas)
+                or _simd_attribute(code)):
             found.add(SIMD)
         omp_pragmas = [p for p in pragmas if p.startswith("omp")]
         if _OPENMP_CODE.search(code) or any(not _simd_only(p) for p in omp_pragmas):
@@ -64,6 +74,11 @@ def _pragma_operators(text: str) -> list[str]:
         for m in re.finditer(r"_Pragma\s*\(\s*\"((?:\\.|[^\"\\])*)\"", text)
         if clean[m.start() : m.start() + 7] == "_Pragma"
     ]
+
+
+def _simd_attribute(code: str) -> bool:
+    return any(name in _SIMD_ATTRIBUTES or (name == "mode" and _VECTOR_MODE.match(args))
+               for _, name, args in attributes(code))
 
 
 def _simd_only(pragma: str) -> bool:
@@ -104,7 +119,10 @@ _FORBIDDEN_INCLUDES = re.compile(
 # A line directive in the kernel would make its following lines look like a header's in the
 # preprocessor output, hiding them from the checks that read that output.
 _LINE_DIRECTIVE_RE = re.compile(r"^[ \t]*(?:#|%:)[ \t]*(?:line\b|\d)", re.MULTILINE)
-_OPTIMIZE_RE = re.compile(r"__attribute__\s*\(\([^;{]*\b_?_?optimize_?_?\b")
+# Attributes that place code or data by hand (section, symver: their text goes to the
+# assembler verbatim), bind names to other symbols, or run code outside the kernel call.
+_FORBIDDEN_ATTRIBUTES = frozenset({"section", "symver", "alias", "weakref", "ifunc",
+                                   "constructor", "destructor", "naked"})
 
 
 def source_violations(source: str, preprocessed_main: str = "") -> list[str]:
@@ -123,11 +141,17 @@ def source_violations(source: str, preprocessed_main: str = "") -> list[str]:
         if _ASM_RE.search(code):
             reasons.append("uses inline assembly: not allowed (use intrinsics)")
         pragmas = pragma_text(code) + _pragma_operators(text)
-        if any(re.match(r"GCC\s+optimize", p) for p in pragmas) or _OPTIMIZE_RE.search(code):
+        found = attributes(code)
+        names = {name for _, name, _ in found}
+        if any(re.match(r"GCC\s+optimize", p) for p in pragmas) or "optimize" in names:
             reasons.append(
                 "changes the optimisation level (#pragma GCC optimize / optimize attribute): "
                 "the level is an experiment setting"
             )
+        for name in sorted(names & _FORBIDDEN_ATTRIBUTES):
+            reasons.append(f"uses the {name} attribute: not allowed in a kernel")
+        if "?" in names:
+            reasons.append("has an attribute list that cannot be read")
     return list(dict.fromkeys(reasons))
 
 
@@ -238,3 +262,51 @@ def parse_readelf_symbols(readelf: str) -> tuple[list[str], list[tuple[str, str]
         else:
             defined.append(("t" if bind == "LOCAL" else "T", name))
     return undefined, defined, unreadable
+
+
+_SECTION_ROW = re.compile(r"^\s*\[\s*(\d+)\]")
+_SECTION = re.compile(
+    r"^\s*\[\s*(?P<index>\d+)\]\s+(?P<name>\S+)\s+(?P<type>\S+)\s+[0-9a-fA-F]+\s+[0-9a-fA-F]+"
+    r"\s+[0-9a-fA-F]+\s+[0-9a-fA-F]+\s+(?P<flags>[A-Za-z]*)\s+\d+\s+\d+\s+\d+\s*$"
+)
+_CODE_SECTION = re.compile(r"^\.text(\.[\w.]+)?$")
+
+
+def layout_violations(readelf: str) -> list[str]:
+    """Reasons from ``readelf -S -s -W``: only compiled functions may be executable.
+
+    Bytes placed in an executable section by hand (a data array there) are machine code
+    that no source check saw: raw system calls, instructions of a forbidden technique. An
+    executable stack (nested-function trampolines) would let the kernel run bytes it writes.
+    """
+    reasons: list[str] = []
+    executable: set[str] = set()
+    stack_note = None
+    for line in readelf.splitlines():
+        if not _SECTION_ROW.match(line) or line.strip().startswith("[Nr]"):
+            continue
+        match = _SECTION.match(line)
+        if match is None:
+            if line.strip().startswith("[ 0]"):
+                continue  # the null section has no name
+            reasons.append(f"has a section header that cannot be read: {line.strip()[:120]}")
+            continue
+        name, flags = match.group("name"), match.group("flags")
+        if name == ".note.GNU-stack":
+            stack_note = flags
+        elif "X" in flags:
+            executable.add(match.group("index"))
+            if not _CODE_SECTION.match(name):
+                reasons.append(f"has an executable section {name}: code must be compiled C")
+            if "W" in flags:
+                reasons.append(f"has a section {name} that is both writable and executable")
+    if stack_note is None or "X" in stack_note:
+        reasons.append("needs an executable stack (a nested function whose address is "
+                       "taken?): not allowed")
+    for line in readelf.splitlines():
+        match = _SYMBOL.match(line)
+        if match and match.group("ndx") in executable and match.group("type") not in (
+                "FUNC", "SECTION", "FILE", "NOTYPE"):
+            reasons.append(f"places the data {match.group('name') or '?'} in an executable "
+                           "section: code must be compiled C")
+    return reasons

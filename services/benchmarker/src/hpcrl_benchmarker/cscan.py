@@ -62,3 +62,64 @@ def main_file_lines(preprocessed: str, main_file: str) -> str:
     if current is not None and current.endswith(main_file):
         keep.append(text[start:])
     return "\n".join(chunk.strip("\n") for chunk in keep if chunk.strip("\n"))
+
+
+_ATTRIBUTE_OPEN = re.compile(r"\b__attribute(?:__)?\s*\(\s*\(|\[\s*\[")
+_ATTRIBUTE_ITEM = re.compile(r"^\s*(?:(\w+)\s*::\s*)?(\w+)\s*(?:\((.*)\))?\s*$", re.DOTALL)
+_CLOSE = {"(": ")", "[": "]"}
+
+
+def attributes(code: str) -> list[tuple[str, str, str]]:
+    """Every GNU attribute (``__attribute__((...))`` and ``[[...]]``) in ``code`` (comments
+    and strings already blanked) as (namespace, name, argument text); names lose their
+    ``__`` wrapping, so ``__section__`` reads as ``section``. A list that cannot be read
+    (unbalanced) yields one item with the name ``?``: callers treat it as suspect."""
+    found: list[tuple[str, str, str]] = []
+    for match in _ATTRIBUTE_OPEN.finditer(code):
+        inner = _balanced(code, match.end(), match.group(0)[-1])
+        if inner is None:
+            found.append(("", "?", ""))
+            continue
+        for item in _top_level_split(inner):
+            if not item.strip():
+                continue
+            parsed = _ATTRIBUTE_ITEM.match(item)
+            if parsed is None:
+                found.append(("", "?", item))
+                continue
+            namespace, name, args = parsed.groups()
+            found.append((_bare(namespace or ""), _bare(name), args or ""))
+    return found
+
+
+def _bare(name: str) -> str:
+    return name[2:-2] if len(name) > 4 and name.startswith("__") and name.endswith("__") else name
+
+
+def _balanced(code: str, start: int, opener: str) -> str | None:
+    """The text from ``start`` to where the bracket opened just before it (and the one
+    around it) closes; None when it never does."""
+    depth, closer = 0, _CLOSE[opener]
+    for index in range(start, len(code)):
+        char = code[index]
+        if char in "([":
+            depth += 1
+        elif char in ")]":
+            if depth == 0:
+                return code[start:index] if char == closer else None
+            depth -= 1
+    return None
+
+
+def _top_level_split(text: str) -> list[str]:
+    items, depth, start = [], 0, 0
+    for index, char in enumerate(text):
+        if char in "([":
+            depth += 1
+        elif char in ")]":
+            depth -= 1
+        elif char == "," and depth == 0:
+            items.append(text[start:index])
+            start = index + 1
+    items.append(text[start:])
+    return items

@@ -145,6 +145,7 @@ class Benchmarker:
                 reasons += checks.object_violations(
                     undefined, defined, checks.parse_sections(elf), function=task.function,
                     runtime_symbols=self.runtime_symbols())
+                reasons += checks.layout_violations(elf)
             if reasons:
                 return self._fail(verdict, "library_violation", "; ".join(reasons))
             if broken := policy.violations(techniques):
@@ -189,8 +190,10 @@ class Benchmarker:
             "wait $cpp || { cat cpp.txt >> cc.txt; exit 10; }\n"
             "readelf -S -s -W kernel.o > elf.txt || exit 11\n"
             # Full RELRO: the harness's GOT is read-only before the kernel first runs (and
-            # the harness's seccomp filter refuses to remap it).
-            f"{cc} {quoted} kernel.o /harness/{harness.name} -Wl,-z,relro,-z,now -o run -lm "
+            # the harness's seccomp filter refuses to remap it). The stack is never
+            # executable, whatever the object asks for (the checks refuse such objects).
+            f"{cc} {quoted} kernel.o /harness/{harness.name} -Wl,-z,relro,-z,now "
+            "-Wl,-z,noexecstack -o run -lm "
             "2> ld.txt || exit 12\n"
         )
         limits = sandbox.Limits(
@@ -382,7 +385,9 @@ class Benchmarker:
     def harness_env(self) -> dict[str, str]:
         """The environment of a harness run (the bench's bare floor uses it too)."""
         threads, cpus, _ = self._cpu_set()
-        env = {"OMP_NUM_THREADS": str(threads)}
+        # The thread limit keeps every team within the pool the harness starts before its
+        # lock-down, after which no thread can be created.
+        env = {"OMP_NUM_THREADS": str(threads), "OMP_THREAD_LIMIT": str(threads)}
         if self.settings.pin_threads:
             # Explicit places: the sandbox has no /sys, so OMP_PLACES=cores would find no
             # topology and bind nothing. Bound threads do not migrate between timed runs.
