@@ -301,6 +301,18 @@ def test_object_layout_check_is_the_gate_behind_the_source_checks(tmp_path: Path
             assert not HAS_AVX512, path.name  # AVX-512 intrinsics on an AVX2 host
 
 
+def test_a_macro_bomb_cannot_buy_time_outside_the_sandbox(judge: Judge) -> None:
+    # 65536 copies of a 40-character literal: 2.7 MB of the kernel's own preprocessed lines,
+    # which the checks (outside the sandbox) would otherwise read at ~1 s per MB.
+    bomb = "".join(f"#define X{2 * n}(x) X{n}(X{n}(x))\n" for n in (1, 2, 4, 8))
+    code = ("#define X1(x) x x\n" + bomb
+            + 'const char *text = X16("0123456789012345678901234567890123456789");\n'
+            + kernel("naive.c"))
+    verdict = judge(code)
+    assert_status(verdict, "compile_error")
+    assert "after preprocessing, above the 2 MiB limit" in verdict.error
+
+
 def test_including_host_files_shows_nothing_of_them(judge: Judge) -> None:
     secret = Path("/etc/passwd").read_text().splitlines()[0]
     code = '#include "/etc/passwd"\n' + kernel("naive.c")

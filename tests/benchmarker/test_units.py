@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import time
+
 import numpy as np
 import pytest
 
@@ -181,3 +184,21 @@ def test_reward_table_is_the_spec() -> None:
     stats = timing_stats([1.0, 2.0, 3.0])
     assert stats.mean_s == 2.0 and stats.median_s == 2.0
     assert stats.cv == pytest.approx(0.40825, 1e-4)
+
+
+@pytest.mark.parametrize("unit", [
+    "for(", "__attribute__((", "[[", "\n", " \n", "#include <blas", "```c\n", "```", "c1",
+    '"', "matmul_optimized(",
+])
+def test_checks_take_linear_time_on_hostile_text(unit: str) -> None:
+    # The checks run in the service's own process on text the model wrote (up to 1 MB per
+    # message). Each of these repeated units once made a pattern rescan the rest of the
+    # text: 64 KB took minutes. Linear, 128 KB takes well under a second.
+    text = unit * (128 * 1024 // len(unit))
+    started = time.monotonic()
+    with contextlib.suppress(ExtractError):
+        extract(text, SIG)
+    checks.detect_techniques(text, text)
+    checks.source_violations(text, text)
+    main_file_lines(text, "kernel.c")
+    assert time.monotonic() - started < 8

@@ -36,7 +36,7 @@ def pragma_text(code: str) -> list[str]:
     """
     found = [
         " ".join(m.group(1).split())
-        for m in re.finditer(r"^\s*(?:#|%:)\s*pragma\b([^\n]*)", code, re.MULTILINE)
+        for m in re.finditer(r"^[ \t]*(?:#|%:)[ \t]*pragma\b([^\n]*)", code, re.MULTILINE)
     ]
     operators = re.finditer(r"_Pragma\s*\(\s*\"([^\"]*)\"", code)
     found += [" ".join(m.group(1).split()) for m in operators]
@@ -75,11 +75,15 @@ def attributes(code: str) -> list[tuple[str, str, str]]:
     ``__`` wrapping, so ``__section__`` reads as ``section``. A list that cannot be read
     (unbalanced) yields one item with the name ``?``: callers treat it as suspect."""
     found: list[tuple[str, str, str]] = []
+    parsed_to = 0  # attributes nested in one already read are not read again (linear time)
     for match in _ATTRIBUTE_OPEN.finditer(code):
+        if match.start() < parsed_to:
+            continue
         inner = _balanced(code, match.end(), match.group(0)[-1])
         if inner is None:
             found.append(("", "?", ""))
-            continue
+            break  # it runs to the end of the code: everything after it is inside it
+        parsed_to = match.end() + len(inner)
         for item in _top_level_split(inner):
             if not item.strip():
                 continue

@@ -7,13 +7,14 @@ includes and helper functions kept.
 
 from __future__ import annotations
 
+import bisect
 import re
 from dataclasses import dataclass
 
 from hpcrl_benchmarker.cscan import strip_comments_and_strings
 
-_FENCE = re.compile(r"^[ \t]*(```+|~~~+)[ \t]*([\w+#.-]*)[^\n]*\n(.*?)^[ \t]*\1[ \t]*$",
-                    re.DOTALL | re.MULTILINE)
+_OPENING_FENCE = re.compile(r"[ \t]*(```+|~~~+)[ \t]*([\w+#.-]*)")
+_CLOSING_FENCE = re.compile(r"[ \t]*(```+|~~~+)[ \t]*")
 _C_LANGS = {"", "c", "h", "c99", "c11", "c17", "cpp", "c++", "cc", "cxx", "objective-c"}
 _QUALIFIERS = re.compile(r"\b(const|volatile|restrict|__restrict__|__restrict)\b")
 
@@ -83,6 +84,36 @@ class Extracted:
     block_index: int | None  # which fenced block; None when the completion had no fences
 
 
+def _fenced_blocks(text: str) -> list[tuple[str, str]]:
+    """(language, body) of each fenced block: an opening fence line, then everything up to
+    the next line that is the same fence alone. An opening fence that is never closed opens
+    no block. Linear time: the completion is untrusted and may be a megabyte of fences."""
+    lines = text.split("\n")
+    offsets = [0]
+    for line in lines:
+        offsets.append(offsets[-1] + len(line) + 1)
+    closers: dict[str, list[int]] = {}
+    for number, line in enumerate(lines):
+        if match := _CLOSING_FENCE.fullmatch(line):
+            closers.setdefault(match.group(1), []).append(number)
+    blocks, number = [], 0
+    while number < len(lines):
+        opening = _OPENING_FENCE.match(lines[number])
+        if opening is None:
+            number += 1
+            continue
+        candidates = closers.get(opening.group(1), [])
+        after = bisect.bisect_right(candidates, number)
+        if after == len(candidates):
+            number += 1
+            continue
+        closing = candidates[after]
+        body = text[offsets[number + 1]:offsets[closing]]
+        blocks.append((opening.group(2).lower(), body))
+        number = closing + 1
+    return blocks
+
+
 def _definitions(code: str, name: str) -> list[tuple[int, str, str]]:
     """(offset, return type text, parameter text) of each definition of ``name``."""
     clean = strip_comments_and_strings(code)
@@ -104,7 +135,7 @@ def _matches(signature: Signature, return_text: str, params_text: str) -> bool:
 def extract(completion: str, signature_text: str) -> Extracted:
     """The code unit defining the function; ExtractError (format violation) otherwise."""
     signature = Signature.parse(signature_text)
-    blocks = [(m.group(2).lower(), m.group(3)) for m in _FENCE.finditer(completion)]
+    blocks = _fenced_blocks(completion)
     if blocks:
         candidates = [(i, body) for i, (lang, body) in enumerate(blocks) if lang in _C_LANGS]
     else:

@@ -40,6 +40,8 @@ log = structlog.get_logger("hpcrl.benchmarker")
 
 DIAGNOSTIC_LINES = 40
 DIAGNOSTIC_CHARS = 4000
+# The kernel's own lines after preprocessing (headers excluded); real kernels are far below.
+PREPROCESSED_LIMIT = 2 * 1024 * 1024
 _KERNEL_FILE = "kernel.c"
 
 
@@ -131,6 +133,12 @@ class Benchmarker:
             if (scratch / "kernel.i").is_file():
                 preprocessed = cscan.main_file_lines(
                     (scratch / "kernel.i").read_text(errors="replace"), _KERNEL_FILE)
+            if len(preprocessed) > PREPROCESSED_LIMIT:
+                # The checks read every character of it (~1 s per MB, outside the sandbox's
+                # limits): a macro bomb must not buy itself a minute of this process.
+                return self._fail(verdict, "compile_error", (
+                    f"the kernel expands to {len(preprocessed) / 2**20:.1f} MiB after "
+                    f"preprocessing, above the {PREPROCESSED_LIMIT // 2**20} MiB limit"))
             techniques |= checks.detect_techniques("", preprocessed)
             verdict.techniques = sorted(techniques)
             reasons = checks.source_violations("", preprocessed)
