@@ -30,9 +30,19 @@ from hpcrl_common.task import load_task
 KERNELS = Path(__file__).resolve().parent.parent / "tests" / "benchmarker" / "kernels"
 
 
+def kernel_path(name: str) -> Path:
+    for candidate in (Path(name), KERNELS / name, KERNELS / f"{name}.c"):
+        if candidate.is_file():
+            return candidate
+    raise SystemExit(f"no kernel {name!r}: give a C file or one of "
+                     f"{', '.join(sorted(p.stem for p in KERNELS.glob('*.c')))}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kernel", default="avx2_prefetch.c")
+    parser.add_argument("--kernel", default="avx2_prefetch.c",
+                        help="a C file, or the name of one in tests/benchmarker/kernels "
+                             "(.c optional; default %(default)s)")
     parser.add_argument("--measurements", type=int, default=10)
     parser.add_argument("--opt-level", default="O3")
     parser.add_argument("--no-pin", action="store_true", help="do not bind OpenMP threads")
@@ -47,7 +57,7 @@ def main() -> None:
     if args.timed_runs is not None:
         timing = task.timing.model_copy(update={"timed_runs": args.timed_runs})
         task = task.model_copy(update={"timing": timing})
-    code = (KERNELS / args.kernel).read_text()
+    code = kernel_path(args.kernel).read_text()
     load_before = os.getloadavg()[0]
     values, inner, best = [], [], []
     for _ in range(args.measurements):

@@ -47,6 +47,11 @@ def test_check_by_task_path_and_bad_opt_level(tmp_path: Path) -> None:
     out = subprocess.run([*CLI, "check", str(KERNELS / "naive.c"), "--opt-level", "O9", *ISA],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "O9" in out.stderr
+    missing = tmp_path / "missing.c"
+    out = subprocess.run([*CLI, "check", str(missing), *ISA], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2 and "cannot read" in out.stderr and str(missing) in out.stderr
+    assert "Traceback" not in out.stderr
 
 
 def test_help_lists_commands() -> None:

@@ -64,7 +64,12 @@ def _check(args: argparse.Namespace) -> int:
     except (TaskError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    text = sys.stdin.read() if str(args.file) == "-" else args.file.read_text(errors="replace")
+    try:
+        text = (sys.stdin.read() if str(args.file) == "-"
+                else args.file.read_text(errors="replace"))
+    except OSError as exc:
+        print(f"error: cannot read {args.file}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     settings = Settings() if args.work_dir is None else Settings(work_dir=args.work_dir)
     verdict = Benchmarker(settings, host).evaluate(
         text, stage=args.stage, opt_level=args.opt_level, task=task)
