@@ -74,6 +74,7 @@ def test_strip_keeps_length_and_blanks_comments_and_strings() -> None:
     ("[[gnu::__simd__]] double f(double);", {"simd"}),
     ("[[omp::directive(parallel for)]] for(;;);", {"openmp"}),
     ("__builtin_ia32_gatherpfdpd(m, i, p, 4, 1);", {"prefetch", "simd"}),
+    ("double *p = _mm_malloc(64, 64); _mm_setcsr(_mm_getcsr() | 0x8040); _mm_free(p);", set()),
     # Names that only look like attributes' are not techniques.
     ("__attribute__((aligned(64))) double simd[8]; int vector_sizes;", set()),
     ('const char *s = "_mm256_add_pd omp_get_num_threads()";', set()),
@@ -118,6 +119,7 @@ def test_object_check() -> None:
 0000000000000010 T free
 0000000000000020 t helper
 0000000000000030 i resolver
+0000000000000040 T main
 """
     undefined, defined = checks.parse_nm(nm)
     reasons = checks.object_violations(undefined, defined, [".text", ".init_array"],
@@ -126,7 +128,8 @@ def test_object_check() -> None:
     text = " | ".join(reasons)
     assert "cblas_dgemm" in text and "GOMP" not in text and "memcpy" not in text
     assert "defines free" in text and "resolver" in text and ".init_array" in text
-    assert "helper" not in text and len(reasons) == 4
+    assert "defines main: the harness provides main" in text
+    assert "defines helper" not in text and len(reasons) == 5
 
 
 def test_inputs_match_the_harness_generator() -> None:

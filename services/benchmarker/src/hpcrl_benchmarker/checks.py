@@ -20,6 +20,9 @@ _SIMD_CODE = re.compile(
     r"\b(_mm\d*_\w+|_m_\w+|__m(64|128|256|512)[dhi]?\w*|__builtin_ia32_\w+|__v\d+[a-z]+\w*)\b"
     r"|\b_*vector_size_*\b|\b__builtin_shufflevector\b|\b__builtin_convertvector\b"
 )
+# Helpers named like intrinsics that vectorise nothing: aligned allocation, the MXCSR (FTZ/DAZ
+# modes), the spin-wait hint.
+_NOT_SIMD = frozenset({"_mm_malloc", "_mm_free", "_mm_setcsr", "_mm_getcsr", "_mm_pause"})
 # Attributes that make vectors or vector functions: vector_size, a vector machine mode
 # (mode(V4DF)), and simd (a vector variant of a function, like `omp declare simd`).
 _SIMD_ATTRIBUTES = frozenset({"vector_size", "simd"})
@@ -51,7 +54,7 @@ def detect_techniques(source: str, preprocessed_main: str = "") -> set[str]:
         # OpenMP directives as attributes ([[omp::directive(...)]]) read like pragmas.
         pragmas += [f"omp {args}" for namespace, _, args in attributes(code)
                     if namespace == "omp"]
-        if (_SIMD_CODE.search(code) or any(_SIMD_PRAGMA.match(p) for p in pragmas)
+        if (_simd_code(code) or any(_SIMD_PRAGMA.match(p) for p in pragmas)
                 or _simd_attribute(code)):
             found.add(SIMD)
         omp_pragmas = [p for p in pragmas if p.startswith("omp")]
@@ -78,6 +81,10 @@ def _pragma_operators(text: str) -> list[str]:
         for m in re.finditer(r"_Pragma\s*\(\s*\"((?:\\.|[^\"\\])*)\"", text)
         if clean[m.start() : m.start() + 7] == "_Pragma"
     ]
+
+
+def _simd_code(code: str) -> bool:
+    return any(m.group(0) not in _NOT_SIMD for m in _SIMD_CODE.finditer(code))
 
 
 def _simd_attribute(code: str) -> bool:
@@ -201,8 +208,11 @@ def object_violations(
     for kind, name in defined:
         if kind in "iI":
             reasons.append(f"defines {name} as an indirect function (runs before main)")
+        elif kind.isupper() and name == "main":
+            reasons.append("defines main: the harness provides main; answer with the kernel "
+                           "(and its helpers) only")
         elif kind.isupper() and name != function and (
-            name == "main" or name.startswith("__") or name.split("@")[0] in runtime_symbols
+            name.startswith("__") or name.split("@")[0] in runtime_symbols
             or name.startswith(("hpcrl", "GOMP_", "omp_"))
         ):
             reasons.append(f"defines {name}, a name of the C/OpenMP runtime or the harness")
