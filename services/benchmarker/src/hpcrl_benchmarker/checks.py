@@ -51,11 +51,11 @@ def detect_techniques(source: str, preprocessed_main: str = "") -> set[str]:
             continue
         code = strip_comments_and_strings(text)
         pragmas = pragma_text(strip_comments_and_strings(text)) + _pragma_operators(text)
+        attrs = attributes(code)
         # OpenMP directives as attributes ([[omp::directive(...)]]) read like pragmas.
-        pragmas += [f"omp {args}" for namespace, _, args in attributes(code)
-                    if namespace == "omp"]
+        pragmas += [f"omp {args}" for namespace, _, args in attrs if namespace == "omp"]
         if (_simd_code(code) or any(_SIMD_PRAGMA.match(p) for p in pragmas)
-                or _simd_attribute(code)):
+                or _simd_attribute(attrs)):
             found.add(SIMD)
         omp_pragmas = [p for p in pragmas if p.startswith("omp")]
         if _OPENMP_CODE.search(code) or any(not _simd_only(p) for p in omp_pragmas):
@@ -87,9 +87,9 @@ def _simd_code(code: str) -> bool:
     return any(m.group(0) not in _NOT_SIMD for m in _SIMD_CODE.finditer(code))
 
 
-def _simd_attribute(code: str) -> bool:
+def _simd_attribute(attrs: list[tuple[str, str, str]]) -> bool:
     return any(name in _SIMD_ATTRIBUTES or (name == "mode" and _VECTOR_MODE.match(args))
-               for _, name, args in attributes(code))
+               for _, name, args in attrs)
 
 
 def _simd_only(pragma: str) -> bool:
@@ -153,8 +153,7 @@ def source_violations(source: str, preprocessed_main: str = "") -> list[str]:
         if _ASM_RE.search(code):
             reasons.append("uses inline assembly: not allowed (use intrinsics)")
         pragmas = pragma_text(code) + _pragma_operators(text)
-        found = attributes(code)
-        names = {name for _, name, _ in found}
+        names = {name for _, name, _ in attributes(code)}
         if any(re.match(r"GCC\s+optimize", p) for p in pragmas) or "optimize" in names:
             reasons.append(
                 "changes the optimisation level (#pragma GCC optimize / optimize attribute): "
