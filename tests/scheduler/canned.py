@@ -2,7 +2,8 @@
 
 Each request gets, by index: a correct kernel for its target stage, a compile error, a stage
 violation (OpenMP before stage 4), a wrong result and a second, much slower correct kernel
-(the plain triple loop, so that group-normalised rewards have two successes to compare).
+(the plain triple loop, repeated), so that group-normalised rewards have two successes to
+compare.
 Completions are wrapped in a markdown block as a model would answer.
 """
 
@@ -52,13 +53,19 @@ WRONG_RESULT = """void matmul_optimized(double *A, double *B, double *C, int M, 
         }
 }"""
 
+# The plain triple loop, done 8 times over (the count is volatile, so the compiler cannot drop
+# the repeats): about 80x slower than SUCCESS_STAGE1, so that no disturbance of a busy 2-core
+# test machine (a timed run 10-60x slower than its neighbours has been seen) can swap their
+# ranks, and still well inside the wall limit.
 SLOW_SUCCESS = """void matmul_optimized(double *A, double *B, double *C, int M, int N, int K) {
-    for (int i = 0; i < M; i++)
-        for (int j = 0; j < N; j++) {
-            double s = 0.0;
-            for (int k = 0; k < K; k++) s += A[i * K + k] * B[k * N + j];
-            C[i * N + j] = s;
-        }
+    volatile int repeats = 8;
+    for (int r = 0; r < repeats; r++)
+        for (int i = 0; i < M; i++)
+            for (int j = 0; j < N; j++) {
+                double s = 0.0;
+                for (int k = 0; k < K; k++) s += A[i * K + k] * B[k * N + j];
+                C[i * N + j] = s;
+            }
 }"""
 
 EXPECTED = ("success", "compile_error", "stage_violation", "verification_error", "success")

@@ -112,6 +112,9 @@ metrics_port = 0
 concurrency = 1
 work_dir = "{work}"
 lock_path = "{work}/timing.lock"
+# This node is shared with the broker, the scheduler and the test itself: let the kernel's
+# thread move away from a busy core rather than wait on its own.
+pin_threads = false
 """)
 
 
