@@ -393,8 +393,8 @@ class Benchmarker:
     def harness_env(self) -> dict[str, str]:
         """The environment of a harness run (the bench's bare floor uses it too)."""
         threads, cpus, _ = self._cpu_set()
-        # The thread limit keeps every team within the pool the harness starts before its
-        # lock-down, after which no thread can be created.
+        # No team, nested ones included, gets more threads than the run has CPUs: a kernel
+        # cannot oversubscribe its cores (num_threads(64) gets `threads`).
         env = {"OMP_NUM_THREADS": str(threads), "OMP_THREAD_LIMIT": str(threads)}
         if self.settings.pin_threads:
             # Explicit places: the sandbox has no /sys, so OMP_PLACES=cores would find no
