@@ -5,7 +5,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 SERVICES := services/benchmarker services/sqd_scheduler services/learner services/generator
-PACKAGES := libs/common $(SERVICES)
+TOOLS := tools/bootstrap tools/evaluate
+PACKAGES := libs/common $(SERVICES) $(TOOLS)
 PYPROJECTS := $(addsuffix /pyproject.toml,$(PACKAGES))
 
 .PHONY: install install-swift system test lint demo clean help
@@ -29,7 +30,7 @@ $(STAMP): $(PYPROJECTS) requirements-dev.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -r requirements-dev.txt $(addprefix -e ,$(SERVICES))
+	$(BIN)/python -m pip install -q -r requirements-dev.txt $(addprefix -e ,$(SERVICES) $(TOOLS))
 	@# Services name libs/common by path (so `pip install ./services/X` works alone); that
 	@# installs it as a copy, so make it editable again last.
 	$(BIN)/python -m pip install -q --no-deps -e libs/common

@@ -7,12 +7,19 @@ from collections import Counter
 
 import pytest
 
+from hpcrl_benchmarker.checks import detect_techniques as benchmarker_techniques
+from hpcrl_bootstrap import corpus as cp
 from hpcrl_common.stages import CACHE_BLOCKING, OPENMP, POLICED, PREFETCH, SIMD, stage
 from hpcrl_common.task import load_task
-from hpcrl_learner.bootstrap import corpus as cp
-from hpcrl_learner.bootstrap.check import detect_techniques
 
 SIGNATURE = load_task("matmul").signature
+
+
+def detect_techniques(source: str) -> set[str]:
+    """The policed techniques the benchmarker sees in the code."""
+    return benchmarker_techniques(source) & set(POLICED)
+
+
 NEW_TECHNIQUE = {2: CACHE_BLOCKING, 3: SIMD, 4: OPENMP, 5: PREFETCH, 6: PREFETCH}
 
 
@@ -48,8 +55,9 @@ def test_correct_kernels_use_their_stage_and_nothing_it_forbids(
     for kernel in (k for k in corpus if k.correct):
         detected = detect_techniques(kernel.source)
         assert stage(kernel.stage).violations(detected) == [], kernel.source
-        # The label's techniques are what the code shows (for those a regex can see).
-        assert detected == {t for t in kernel.techniques if t in POLICED}, kernel.source
+        # The label's techniques show in the code (the benchmarker may see more, e.g. SIMD in a
+        # prefetch-only kernel that includes immintrin.h, never more than the stage allows).
+        assert {t for t in kernel.techniques if t in POLICED} <= detected, kernel.source
         if kernel.stage in NEW_TECHNIQUE:
             assert NEW_TECHNIQUE[kernel.stage] in kernel.techniques
         if kernel.spec.simd:
@@ -85,12 +93,3 @@ def test_mistakes_change_the_source_in_the_expected_way() -> None:
     assert "_main" in good and "_main" not in cp.render(
         cp.with_mistake(rng, spec, 2, "avx512", cp.NO_BOUNDARY))
     assert cp.render(cp.with_mistake(rng, spec, 2, "avx512", cp.WRONG_STRIDE)) != good
-
-
-def test_best_kernels_are_correct_per_stage_and_ranked() -> None:
-    best = cp.best_kernels(seed=0, per_stage=2, isa="avx512")
-    assert [k.stage for k in best] == [1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6]
-    assert all(k.correct for k in best)
-    for first, second in zip(best[::2], best[1::2], strict=True):
-        assert first.spec.score() >= second.spec.score()
-    assert len({k.source for k in best}) == len(best)

@@ -5,17 +5,17 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer, Qwen2Config
 
+from hpcrl_bootstrap.build import host_isa
+from hpcrl_bootstrap.chat import format_chat
+from hpcrl_bootstrap.examples import chat_texts, make_examples
+from hpcrl_bootstrap.tokenizer import train_tokenizer
 from hpcrl_common.task import load_task
-from hpcrl_learner.bootstrap.chat import format_chat
-from hpcrl_learner.bootstrap.examples import chat_texts, make_examples
-from hpcrl_learner.bootstrap.tokenizer import train_tokenizer
-
-pytest.importorskip("hpcrl_scheduler.prompts")
 
 
 @pytest.fixture(scope="module")
-def trained():
-    examples = make_examples(seed=0, count=300, task=load_task("matmul"))
+def trained(small_pairs):
+    examples = make_examples(seed=0, count=300, task=load_task("matmul"), pairs=small_pairs,
+                             isa=host_isa())
     return train_tokenizer(chat_texts(examples[:250]), vocab_size=2048), examples[250:]
 
 

@@ -12,8 +12,8 @@ import torch
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hpcrl_learner.bootstrap import best_kernels
-from hpcrl_learner.bootstrap.build import (
+from hpcrl_bootstrap.build import (
+    CORPUS_FILE,
     INFO_FILE,
     MARKER,
     BootstrapSettings,
@@ -21,8 +21,8 @@ from hpcrl_learner.bootstrap.build import (
     ensure_model,
     is_ready,
 )
-from hpcrl_learner.bootstrap.cli import main
-from hpcrl_learner.bootstrap.train import (
+from hpcrl_bootstrap.cli import main
+from hpcrl_bootstrap.train import (
     IGNORE,
     Encoded,
     TrainSettings,
@@ -31,10 +31,9 @@ from hpcrl_learner.bootstrap.train import (
     lr_at,
 )
 
-pytest.importorskip("hpcrl_scheduler.prompts")
-TINY = BootstrapSettings(examples=120, vocab_size=1024, hidden_size=64, layers=2, heads=4,
-                         kv_heads=2, intermediate_size=128, steps=3, batch_size=4,
-                         warmup_steps=1, precision="fp32")
+TINY = BootstrapSettings(kernels_per_stage=(3, 3, 2, 1, 1, 1), examples=120, vocab_size=1024,
+                         hidden_size=64, layers=2, heads=4, kv_heads=2, intermediate_size=128,
+                         steps=3, batch_size=4, warmup_steps=1, precision="fp32")
 
 
 def test_collate_trains_on_the_completion_only() -> None:
@@ -75,12 +74,18 @@ def test_tiny_bootstrap_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture
         assert (out / name).is_file(), name
     info = json.loads((out / INFO_FILE).read_text())
     assert info["training"]["steps"] == 3 and info["key"] == TINY.key()
+    # Nothing left out without a word: every example is kept or counted.
+    assert info["examples_kept"] + info["examples_left_out_too_long"] == TINY.examples
+    corpus = json.loads((out / CORPUS_FILE).read_text())
+    timed = [row for row in corpus if row["status"] == "success"]
+    assert timed and all(row["gflops"] > 0 for row in timed)
+    assert info["catalogue"]["kernels"] == len(corpus)
 
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["Qwen2ForCausalLM"]
     assert config["tie_word_embeddings"] is True
     tokenizer = AutoTokenizer.from_pretrained(out)
-    kernel = best_kernels(per_stage=1)[3].source
+    kernel = timed[-1]["source"]
     assert tokenizer(kernel)["input_ids"] == Tokenizer.from_file(
         str(out / "tokenizer.json")).encode(kernel).ids
     model = AutoModelForCausalLM.from_pretrained(out)
@@ -104,7 +109,8 @@ def test_tiny_bootstrap_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture
 
 
 def test_module_entry_point_has_truthful_help() -> None:
-    done = subprocess.run([sys.executable, "-m", "hpcrl_learner.bootstrap", "--help"],
+    done = subprocess.run([sys.executable, "-m", "hpcrl_bootstrap", "--help"],
                           capture_output=True, text=True, check=True, timeout=120)
+    assert done.stdout.startswith("usage: hpcrl-bootstrap")
     for flag in ("--data-dir", "--out", "--steps", "--seed", "--force", "--evaluate"):
         assert flag in done.stdout

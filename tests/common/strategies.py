@@ -133,7 +133,7 @@ def rollout_samples(draw: st.DrawFn) -> RolloutSample:
 rollout_batches = st.builds(
     RolloutBatch, id=ids, experiment=ids, iteration=st.integers(0, 100),
     prompt_token_ids=token_ids(), samples=st.lists(rollout_samples(), min_size=1, max_size=4),
-    reward_mode=st.sampled_from(["raw", "group_normalized"]), host_class=ids,
+    reward_mode=st.sampled_from(["raw", "group_normalized", "parent_relative"]), host_class=ids,
     created_at=timestamps,
 )
 

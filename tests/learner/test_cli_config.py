@@ -2,49 +2,24 @@
 
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
 
 from hpcrl_common.config import BrokerSettings, ConfigError, load_config
-from hpcrl_learner import cli
 from hpcrl_learner.config import LearnerConfig, LearnerSettings
 from hpcrl_learner.service import build, effective_broker
 from hpcrl_learner.swift_backend import SwiftUnavailable, missing_requirements
 
 
-def test_help_lists_both_commands():
+def test_help_lists_serve():
     out = subprocess.run([sys.executable, "-m", "hpcrl_learner.cli", "--help"],
                          capture_output=True, text=True, check=True).stdout
-    assert "serve" in out and "bootstrap-model" in out
+    assert "serve" in out and "bootstrap" not in out
     serve = subprocess.run([sys.executable, "-m", "hpcrl_learner.cli", "serve", "--help"],
                            capture_output=True, text=True, check=True).stdout
     assert "--config" in serve
-
-
-def test_bootstrap_missing_fails_clearly(monkeypatch, capsys):
-    monkeypatch.setattr(cli, "_bootstrap_module", lambda: None)
-    assert cli.main(["bootstrap-model", "--anything"]) == 2
-    assert "policy bootstrap is not available" in capsys.readouterr().err
-
-
-def test_bootstrap_delegates_flags_and_exit_code(monkeypatch):
-    seen: dict[str, argparse.Namespace] = {}
-
-    def add_arguments(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--out", required=True)
-
-    def run(args: argparse.Namespace) -> int:
-        seen["args"] = args
-        return 7
-
-    fake = SimpleNamespace(add_arguments=add_arguments, run=run, __doc__="Bootstrap.")
-    monkeypatch.setattr(cli, "_bootstrap_module", lambda: fake)
-    assert cli.main(["bootstrap-model", "--out", "x"]) == 7
-    assert seen["args"].out == "x"
 
 
 def test_config_keys_are_checked_and_env_overrides(tmp_path):

@@ -11,7 +11,7 @@ from hpcrl_scheduler.report import export, snapshot
 from hpcrl_scheduler.scheduler import Scheduler, SchedulerError
 from hpcrl_scheduler.store import Store
 
-from .helpers import result
+from .helpers import needs_contract, result
 
 
 class Clock:
@@ -189,3 +189,31 @@ def test_outbox_rows_are_valid_wire_messages(tmp_path):
     assert rows[0]["queue"] == "generate-requests"
     decoded = decode(bytes(rows[0]["body"]), GenerateRequest)
     assert decoded.experiment == "unit"
+
+
+@needs_contract
+def test_parent_relative_groups_publish_rewards_against_their_parent(tmp_path):
+    s = make(tmp_path, reward_mode="parent_relative")
+    s.step()
+    [seed] = requests(s)
+    answer(s, seed, ["success", "compile_error", "verification_error"])
+    # The seed has no GFLOPS, so its group falls back to group_normalized.
+    assert [x.reward for x in batches(s)[0].samples] == [100.0, -40.0, -10.0]
+    s.step()
+    deepen = next(r for r in requests(s) if r.mode == "deepen")
+    parent = s.store.program(deepen.parent_id)
+    assert parent is not None and parent.source is not None and parent.gflops == 2.0
+    copy = parent.source.replace("/*ok*/", "/* same code, new comment */\n")
+    for index, (gflops, source) in enumerate([(2.3, copy), (3.0, "int faster;"),
+                                              (0.5, "int slower;")]):
+        s.handle_result(result(deepen.id, index, gflops=gflops, stage=2, source=source))
+    [batch] = [b for b in batches(s) if b.id == deepen.id]
+    # copy -> 0 despite +15 % timing noise; 3 / 2 -> +50; 0.5 / 2 -> -75, clamped to -9
+    assert batch.reward_mode == "parent_relative"
+    assert [x.reward for x in batch.samples] == pytest.approx([0.0, 50.0, -9.0])
+    assert {p.id: p.reward for p in s.store.pool(1) if p.parent_id == parent.id} == \
+        pytest.approx({f"{deepen.id}/0": 0.0, f"{deepen.id}/1": 50.0, f"{deepen.id}/2": -9.0})
+    repair = next(r for r in requests(s) if r.mode == "repair")
+    answer(s, repair, ["success", "success", "timeout"])  # 2 and 3 GFLOPS, parent failed
+    [batch] = [b for b in batches(s) if b.id == repair.id]
+    assert [x.reward for x in batch.samples] == pytest.approx([2 / 3 * 100, 100.0, -30.0])

@@ -274,7 +274,7 @@ class RolloutBatch(Message):
     iteration: Version
     prompt_token_ids: PackedArray
     samples: Annotated[list[RolloutSample], Field(min_length=1, max_length=1024)]
-    reward_mode: Literal["raw", "group_normalized"]
+    reward_mode: Literal["raw", "group_normalized", "parent_relative"]
     host_class: ShortText = ""
     created_at: Timestamp = Field(default_factory=time.time)
 

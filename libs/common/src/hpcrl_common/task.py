@@ -110,6 +110,12 @@ def load_task(name_or_path: str | Path) -> TaskSpec:
         raise TaskError(f"{where}: {describe_errors(exc)}") from None
 
 
+def builtin_seed(task_name: str) -> str | None:
+    """The built-in seed program of a task (``tasks/<name>.seed.c``), or None."""
+    resource = resources.files("hpcrl_common.tasks") / f"{task_name}.seed.c"
+    return resource.read_text() if resource.is_file() else None
+
+
 _ALLOWED_NODES = (ast.Expression, ast.BinOp, ast.Name, ast.Constant, ast.Load, ast.Add, ast.Sub,
                   ast.Mult, ast.Div, ast.Pow)
 

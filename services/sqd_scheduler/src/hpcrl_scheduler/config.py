@@ -9,6 +9,7 @@ from pydantic import Field, model_validator
 
 from hpcrl_common.config import ServiceConfig
 from hpcrl_common.service import ServiceSection
+from hpcrl_scheduler.groups import RewardMode
 
 
 class SchedulerSection(ServiceSection):
@@ -21,8 +22,12 @@ class SchedulerSection(ServiceSection):
     ratio_deepen: float = Field(0.4, ge=0, description="share of top successes deepened")
     ratio_improve: float = Field(0.3, ge=0, description="share of middle successes improved")
     ratio_repair: float = Field(0.3, ge=0, description="budget share of repairs")
-    reward_mode: Literal["raw", "group_normalized"] = Field(
-        "group_normalized", description="raw = Experiment 1, group_normalized = Experiment 2"
+    reward_mode: RewardMode = Field(
+        "group_normalized",
+        description="success reward: raw = GFLOPS (Experiment 1); group_normalized = GFLOPS / "
+        "group max x 100 (Experiment 2); parent_relative = 100 x GFLOPS / parent GFLOPS - 100, "
+        "at least -9, a copy of the parent 0, group_normalized where the parent has no GFLOPS "
+        "(seed, repair); failures keep their penalty",
     )
     isa: Literal["avx512", "avx2"] = Field(
         "avx512", description="the benchmark hosts' best ISA, named in prompts"

@@ -8,11 +8,18 @@ successes, then the alphabetically first); results from other classes are exclud
 rollout batch *and* from the pool, and counted. They are not re-benchmarked: the
 benchmarkers are a shared work queue, so a re-run could land on the same minority host.
 
-Rewards (``reward_mode``):
+Rewards (``reward_mode``); a failure always keeps the benchmarker's penalty:
 
-* ``raw`` (Experiment 1): success = GFLOPS; a failure keeps the benchmarker's penalty;
+* ``raw`` (Experiment 1): success = GFLOPS;
 * ``group_normalized`` (Experiment 2): success = GFLOPS / max GFLOPS of the kept results
-  x 100; penalties unchanged.
+  x 100;
+* ``parent_relative`` (beyond the paper): success = 100 x GFLOPS / parent GFLOPS - 100, so
+  a verbatim copy of the parent earns ~0 instead of a full reward, a 2x faster child +100.
+  Successes are clamped to >= -9, above the mildest penalty (verification error, -10), so a
+  correct program still beats any wrong one. A child whose normalised source equals the
+  parent's gets exactly 0 whatever its timing noise. It applies when the parent is a success
+  with GFLOPS measured on the group's host class (deepen, improve); other groups (seed,
+  repair, a parent timed on another class of host) fall back to ``group_normalized``.
 
 Rollout data: results without token data still become pool children; only samples with
 rollout data go into the batch, and a group with none is not sent to the learner.
@@ -21,13 +28,27 @@ rollout data go into the batch, and a group with none is not sent to the learner
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from hpcrl_common.messages import BenchResult, RolloutBatch, RolloutSample
+from hpcrl_scheduler.normalize import source_key
 
-RewardMode = Literal["raw", "group_normalized"]
+RewardMode = Literal["raw", "group_normalized", "parent_relative"]
+
+# SPEC section 4: the mildest failure penalty is verification_error, -10. A slow but correct
+# child must still out-score every wrong one, so parent-relative successes stop just above.
+PARENT_RELATIVE_FLOOR = -9.0
+
+
+@dataclass(frozen=True)
+class Parent:
+    """What ``parent_relative`` needs of the program a group expands (read from the pool)."""
+
+    gflops: float | None  # None unless the parent was a success
+    key: str  # normalize.source_key of its source
+    host_class: str
 
 
 @dataclass(frozen=True)
@@ -54,17 +75,39 @@ def majority_class(results: Sequence[BenchResult]) -> str:
     return min(counts, key=lambda c: (-counts[c], -successes[c], c))
 
 
-def compute_rewards(results: Sequence[BenchResult], mode: RewardMode) -> dict[str, float]:
+def compute_rewards(results: Sequence[BenchResult], mode: RewardMode,
+                    parent: Parent | None = None) -> dict[str, float]:
+    """Reward of each result; ``parent`` matters only in ``parent_relative`` mode."""
+    score = _success_score(results, mode, parent)
+    return {r.id: score(r) if r.status == "success" else float(r.reward) for r in results}
+
+
+def parent_relative_reward(gflops: float, parent_gflops: float) -> float:
+    # The ratio first: equal speeds give exactly 0 and a slower child is always below 0.
+    return max(PARENT_RELATIVE_FLOOR, 100.0 * (gflops / parent_gflops - 1.0))
+
+
+def _success_score(results: Sequence[BenchResult], mode: RewardMode,
+                   parent: Parent | None) -> Callable[[BenchResult], float]:
+    if mode == "raw":
+        return lambda r: float(r.gflops or 0.0)
+    if mode == "parent_relative" and parent is not None and _comparable(results, parent):
+        return lambda r: _relative_to(r, parent)
     best = max((r.gflops or 0.0 for r in results if r.status == "success"), default=0.0)
-    rewards: dict[str, float] = {}
-    for result in results:
-        if result.status != "success":
-            rewards[result.id] = float(result.reward)
-        elif mode == "raw":
-            rewards[result.id] = float(result.gflops or 0.0)
-        else:
-            rewards[result.id] = (result.gflops or 0.0) / best * 100.0 if best > 0 else 0.0
-    return rewards
+    return lambda r: (r.gflops or 0.0) / best * 100.0 if best > 0 else 0.0
+
+
+def _comparable(results: Sequence[BenchResult], parent: Parent) -> bool:
+    # GFLOPS from another class of host are not comparable (see the module docstring).
+    return (parent.gflops is not None and parent.gflops > 0
+            and all(r.host.host_class == parent.host_class for r in results))
+
+
+def _relative_to(result: BenchResult, parent: Parent) -> float:
+    # A copy would otherwise be paid its timing noise, which GRPO would learn to chase.
+    if result.source is not None and source_key(result.source) == parent.key:
+        return 0.0
+    return parent_relative_reward(result.gflops or 0.0, parent.gflops or 1.0)
 
 
 def close_group(
@@ -74,6 +117,7 @@ def close_group(
     experiment: str,
     iteration: int,
     reward_mode: RewardMode,
+    parent: Parent | None = None,
 ) -> ClosedGroup:
     """Everything that follows from the results a group got (any order, no duplicates)."""
     ordered = sorted(results, key=lambda r: r.index)
@@ -82,7 +126,7 @@ def close_group(
     host_class = majority_class(ordered)
     kept = [r for r in ordered if r.host.host_class == host_class]
     excluded = [r for r in ordered if r.host.host_class != host_class]
-    rewards = compute_rewards(kept, reward_mode)
+    rewards = compute_rewards(kept, reward_mode, parent)
     with_rollout = [r for r in kept if r.rollout is not None]
     batch = None
     if with_rollout:

@@ -12,7 +12,6 @@ import re
 import statistics
 import time
 from collections.abc import Callable
-from importlib import resources
 from pathlib import Path
 
 import structlog
@@ -26,14 +25,15 @@ from hpcrl_common.messages import (
     SamplingParams,
     WeightUpdate,
 )
+from hpcrl_common.prompts import Templates, build_prompt, failure_text, load_templates
 from hpcrl_common.stages import FIRST_STAGE
 from hpcrl_common.task import TaskSpec, load_task
+from hpcrl_common.task import builtin_seed as task_seed
 from hpcrl_common.topology import GENERATE_REQUESTS, ROLLOUT_BATCHES
 from hpcrl_scheduler import metrics as m
 from hpcrl_scheduler.config import SchedulerConfig
-from hpcrl_scheduler.groups import close_group
+from hpcrl_scheduler.groups import Parent, close_group
 from hpcrl_scheduler.pacing import PacingState, hold_reason, outstanding
-from hpcrl_scheduler.prompts import Templates, build_prompt, load_templates
 from hpcrl_scheduler.selection import SEED_ID, Program, Ratios, dedupe, select
 from hpcrl_scheduler.store import GroupRow, Store
 
@@ -45,11 +45,11 @@ class SchedulerError(RuntimeError):
 
 
 def builtin_seed(task_name: str) -> str:
-    resource = resources.files("hpcrl_scheduler") / "data" / "seeds" / f"{task_name}.c"
-    if not resource.is_file():
+    source = task_seed(task_name)
+    if source is None:
         raise SchedulerError(f"no built-in seed program for task {task_name!r}; "
                              "set scheduler.seed_program")
-    return resource.read_text()
+    return source
 
 
 def group_id_of(experiment: str, seed: int, iteration: int, ordinal: int) -> str:
@@ -57,9 +57,24 @@ def group_id_of(experiment: str, seed: int, iteration: int, ordinal: int) -> str
     return f"{slug}.s{seed}.t{iteration}.g{ordinal:04d}"
 
 
+def sampling_seed(experiment_seed: int, iteration: int, ordinal: int) -> int:
+    """The sampling seed of one request. Derived from numbers, not from the experiment's name,
+    so two arms of a comparison (say learning rate 0 and the trained one) draw the same
+    randomness for the same request until their weights differ."""
+    digest = hashlib.sha256(f"{experiment_seed}:{iteration}:{ordinal}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") >> 1
+
+
+def parent_of(program: Program | None) -> Parent | None:
+    """What parent_relative rewards need of a group's parent (None: not in the store)."""
+    if program is None:
+        return None
+    gflops = program.gflops if program.status == "success" else None
+    return Parent(gflops=gflops, key=program.key, host_class=program.host_class)
+
+
 def repair_error(parent: Program) -> str:
-    label = parent.status.replace("_", " ")
-    return f"{label}: {parent.error.strip()}" if parent.error.strip() else label
+    return failure_text(parent.status, parent.error)
 
 
 class Scheduler:
@@ -182,8 +197,7 @@ class Scheduler:
     def _publish_request(self, group: GroupRow, now: float) -> None:
         exp, section = self.config.experiment, self.section
         floor = int(self.store.get("policy_version", 0)) if section.version_floor else 0
-        sampling_seed = int.from_bytes(
-            hashlib.sha256(f"{exp.seed}:{group.id}".encode()).digest()[:4], "little") >> 1
+        seed = sampling_seed(exp.seed, group.iteration, group.ordinal)
         request = GenerateRequest(
             id=group.id,
             experiment=exp.name,
@@ -193,7 +207,7 @@ class Scheduler:
             prompt=[ChatMessage(**message) for message in group.prompt],  # type: ignore[arg-type]
             group_size=group.group_size,
             sampling=SamplingParams(temperature=section.temperature, top_p=section.top_p,
-                                    max_tokens=section.max_tokens, seed=sampling_seed),
+                                    max_tokens=section.max_tokens, seed=seed),
             min_policy_version=floor,
             bench=BenchSpec(task=exp.task, stage=group.target_stage, opt_level=exp.opt_level),
             created_at=now,
@@ -249,7 +263,8 @@ class Scheduler:
     def _close(self, group: GroupRow, now: float, reason: str) -> None:
         s, exp = self.store, self.config.experiment
         closed = close_group(group.id, s.results_of(group.id), experiment=exp.name,
-                             iteration=group.iteration, reward_mode=self.section.reward_mode)
+                             iteration=group.iteration, reward_mode=self.section.reward_mode,
+                             parent=parent_of(s.program(group.parent_id)))
         for result in closed.kept:
             reward = closed.rewards[result.id]
             s.execute("UPDATE results SET reward = ? WHERE id = ?", (reward, result.id))

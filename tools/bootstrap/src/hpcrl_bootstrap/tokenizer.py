@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from hpcrl_learner.bootstrap.chat import (
+from hpcrl_bootstrap.chat import (
     CHAT_TEMPLATE,
     END_OF_TEXT,
     IM_END,

@@ -1,8 +1,8 @@
 import pytest
 
+from hpcrl_common.prompts import Templates, build_prompt, truncate_error
 from hpcrl_common.stages import LAST_STAGE
 from hpcrl_common.task import load_task
-from hpcrl_scheduler.prompts import Templates, build_prompt, truncate_error
 from hpcrl_scheduler.scheduler import builtin_seed
 
 TASK = load_task("matmul")

@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from hpcrl_learner.bootstrap.examples import Example
-from hpcrl_learner.bootstrap.tokenizer import render_chat
+from hpcrl_bootstrap.examples import Example
+from hpcrl_bootstrap.tokenizer import render_chat
 
 IGNORE = -100
 
@@ -97,8 +97,9 @@ def build_model(shape: ModelShape, tokenizer: PreTrainedTokenizerFast, seed: int
 
 
 def encode_examples(examples: Sequence[Example], tokenizer: PreTrainedTokenizerFast,
-                    max_tokens: int) -> list[Encoded]:
-    """Prompt (chat template with the generation prompt) + completion + end of turn."""
+                    max_tokens: int) -> tuple[list[Encoded], int]:
+    """Prompt (chat template with the generation prompt) + completion + end of turn; and how
+    many examples were longer than ``max_tokens`` and left out (the caller reports it)."""
     prompts = [render_chat(tokenizer, [m.model_dump() for m in ex.prompt]) for ex in examples]
     prompt_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
     completion_ids = tokenizer([ex.completion for ex in examples],
@@ -109,7 +110,7 @@ def encode_examples(examples: Sequence[Example], tokenizer: PreTrainedTokenizerF
         ids = [*p, *c, eos]
         if len(ids) <= max_tokens:
             encoded.append(Encoded(ids, len(p)))
-    return encoded
+    return encoded, len(examples) - len(encoded)
 
 
 def batches(encoded: Sequence[Encoded], batch_size: int, seed: int, steps: int

@@ -1,5 +1,8 @@
 """Prompts of the SQD search: pure functions from (task, stage, mode, parent, error, ISA).
 
+A contract shared by the scheduler (which asks the policy with them) and the policy bootstrap
+(which trains the policy on exactly them), hence here and not in either.
+
 The wording lives in a data file (``data/prompts.toml``, or another file with the same
 keys); this module only fills it in. One short system message and one user message, because
 a small local policy is trained on exactly these prompts. The generator renders them with
@@ -78,7 +81,7 @@ class Templates:
 def load_templates(path: str | None = None) -> Templates:
     """The built-in templates, or a TOML file with keys system, user, modes.<mode>."""
     if path is None:
-        text = (resources.files("hpcrl_scheduler") / "data" / "prompts.toml").read_text()
+        text = (resources.files("hpcrl_common") / "data" / "prompts.toml").read_text()
         return Templates.parse(text, "built-in prompts.toml")
     return Templates.parse(Path(path).read_text(), path)
 
@@ -116,6 +119,12 @@ def truncate_error(error: str, head: int = ERROR_HEAD_CHARS, tail: int = ERROR_T
     cut = len(lines) - len(first) - len(last)
     middle = [f"[... {cut} more lines ...]"] if cut else []
     return "\n".join([*first, *middle, *last])
+
+
+def failure_text(status: str, error: str) -> str:
+    """How a failed parent's verdict reads in a repair prompt (``compile error: ...``)."""
+    label = status.replace("_", " ")
+    return f"{label}: {error.strip()}" if error.strip() else label
 
 
 def _code_block(source: str) -> str:

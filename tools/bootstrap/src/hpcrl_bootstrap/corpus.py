@@ -91,20 +91,6 @@ class KernelSpec:
         used = set(self.techniques)
         return next(s for s in range(1, LAST_STAGE + 1) if used <= set(stage(s).allowed))
 
-    def score(self) -> float:
-        """A rough speed estimate, only to rank specs (the benchmarker measures for real)."""
-        value = 1.0
-        if self.family == "loops":
-            value *= 2.0 if self.order in ("ikj", "kij") else 1.0
-            value *= 1.15 if self.unroll > 1 else 1.0
-        else:
-            value *= 1.5 * self.width * min(self.rm * self.rn, 8) ** 0.5
-            value *= 1.0 if self.fma else 0.8
-        value *= 1.4 if self.tile else 1.0
-        value *= 1.8 if self.omp else 1.0
-        value *= 1.05 if self.prefetch else 1.0
-        return value
-
     def without_mistake(self) -> KernelSpec:
         return replace(self, mistake=None, mistake_variant=0)
 
@@ -135,8 +121,9 @@ _VECTOR_BLOCKS = {"avx2": ((1, 1), (1, 2), (2, 1), (2, 2), (4, 1), (4, 2), (3, 2
 _SCALAR_BLOCKS = ((1, 2), (2, 1), (2, 2), (1, 4), (4, 1), (2, 4))
 
 
-def sample_spec(rng: random.Random, target_stage: int, isa: str) -> KernelSpec:
-    """A correct spec that uses what ``target_stage`` newly allows (and nothing it forbids)."""
+def sample_spec(rng: random.Random, target_stage: int, isa: str, styles: int = 6) -> KernelSpec:
+    """A correct spec that uses what ``target_stage`` newly allows (and nothing it forbids);
+    ``styles`` cosmetic variants (names, constants, comments) at most."""
     if isa not in ISAS:
         raise ValueError(f"isa must be one of {ISAS}, got {isa!r}")
     need_tile = target_stage == 2 or target_stage == 6
@@ -145,7 +132,7 @@ def sample_spec(rng: random.Random, target_stage: int, isa: str) -> KernelSpec:
     want_omp = target_stage == 4 or target_stage == 6 or (target_stage == 5 and rng.random() < 0.6)
     want_tile = need_tile or (target_stage >= 3 and rng.random() < 0.55)
     want_prefetch = target_stage >= 5
-    style = rng.randrange(6)
+    style = rng.randrange(styles)
     if want_simd:
         rm, rn = rng.choice(_VECTOR_BLOCKS[isa])
         spec = KernelSpec(family="block", rm=rm, rn=rn, simd=isa, style=style,
@@ -173,6 +160,25 @@ def sample_spec(rng: random.Random, target_stage: int, isa: str) -> KernelSpec:
     return spec
 
 
+def downgrade(rng: random.Random, spec: KernelSpec, to_stage: int) -> KernelSpec:
+    """``spec`` without what ``to_stage`` does not allow (the parent of a deepen pair)."""
+    if to_stage >= 5:  # stage 5 deepens into 6: the parent lacks one of 6's techniques
+        drop = rng.choice(("omp", "tile"))
+        if drop == "omp":
+            return replace(spec, omp=None)
+        return replace(spec, tile=None, omp="static" if spec.omp == "collapse" else spec.omp)
+    if to_stage < 5:
+        spec = replace(spec, prefetch=None)
+    if to_stage < 4:
+        spec = replace(spec, omp=None)
+    if to_stage < 3 and spec.simd:
+        rn = spec.rn if spec.rm * spec.rn > 1 else 2
+        spec = replace(spec, simd=None, rn=rn, fma=True)
+    if to_stage < 2:
+        spec = replace(spec, tile=None)
+    return spec
+
+
 def applicable_mistakes(spec: KernelSpec, target_stage: int) -> list[str]:
     kinds = [NO_ZERO, OFF_BY_ONE, COMPILE_ERROR, WRONG_STRIDE]
     if spec.omp:
@@ -197,6 +203,11 @@ def with_mistake(rng: random.Random, spec: KernelSpec, target_stage: int, isa: s
     return replace(spec, mistake=kind, mistake_variant=rng.randrange(5))
 
 
+def completion_text(source: str) -> str:
+    """A kernel as the policy answers: one fenced C block."""
+    return f"```c\n{source.rstrip()}\n```"
+
+
 def render_kernel(spec: KernelSpec, label_stage: int, isa: str) -> Kernel:
     source = render(spec)
     return Kernel(source=source, stage=label_stage, techniques=spec.techniques,
@@ -216,28 +227,6 @@ def generate_corpus(seed: int, size: int, mistake_rate: float = 0.3) -> list[Ker
     rng = random.Random(f"hpcrl-corpus/{seed}")
     return [sample_kernel(rng, 1 + n % LAST_STAGE, ISAS[(n // LAST_STAGE) % 2], mistake_rate)
             for n in range(size)]
-
-
-def best_kernels(seed: int = 0, per_stage: int = 3, isa: str = "avx512",
-                 pool: int = 400) -> list[Kernel]:
-    """The corpus's most promising correct kernels, ``per_stage`` per stage, best first.
-
-    Ranked by :meth:`KernelSpec.score`, a guess; benchmark them to know which is fastest.
-    """
-    rng = random.Random(f"hpcrl-corpus-best/{seed}/{isa}")
-    chosen: list[Kernel] = []
-    for number in range(1, LAST_STAGE + 1):
-        seen: set[str] = set()
-        specs = sorted((sample_spec(rng, number, isa) for _ in range(pool)),
-                       key=lambda s: -s.score())
-        for spec in specs:
-            kernel = render_kernel(spec, number, isa)
-            if kernel.source not in seen:
-                seen.add(kernel.source)
-                chosen.append(kernel)
-            if len(seen) == per_stage:
-                break
-    return chosen
 
 
 # --- rendering -----------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,12 +22,13 @@ from typing import Any
 
 import structlog
 
-from hpcrl_learner.bootstrap.check import host_has_avx512
+from hpcrl_bootstrap.catalogue import PER_STAGE
 
 MARKER = "BOOTSTRAP_READY"
 INFO_FILE = "bootstrap.json"
+CORPUS_FILE = "corpus.json"  # the measured catalogue: source, stage, status, GFLOPS
 # Bump when the corpus, prompts or training change in a way the settings do not show.
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 
 log = structlog.get_logger("hpcrl.learner.bootstrap")
 
@@ -35,8 +37,10 @@ log = structlog.get_logger("hpcrl.learner.bootstrap")
 class BootstrapSettings:
     seed: int = 0
     task: str = "matmul"
+    isa: str = "auto"  # the ISA the corpus and prompts target; auto: this host's best
+    opt_level: str = "O3"  # gcc level the catalogue is timed at (the demo's)
+    kernels_per_stage: tuple[int, ...] = tuple(PER_STAGE.values())  # catalogue, stages 1..6
     examples: int = 3_000
-    mistake_rate: float = 0.25
     vocab_size: int = 4096
     hidden_size: int = 256
     layers: int = 4
@@ -44,14 +48,17 @@ class BootstrapSettings:
     kv_heads: int = 2
     intermediate_size: int = 688
     max_positions: int = 2048
-    steps: int = 300
+    steps: int = 360
     batch_size: int = 8
     learning_rate: float = 2e-3
     warmup_steps: int = 20
     precision: str = "auto"  # auto (bf16 autocast where the CPU has it), bf16, fp32
 
+    def resolved(self) -> BootstrapSettings:
+        return self if self.isa != "auto" else dataclasses.replace(self, isa=host_isa())
+
     def key(self) -> str:
-        payload = json.dumps({"format": FORMAT_VERSION, **dataclasses.asdict(self)},
+        payload = json.dumps({"format": FORMAT_VERSION, **dataclasses.asdict(self.resolved())},
                              sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:12]
 
@@ -62,6 +69,15 @@ def default_dir(data_dir: Path, settings: BootstrapSettings) -> Path:
 
 def is_ready(path: Path) -> bool:
     return (Path(path) / MARKER).is_file()
+
+
+def host_isa() -> str:
+    """avx512 where the CPU has AVX-512F, else avx2: what prompts name and kernels use."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return "avx2"
+    return "avx512" if "avx512f" in flags else "avx2"
 
 
 def cpu_has_bf16() -> bool:
@@ -87,7 +103,7 @@ def ensure_model(
     staging = out.parent / f".{out.name}.building-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     try:
-        info = _build(settings, staging, progress)
+        info = _build(settings, staging, out.parent, progress)
         (staging / INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
         (staging / MARKER).write_text(json.dumps({"key": settings.key(),
                                                   "built_at": time.time()}) + "\n")
@@ -102,16 +118,16 @@ def ensure_model(
     return out
 
 
-def _build(settings: BootstrapSettings, where: Path,
+def _build(settings: BootstrapSettings, where: Path, cache_dir: Path,
            progress: Callable[[str, dict[str, Any]], None] | None) -> dict[str, Any]:
     # Imported here: the cached path (a model already built) needs neither torch nor the corpus.
     import torch
     from transformers.utils import logging as hf_logging
 
-    from hpcrl_common.task import load_task
-    from hpcrl_learner.bootstrap.examples import chat_texts, make_examples
-    from hpcrl_learner.bootstrap.tokenizer import train_tokenizer
-    from hpcrl_learner.bootstrap.train import (
+    from hpcrl_bootstrap import catalogue
+    from hpcrl_bootstrap.examples import chat_texts, make_examples, pairs_from
+    from hpcrl_bootstrap.tokenizer import train_tokenizer
+    from hpcrl_bootstrap.train import (
         ModelShape,
         TrainSettings,
         build_model,
@@ -119,6 +135,7 @@ def _build(settings: BootstrapSettings, where: Path,
         save_model,
         train,
     )
+    from hpcrl_common.task import builtin_seed, load_task
 
     def report(stage: str, **fields: Any) -> None:
         if progress is not None:
@@ -126,10 +143,24 @@ def _build(settings: BootstrapSettings, where: Path,
 
     hf_logging.disable_progress_bar()  # the bootstrap shows its own progress
     started = time.monotonic()
+    settings = settings.resolved()
     task = load_task(settings.task)
-    report("corpus", examples=settings.examples)
-    examples = make_examples(settings.seed, settings.examples, task,
-                             mistake_rate=settings.mistake_rate, seed_source=_seed_source())
+    plan = catalogue.plan(settings.seed, settings.isa,
+                          dict(enumerate(settings.kernels_per_stage, start=1)))
+    kernels = plan.all()
+    report("catalogue", kernels=len({catalogue.verdict_key(k) for k in kernels}),
+           isa=settings.isa)
+    measured, cache = catalogue.measure(
+        kernels, task, settings.opt_level, cache_dir,
+        progress=lambda done, total: report("measure", done=done, total=total))
+    verdicts = {catalogue.verdict_key(m.kernel): m for m in measured}
+    pairs = pairs_from(plan, verdicts)
+    report("pairs", **{mode: sum(map(len, table.values())) for mode, table in
+                       (("correct", pairs.correct), ("deepen", pairs.deepen),
+                        ("improve", pairs.improve), ("repair", pairs.repair))},
+           left_out=dict(pairs.left_out) or "none")
+    examples = make_examples(settings.seed, settings.examples, task, pairs, settings.isa,
+                             seed_source=builtin_seed(settings.task))
     report("tokenizer", vocab_size=settings.vocab_size)
     tokenizer = train_tokenizer(chat_texts(examples[:6000]), vocab_size=settings.vocab_size)
     shape = ModelShape(hidden_size=settings.hidden_size, layers=settings.layers,
@@ -142,7 +173,9 @@ def _build(settings: BootstrapSettings, where: Path,
                                    warmup_steps=settings.warmup_steps,
                                    max_tokens=settings.max_positions, bf16=bf16,
                                    seed=settings.seed)
-    encoded = encode_examples(examples, tokenizer, train_settings.max_tokens)
+    encoded, too_long = encode_examples(examples, tokenizer, train_settings.max_tokens)
+    if too_long:
+        report("examples", kept=len(encoded), left_out_longer_than_max_positions=too_long)
     model = build_model(shape, tokenizer, settings.seed)
     params = sum(p.numel() for p in model.parameters())
     report("train", steps=settings.steps, parameters=params, examples=len(encoded), bf16=bf16)
@@ -150,28 +183,21 @@ def _build(settings: BootstrapSettings, where: Path,
                     on_step=lambda info: report("step", info=info))
     where.mkdir(parents=True)
     save_model(model, tokenizer, where)
+    (where / CORPUS_FILE).write_text(json.dumps(catalogue.export(measured), indent=1) + "\n")
     mean_tokens = sum(len(e.input_ids) for e in encoded) / max(len(encoded), 1)
     return {
         "settings": dataclasses.asdict(settings),
         "key": settings.key(),
         "parameters": params,
         "vocab_size": len(tokenizer),
+        "catalogue": {**catalogue.summary(measured), "cache": str(cache)},
+        "pairs_left_out": dict(pairs.left_out),
+        "examples_by_mode": dict(sorted(Counter(e.mode for e in examples).items())),
         "examples_kept": len(encoded),
+        "examples_left_out_too_long": too_long,
         "mean_tokens_per_example": round(mean_tokens, 1),
         "bf16_autocast": bf16,
         "training": dataclasses.asdict(summary),
         "build_seconds": round(time.monotonic() - started, 1),
         "torch_threads": torch.get_num_threads(),
-        "host_avx512": host_has_avx512(),
     }
-
-
-def _seed_source() -> str | None:
-    try:
-        from importlib import resources
-
-        seed = resources.files("hpcrl_scheduler") / "data" / "seeds" / "matmul.c"
-        return seed.read_text() if seed.is_file() else None
-    except (ImportError, OSError):
-        return None
-

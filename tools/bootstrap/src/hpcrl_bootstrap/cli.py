@@ -1,6 +1,6 @@
 """Build the embedded policy (a small Qwen2 code model trained on CPU on a generated corpus
 of matrix-multiply kernels) unless it is cached, showing progress on stderr; print the model
-directory as the last line of stdout. Also: python -m hpcrl_learner.bootstrap."""
+directory as the last line of stdout. Also: python -m hpcrl_bootstrap."""
 
 from __future__ import annotations
 
@@ -10,17 +10,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from hpcrl_bootstrap.build import BootstrapSettings, default_dir, ensure_model, is_ready
 from hpcrl_common.config import ServiceConfig
 from hpcrl_common.logs import configure_logging
 from hpcrl_common.service import add_config_argument, load_or_exit
-from hpcrl_learner.bootstrap.build import BootstrapSettings, default_dir, ensure_model, is_ready
 
 _DEFAULTS = BootstrapSettings()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    if "--config" not in parser._option_string_actions:  # the learner may have added it
-        add_config_argument(parser)
+    add_config_argument(parser)
     parser.add_argument("--data-dir", type=Path, default=None,
                         help="data directory (default: experiment.data_dir of the config); the "
                         "model goes to <data-dir>/policy/bootstrap-<hash of the settings>/")
@@ -46,8 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--force", action="store_true",
                         help="rebuild even if a finished model is cached")
     parser.add_argument("--evaluate", type=int, default=0, metavar="N",
-                        help="afterwards, sample N kernels and report how many compile, are "
-                        "correct and respect their stage (default 0: skip)")
+                        help="afterwards, sample N kernels for each of seed and improve prompts "
+                        "at stages 1 and 2, judge them with the benchmarker's pipeline and report "
+                        "the share correct and their speeds (default 0: skip)")
     parser.add_argument("--temperature", type=float, default=0.8,
                         help="sampling temperature of --evaluate (default 0.8)")
 
@@ -60,7 +60,7 @@ def settings_from_args(args: argparse.Namespace, task: str) -> BootstrapSettings
 
 def run(args: argparse.Namespace) -> int:
     config = load_or_exit(ServiceConfig, getattr(args, "config", None))
-    configure_logging("learner", config.logging.level, config.logging.format)
+    configure_logging("bootstrap", config.logging.level, config.logging.format)
     settings = settings_from_args(args, config.experiment.task)
     data_dir = args.data_dir if args.data_dir is not None else config.experiment.data_dir
     out = args.out if args.out is not None else default_dir(data_dir, settings)
@@ -102,6 +102,7 @@ class _Progress:
         )
         self.bar.__enter__()
         self.task_id: Any = None
+        self.measure_id: Any = None
         self.smoothed: float | None = None
         return self
 
@@ -109,6 +110,14 @@ class _Progress:
         self.bar.__exit__(*exc)  # type: ignore[arg-type]
 
     def __call__(self, phase: str, fields: dict[str, Any]) -> None:
+        if phase == "measure":
+            if self.measure_id is None:
+                self.measure_id = self.bar.add_task("benchmark catalogue", total=fields["total"],
+                                                    loss="-", rate="")
+            self.bar.update(self.measure_id, completed=fields["done"])
+            if not self.console.is_terminal and fields["done"] % 50 == 0:
+                self.console.print(f"benchmarked {fields['done']}/{fields['total']} kernels")
+            return
         if phase == "step":
             info = fields["info"]
             self.smoothed = info.loss if self.smoothed is None else (
@@ -131,27 +140,34 @@ class _Progress:
         self.console.print(f"{phase}: {details}")
 
 
-def _evaluate(model_dir: Path, samples: int, temperature: float, task: str) -> None:
+def _evaluate(model_dir: Path, per_bucket: int, temperature: float, task: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from hpcrl_learner.bootstrap.evaluate import evaluate
+    from hpcrl_bootstrap.evaluate import evaluate
 
-    report = evaluate(model_dir, samples=samples, temperature=temperature, task_name=task)
-    table = Table(title=f"{samples} samples at temperature {temperature:g}")
-    table.add_column("measure")
-    table.add_column("count", justify="right")
-    table.add_column("fraction", justify="right")
-    for name, count, total in report.rows():
-        table.add_row(name, str(count), f"{count / max(total, 1):.0%}")
     console = Console(stderr=True)
+    with console.status("sampling and benchmarking") as status:
+        report = evaluate(model_dir, per_bucket=per_bucket, temperature=temperature,
+                          task_name=task, progress=lambda done, total: status.update(
+                              f"benchmarking sample {done}/{total}"))
+    table = Table(title=f"{per_bucket} samples per bucket at temperature {temperature:g}")
+    for column in ("mode", "stage", "correct", "GFLOPS of the correct", "faster than parent"):
+        table.add_column(column)
+    for row in report.rows():
+        speeds = ("-" if row["min_gflops"] is None
+                  else f"{row['min_gflops']:.1f} to {row['max_gflops']:.1f}")
+        faster = "-" if row["faster_than_parent"] is None else str(row["faster_than_parent"])
+        table.add_row(row["mode"], str(row["stage"]),
+                      f"{row['correct']}/{row['samples']} ({row['share_correct']:.0%})",
+                      speeds, faster)
     console.print(table)
     console.print("statuses: " + ", ".join(f"{k} {v}" for k, v in report.statuses().items()))
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m hpcrl_learner.bootstrap",
+        prog="hpcrl-bootstrap",
         description="Build the embedded policy: a small Qwen2 code model trained on CPU on a "
         "generated corpus of matrix-multiply kernels; prints its directory.",
     )

@@ -1,6 +1,6 @@
 import sys
 
-from hpcrl_learner.bootstrap.cli import main
+from hpcrl_bootstrap.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

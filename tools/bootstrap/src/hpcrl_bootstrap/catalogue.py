@@ -1,0 +1,187 @@
+"""The measured catalogue: the kernels the bootstrap teaches, judged and timed on this host.
+
+A speed formula cannot rank kernels (one ranked every scalar register block above the ikj
+loop order, which is about twice as fast at 256³), so every kernel the policy is taught to
+write, and every parent it is shown, goes through the benchmarker's own pipeline once
+(extraction, technique checks, sandboxed compile, verification against OpenBLAS, timing).
+Pairs are then made from measured speeds, and repair prompts show the error the benchmarker
+really gave for the broken parent.
+
+``plan`` is pure: which kernels (seeded). ``measure`` runs them and caches the verdicts in a
+JSON file keyed by the host class, the optimisation level and the kernels' sources, so a
+rebuild on the same host times nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from hpcrl_bootstrap import corpus as cp
+from hpcrl_bootstrap.corpus import Kernel
+from hpcrl_common.stages import LAST_STAGE
+from hpcrl_common.task import TaskSpec
+
+# Distinct correct kernels per stage. Weighted to the stages a short run explores most; the
+# policy memorises a small set well rather than a large one badly.
+PER_STAGE: dict[int, int] = {1: 20, 2: 20, 3: 18, 4: 12, 5: 8, 6: 8}
+SUCCESS = "success"
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One catalogue kernel and the benchmarker's verdict on it."""
+
+    kernel: Kernel
+    status: str
+    gflops: float | None
+    error: str
+    generalizes: bool | None
+
+    @property
+    def ok(self) -> bool:
+        """Correct at the reward size and at the odd sizes: fit to be taught."""
+        return self.status == SUCCESS and self.generalizes is not False and bool(self.gflops)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Correct kernels by stage, and for each its deepen parent and its broken twin."""
+
+    targets: list[Kernel]
+    parents: dict[int, Kernel]  # target index -> the target of stage s without s's technique
+    broken: dict[int, Kernel]  # target index -> the target with one mistake (repair parent)
+
+    def all(self) -> list[Kernel]:
+        return [*self.targets, *self.parents.values(), *self.broken.values()]
+
+
+def plan(seed: int, isa: str, per_stage: dict[int, int] | None = None) -> Plan:
+    """The catalogue's kernels; the same arguments give the same kernels."""
+    rng = random.Random(f"hpcrl-catalogue/{seed}/{isa}")
+    counts = per_stage or PER_STAGE
+    targets: list[Kernel] = []
+    seen: set[str] = set()
+    for number in range(1, LAST_STAGE + 1):
+        wanted = counts.get(number, 0)
+        for _ in range(wanted * 40):
+            if sum(1 for k in targets if k.stage == number) == wanted:
+                break
+            kernel = cp.render_kernel(cp.sample_spec(rng, number, isa, styles=1), number, isa)
+            if kernel.source not in seen:
+                seen.add(kernel.source)
+                targets.append(kernel)
+    parents = {index: cp.render_kernel(cp.downgrade(rng, k.spec, k.stage - 1), k.stage - 1, isa)
+               for index, k in enumerate(targets) if k.stage > 1}
+    broken = {index: cp.render_kernel(cp.with_mistake(rng, k.spec, k.stage, isa), k.stage, isa)
+              for index, k in enumerate(targets)}
+    return Plan(targets, parents, broken)
+
+
+def cache_key(host_class: str, opt_level: str, task: TaskSpec, kernels: Sequence[Kernel]) -> str:
+    digest = hashlib.sha256()
+    for part in (host_class, opt_level, task.model_dump_json(),
+                 *sorted(verdict_key(k) for k in kernels)):
+        digest.update(part.encode())
+        digest.update(b"\0")
+    return digest.hexdigest()[:16]
+
+
+Progress = Callable[[int, int], None]
+
+
+def verdict_key(kernel: Kernel) -> str:
+    """Verdicts depend on the stage a kernel is judged at, not only on its source."""
+    return f"{kernel.stage}:{kernel.source}"
+
+
+def measure(kernels: Sequence[Kernel], task: TaskSpec, opt_level: str, cache_dir: Path,
+            progress: Progress | None = None, workers: int = 2) -> tuple[list[Measured], Path]:
+    """Every kernel judged by the benchmarker (cached per host class); and the cache file."""
+    from hpcrl_benchmarker.pipeline import Benchmarker, Settings
+
+    # Not pinned: the build shares its cores with whatever else runs here.
+    benchmarker = Benchmarker(Settings(pin_threads=False))
+    key = cache_key(benchmarker.host.host_class, opt_level, task, kernels)
+    path = Path(cache_dir) / f"catalogue-{key}.json"
+    cached = _read_cache(path)
+    unique = {verdict_key(k): k for k in kernels}
+    todo = [k for name, k in unique.items() if name not in cached]
+    done = len(unique) - len(todo)
+
+    def judge(kernel: Kernel) -> tuple[str, dict[str, Any]]:
+        verdict = benchmarker.evaluate(cp.completion_text(kernel.source), stage=kernel.stage,
+                                       opt_level=opt_level, task=task)
+        return verdict_key(kernel), {"status": verdict.status, "gflops": verdict.gflops,
+                                     "error": verdict.error, "generalizes": verdict.generalizes,
+                                     "techniques": verdict.techniques}
+
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        for name, verdict in pool.map(judge, todo):
+            cached[name] = verdict
+            done += 1
+            if progress is not None:
+                progress(done, len(unique))
+    if todo:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_suffix(f".{os.getpid()}.tmp")
+        temporary.write_text(json.dumps({"host_class": benchmarker.host.host_class,
+                                         "opt_level": opt_level, "verdicts": cached}))
+        temporary.replace(path)
+    return [_measured(k, cached[verdict_key(k)]) for k in kernels], path
+
+
+def _read_cache(path: Path) -> dict[str, dict[str, Any]]:
+    try:
+        return dict(json.loads(path.read_text())["verdicts"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
+def _measured(kernel: Kernel, verdict: dict[str, Any]) -> Measured:
+    return Measured(kernel=kernel, status=str(verdict["status"]), gflops=verdict.get("gflops"),
+                    error=str(verdict.get("error") or ""), generalizes=verdict.get("generalizes"))
+
+
+def relabel(measured: Measured, stage: int) -> Measured:
+    return replace(measured, kernel=replace(measured.kernel, stage=stage))
+
+
+def summary(measured: Sequence[Measured]) -> dict[str, Any]:
+    """What bootstrap.json records: counts, and the speed range per stage."""
+    ok = [m for m in measured if m.ok]
+    stages: dict[str, Any] = {}
+    for number in range(1, LAST_STAGE + 1):
+        speeds = sorted(m.gflops or 0.0 for m in ok if m.kernel.stage == number)
+        if speeds:
+            stages[str(number)] = {"kernels": len(speeds), "min_gflops": round(speeds[0], 2),
+                                   "max_gflops": round(speeds[-1], 2)}
+    statuses: dict[str, int] = {}
+    for m in measured:
+        statuses[m.status] = statuses.get(m.status, 0) + 1
+    return {"kernels": len(measured), "correct": len(ok), "statuses": statuses,
+            "stages": stages}
+
+
+def best(measured: Sequence[Measured], per_stage: int = 1) -> list[Measured]:
+    """The fastest correct kernels of each stage, fastest first within a stage."""
+    out: list[Measured] = []
+    for number in range(1, LAST_STAGE + 1):
+        ranked = sorted((m for m in measured if m.ok and m.kernel.stage == number),
+                        key=lambda m: -(m.gflops or 0.0))
+        out += ranked[:per_stage]
+    return out
+
+
+def export(measured: Sequence[Measured]) -> list[dict[str, Any]]:
+    """The catalogue as JSON rows (written next to the model as corpus.json)."""
+    return [{"stage": m.kernel.stage, "techniques": list(m.kernel.techniques),
+             "mistake": m.kernel.mistake, "status": m.status, "gflops": m.gflops,
+             "generalizes": m.generalizes, "source": m.kernel.source} for m in measured]

@@ -1,0 +1,5 @@
+import sys
+
+from hpcrl_evaluate.cli import main
+
+sys.exit(main())

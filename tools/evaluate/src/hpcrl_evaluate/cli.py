@@ -1,0 +1,205 @@
+"""hpcrl-evaluate: does training help? The fixed evaluation set, judged by the benchmarker,
+sampled with version 0 and a later policy version under the same seeds."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from hpcrl_common.task import TaskError, load_task
+from hpcrl_evaluate.evalset import SPECS, build_set, isa_of_cpuinfo
+from hpcrl_evaluate.run import (
+    METRICS,
+    BackendOptions,
+    Evaluation,
+    SamplingOptions,
+    VersionError,
+    resolve_versions,
+)
+
+EPILOG = f"""\
+The set ({len(SPECS)} prompts): {"; ".join(f"{i}: {s.name}" for i, s in enumerate(SPECS))}.
+Each prompt is sampled K times per version with a seed derived from (--seed, prompt index),
+so sample i of prompt p is paired across versions. Metrics: share correct (status success),
+mean raw reward (GFLOPS on success, the penalty otherwise), mean GFLOPS counting failures as
+0, best GFLOPS, share of samples using each technique; the gain (last version - first) comes
+with a paired bootstrap 95 % interval. Exit status: 0 done, 2 bad arguments (missing model
+directory, unknown version), 1 the evaluation failed.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hpcrl-evaluate", description=__doc__.replace("\n", " ").strip(), epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, required=True,
+                        help="base model directory (Hugging Face format): version 0")
+    parser.add_argument("--checkpoints", type=Path, default=None,
+                        help="the learner's checkpoint store (manifest.json), for versions > 0")
+    parser.add_argument("--versions", default=None,
+                        help="comma-separated versions: 0, latest or a number; the first is "
+                        "the baseline, the last the one compared with it (default: 0,latest "
+                        "with --checkpoints, else 0)")
+    parser.add_argument("--samples", type=_positive, default=8, metavar="K",
+                        help="completions per prompt and version (default 8)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="evaluation seed: sampling seeds and bootstrap (default 0)")
+    parser.add_argument("--temperature", type=float, default=0.8,
+                        help="sampling temperature (default 0.8, the demo's)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default 1)")
+    parser.add_argument("--max-tokens", type=_positive, default=1024,
+                        help="completion length limit (default 1024)")
+    parser.add_argument("--backend", choices=("vllm", "transformers"), default="vllm",
+                        help="generator backend (default vllm)")
+    parser.add_argument("--opt-level", default="O3", help="gcc optimisation level (default O3)")
+    parser.add_argument("--task", default="matmul", help="task name or TOML (default matmul)")
+    parser.add_argument("--prompts", default=None, metavar="I,J,...",
+                        help="evaluate only these prompt indices (default: the whole set)")
+    parser.add_argument("--dtype", default="auto", help="weights dtype (default: the model's)")
+    parser.add_argument("--max-model-len", type=_positive, default=4096,
+                        help="prompt + completion tokens (default 4096)")
+    parser.add_argument("--kv-cache-gib", type=_positive, default=4,
+                        help="vLLM on CPU: KV cache size in GiB (default 4)")
+    parser.add_argument("--device", default="cpu", help="transformers: torch device")
+    parser.add_argument("--resamples", type=_positive, default=2000,
+                        help="bootstrap resamples (default 2000)")
+    parser.add_argument("--json", type=Path, default=None, metavar="OUT",
+                        help="write the whole report (every sample and verdict) as JSON")
+    parser.add_argument("--plot", type=Path, default=None, metavar="PNG",
+                        help="write a figure of first vs last version with the gain's CI")
+    return parser
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _prompt_indices(text: str | None, parser: argparse.ArgumentParser) -> list[int]:
+    if text is None:
+        return list(range(len(SPECS)))
+    try:
+        chosen = [int(part) for part in text.split(",")]
+    except ValueError:
+        parser.error(f"--prompts: comma-separated indices expected, got {text!r}")
+    bad = [i for i in chosen if not 0 <= i < len(SPECS)]
+    if bad or len(set(chosen)) != len(chosen):
+        parser.error(f"--prompts: indices must be distinct, 0..{len(SPECS) - 1}, got {text!r}")
+    return chosen
+
+
+def host_isa() -> str:
+    return isa_of_cpuinfo(Path("/proc/cpuinfo").read_text())
+
+
+def setup(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Evaluation:
+    """Check every argument before anything heavy is imported (exit 2 on a mistake)."""
+    if not (args.model / "config.json").is_file():
+        parser.error(f"--model: {args.model} is not a model directory (no config.json)")
+    if args.checkpoints is not None and not args.checkpoints.is_dir():
+        parser.error(f"--checkpoints: {args.checkpoints} is not a directory")
+    requested = args.versions or ("0,latest" if args.checkpoints else "0")
+    try:
+        refs = resolve_versions(requested.split(","), args.model, args.checkpoints)
+        task = load_task(args.task)
+        task.compile_flags(args.opt_level)
+    except (VersionError, TaskError, ValueError) as exc:
+        parser.error(str(exc))
+    isa = host_isa()
+    every = build_set(task, isa)
+    prompts = [every[i] for i in _prompt_indices(args.prompts, parser)]
+    return Evaluation(
+        model=args.model.resolve(), refs=refs, prompts=prompts, task=args.task,
+        opt_level=args.opt_level, isa=isa,
+        sampling=SamplingOptions(samples=args.samples, seed=args.seed,
+                                 temperature=args.temperature, top_p=args.top_p,
+                                 max_tokens=args.max_tokens),
+        backend=BackendOptions(backend=args.backend, dtype=args.dtype,
+                               max_model_len=args.max_model_len,
+                               kv_cache_space_gib=args.kv_cache_gib, device=args.device),
+        resamples=args.resamples,
+    )
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3g}"
+
+
+def summary_table(report: dict[str, Any]) -> Table:
+    """One row per metric: each version's value, then the gain and its interval."""
+    versions = report["versions"]
+    comparison = report["comparison"]
+    table = Table(title=f"fixed evaluation set: {len(report['prompts'])} prompts x "
+                        f"{report['sampling']['samples']} samples, seed "
+                        f"{report['sampling']['seed']}")
+    table.add_column("metric")
+    for version in versions:
+        table.add_column(f"v{version['version']}", justify="right")
+    if comparison is not None:
+        table.add_column("gain", justify="right")
+        table.add_column(f"{comparison['level']:.0%} CI", justify="right")
+    for name in METRICS:
+        row = [report["metric_labels"][name],
+               *(_num(v["metrics"].get(name)) for v in versions)]
+        if comparison is not None:
+            gain = comparison["metrics"][name]
+            row += [f"{gain['gain']:+.3g}", f"[{gain['low']:+.3g}, {gain['high']:+.3g}]"]
+        table.add_row(*row)
+    return table
+
+
+def prompt_table(report: dict[str, Any]) -> Table:
+    """Per prompt: share correct and mean GFLOPS (failures 0) of every version."""
+    table = Table(title="per prompt: share correct / mean GFLOPS (failures 0)")
+    table.add_column("prompt")
+    for version in report["versions"]:
+        table.add_column(f"v{version['version']}", justify="right")
+    for position, prompt in enumerate(report["prompts"]):
+        cells = []
+        for version in report["versions"]:
+            m = version["per_prompt"][position]["metrics"]
+            cells.append(f"{m['share_correct']:.2f} / {m['mean_gflops']:.3g}")
+        table.add_row(f"{prompt['index']}: {prompt['name']}", *cells)
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    evaluation = setup(args, parser)
+    errors = Console(stderr=True)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn())
+    try:
+        with Progress(*columns, console=errors) as progress:
+            report = evaluation.run(progress)
+    except Exception as exc:
+        errors.print_exception(max_frames=8)
+        errors.print(f"[red]error:[/] evaluation failed: {type(exc).__name__}: {exc}")
+        return 1
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
+        errors.print(f"wrote {args.json}")
+    if args.plot is not None:
+        from hpcrl_evaluate.plot import plot
+
+        plot(report, args.plot)
+        errors.print(f"wrote {args.plot}")
+    out = Console()
+    out.print(summary_table(report))
+    out.print(prompt_table(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
