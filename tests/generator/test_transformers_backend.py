@@ -9,9 +9,10 @@ from hpcrl_common.messages import SamplingParams
 from hpcrl_generator.backends.hf import TransformersSampler
 from hpcrl_generator.prompt import render_prompt
 
-from .helpers import PROMPT
+from .helpers import LONG_PROMPT, PROMPT, assert_same_samples
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=10, seed=5)
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +69,20 @@ def test_a_reload_equals_a_fresh_load_of_the_same_weights(tiny_models):
     assert after.token_ids == fresh.token_ids
     assert after.logprobs == pytest.approx(fresh.logprobs, abs=1e-5)
     assert after.token_ids != before.token_ids
+
+
+def test_a_reload_then_a_long_prompt_equals_a_fresh_load(tiny_models):
+    # The vLLM suite's prefix-cache case, on this backend: a prompt seen under v0 again
+    # after the reload must be computed from v1 alone.
+    live = TransformersSampler(tiny_models["v0"])
+    ids = render_prompt(live.tokenizer, LONG_PROMPT)
+    before = live.generate(ids, 1, GREEDY)
+    live.load_weights(tiny_models["v1"], 1)
+    fresh = TransformersSampler(tiny_models["v1"])
+    after = live.generate(ids, 1, GREEDY)
+    assert_same_samples(after, fresh.generate(ids, 1, GREEDY))
+    assert_same_samples(live.generate(ids, 3, SAMPLED), fresh.generate(ids, 3, SAMPLED))
+    assert after[0].token_ids != before[0].token_ids
 
 
 def test_a_lora_version_matches_the_merged_model(tiny_models, tmp_path):

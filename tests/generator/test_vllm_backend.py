@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed: run deploy/local/install-vllm.sh")
 
 from hpcrl_common.checkpoints import CheckpointStore
-from hpcrl_common.messages import SamplingParams, WeightUpdate
+from hpcrl_common.messages import (
+    Candidate,
+    RolloutBatch,
+    RolloutSample,
+    SamplingParams,
+    WeightUpdate,
+)
 from hpcrl_common.topology import Topology
 from hpcrl_generator.backends.hf import TransformersSampler
 from hpcrl_generator.config import GeneratorSection
@@ -15,20 +27,29 @@ from hpcrl_generator.prompt import render_prompt
 from hpcrl_generator.service import Generator
 
 from .conftest import commit_version
-from .helpers import PROMPT
+from .helpers import LONG_PROMPT, PROMPT, assert_same_samples, save_lora_adapter
 from .loop import run_weight_loop
 from .test_transformers_backend import teacher_forced_logprobs
 
+if TYPE_CHECKING:
+    from hpcrl_generator.backends.vllm import VLLMSampler
+
 pytestmark = pytest.mark.slow
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=10, seed=5)
+MAX_MODEL_LEN = 1024  # LONG_PROMPT spans several prefix-cache blocks, plus a completion
+
+
+def start_engine(model: Path, **lora: bool | int) -> VLLMSampler:
+    from hpcrl_generator.backends.vllm import VLLMSampler
+
+    return VLLMSampler(model, dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=8,
+                       kv_cache_space_gib=1, **lora)
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_models):
-    from hpcrl_generator.backends.vllm import VLLMSampler
-
-    sampler = VLLMSampler(tiny_models["v0"], dtype="float32", max_model_len=256,
-                          max_num_seqs=8, kv_cache_space_gib=1)
+    sampler = start_engine(tiny_models["v0"])
     yield sampler
     sampler.close()
 
@@ -94,9 +115,131 @@ def test_a_checkpoint_of_another_shape_is_refused_and_the_engine_lives(
     assert len(engine.generate(ids, 1, GREEDY)[0].token_ids) > 0
 
 
+# --- the prefix cache across reloads ----------------------------------------------------
+
+
+def long_prompt_ids(engine: VLLMSampler) -> list[int]:
+    """LONG_PROMPT's ids, checked to fill three or more prefix-cache blocks and part of one."""
+    cache = engine.llm.llm_engine.vllm_config.cache_config
+    ids = render_prompt(engine.tokenizer, LONG_PROMPT)
+    assert cache.enable_prefix_caching
+    assert len(ids) // cache.block_size >= 3 and len(ids) % cache.block_size, (
+        f"{len(ids)} prompt tokens, blocks of {cache.block_size}")
+    return ids
+
+
+def sampled_past_the_cache(engine: VLLMSampler, ids: list[int], n: int) -> list[list[int]]:
+    """SAMPLED's token ids for a request with a new cache salt: no cached block can match it,
+    so it is computed from the loaded weights alone, as a freshly started engine would."""
+    from vllm import SamplingParams as VLLMSamplingParams
+
+    params = VLLMSamplingParams(n=n, temperature=SAMPLED.temperature, top_p=SAMPLED.top_p,
+                                max_tokens=SAMPLED.max_tokens, seed=SAMPLED.seed, logprobs=0)
+    (output,) = engine.llm.generate(
+        [{"prompt_token_ids": ids, "cache_salt": uuid.uuid4().hex}], params, use_tqdm=False,
+        lora_request=engine._lora)
+    return [list(completion.token_ids) for completion in output.outputs]
+
+
+def assert_equals_a_fresh_load(
+    engine: VLLMSampler, fresh: TransformersSampler, ids: list[int]
+) -> None:
+    """Greedy: a fresh load's tokens and log-probs. Seeded sampling: a fresh load's log-probs
+    of the sampled tokens, and the tokens of a request that bypasses the prefix cache."""
+    assert_same_samples(engine.generate(ids, 1, GREEDY), fresh.generate(ids, 1, GREEDY))
+    sampled = engine.generate(ids, 3, SAMPLED)
+    assert [s.token_ids for s in sampled] == sampled_past_the_cache(engine, ids, 3)
+    for sample in sampled:
+        assert sample.logprobs == pytest.approx(
+            teacher_forced_logprobs(fresh.model, ids, sample.token_ids), abs=1e-4)
+
+
+def test_a_reload_never_reuses_the_old_versions_prefix_cache(engine, reference, tiny_models):
+    ids = long_prompt_ids(engine)
+    engine.generate(ids, 1, GREEDY)  # v0's keys and values of the prompt are now cached
+    engine.load_weights(tiny_models["v1"], 1)
+    assert_equals_a_fresh_load(engine, reference["v1"], ids)
+    engine.load_weights(tiny_models["v0"], 0)  # and back, past v1's cached blocks
+    assert_equals_a_fresh_load(engine, reference["v0"], ids)
+
+
+@pytest.fixture
+def lora_engine(tiny_models: dict[str, Path]) -> Iterator[VLLMSampler]:
+    sampler = start_engine(tiny_models["v0"], enable_lora=True, max_lora_rank=8)
+    yield sampler
+    sampler.close()
+
+
+def merged(base: Path, adapter: Path, version: int) -> TransformersSampler:
+    fresh = TransformersSampler(base)
+    fresh.load_weights(adapter, version, "lora")
+    return fresh
+
+
+def test_lora_switches_and_a_return_to_full_weights_equal_fresh_loads(
+    lora_engine, reference, tiny_models, tmp_path
+):
+    ids = long_prompt_ids(lora_engine)
+    lora_engine.generate(ids, 1, GREEDY)  # the base's blocks are cached
+    for version in (1, 2):
+        adapter = save_lora_adapter(tiny_models["v0"], tmp_path / f"v{version}", seed=version)
+        lora_engine.load_weights(adapter, version, "lora")
+        assert_equals_a_fresh_load(lora_engine, merged(tiny_models["v0"], adapter, version), ids)
+    lora_engine.load_weights(tiny_models["v1"], 3)  # full weights again, no adapter
+    assert_equals_a_fresh_load(lora_engine, reference["v1"], ids)
+
+
+def rollout_batch(group: list[Candidate]) -> RolloutBatch:
+    """What the scheduler sends the learner for one group (rewards do not matter here)."""
+    samples = []
+    for candidate in group:
+        rollout = candidate.rollout
+        assert rollout is not None
+        samples.append(RolloutSample(
+            candidate_id=candidate.id, completion_token_ids=rollout.completion_token_ids,
+            sampling_logprobs=rollout.sampling_logprobs, policy_version=rollout.policy_version,
+            reward=float(candidate.index), status="success"))
+    assert group[0].rollout is not None
+    return RolloutBatch(id=group[0].group_id, experiment="test", iteration=0,
+                        prompt_token_ids=group[0].rollout.prompt_token_ids, samples=samples,
+                        reward_mode="raw")
+
+
+def by_group(candidates: list[Candidate]) -> list[list[Candidate]]:
+    groups: dict[str, list[Candidate]] = {}
+    for candidate in candidates:
+        groups.setdefault(candidate.group_id, []).append(candidate)
+    return list(groups.values())
+
+
+def learner_view(candidates: list[Candidate], policy: Path) -> tuple[float, np.ndarray]:
+    """What the learner makes of ``candidates`` on ``policy``: its step metric ``sampler_kl``
+    (learning rate 0, so the step changes nothing) and its log-probs minus the sampler's."""
+    from hpcrl_learner.batches import prepare_group
+    from hpcrl_learner.config import LearnerSettings
+    from hpcrl_learner.trainer import TorchTrainer
+
+    settings = LearnerSettings(model_path=policy, device="cpu", learning_rate=0.0)
+    trainer = TorchTrainer(settings)
+    sequences = [seq for group in by_group(candidates) for seq in prepare_group(
+        rollout_batch(group), 1, adv_eps=settings.adv_eps, vocab_size=trainer.vocab_size,
+        max_sequence_tokens=settings.max_sequence_tokens).sequences]
+    sampler_kl = trainer.step(sequences)["sampler_kl"]
+    trainer_logprobs = np.concatenate(trainer.logprobs(sequences))
+    return sampler_kl, trainer_logprobs - np.concatenate([s.sampling_logprobs for s in sequences])
+
+
 @pytest.mark.broker
-def test_weight_loop_over_rabbitmq(engine, reference, tiny_models, broker_settings,
-                                   raw_channel, tmp_path):
-    ids = render_prompt(engine.tokenizer, PROMPT)
+def test_weight_loop_over_rabbitmq_and_the_learner_agrees_with_the_sampler(
+    engine, reference, tiny_models, broker_settings, raw_channel, tmp_path
+):
+    ids = long_prompt_ids(engine)  # g0 caches it under v0; g1 to g3 are sampled from v1
     want = reference["v1"].generate(ids, 1, GREEDY)[0].token_ids
-    run_weight_loop(engine, tiny_models, broker_settings, raw_channel, tmp_path / "store", want)
+    got = run_weight_loop(engine, tiny_models, broker_settings, raw_channel,
+                          tmp_path / "store", want, prompt=LONG_PROMPT)
+    after_v1 = [c for c in got.values() if c.group_id != "g0"]
+    sampler_kl, delta = learner_view(after_v1, tiny_models["v1"])
+    per_token_k3 = np.expm1(delta) - delta  # k3 of KL(sampler || trainer), per token
+    assert len(delta) > 20
+    assert sampler_kl <= 1e-3 and per_token_k3.max() <= 1e-3
+    assert np.abs(delta).mean() <= 1e-4, np.abs(delta).max()

@@ -105,17 +105,40 @@ class VLLMSampler:
         return samples * n if greedy else samples
 
     def load_weights(self, path: Path, version: int, format: WeightFormat = "full") -> None:
+        if format == "lora" and not self.enable_lora:
+            raise ValueError("a LoRA policy version needs generator.enable_lora = true")
+        self._require_idle()
         if format == "full":
             self.llm.collective_rpc("hpcrl_reload_weights", kwargs={"weights_path": str(path)})
             self._lora = None
         else:
-            if not self.enable_lora:
-                raise ValueError("a LoRA policy version needs generator.enable_lora = true")
             from vllm.lora.request import LoRARequest
 
             # vLLM caches adapters by id; versions are unique, so each is loaded once.
             self._lora = LoRARequest(f"policy-v{version}", version, str(path))
+        self._forget_prefix_cache()
         self.version = version
+
+    def _require_idle(self) -> None:
+        # Weights changed under a running request would give it tokens from two versions.
+        running = self.llm.llm_engine.get_num_unfinished_requests()
+        if running:
+            raise RuntimeError(f"refusing to change weights while {running} request(s) run")
+
+    def _forget_prefix_cache(self) -> None:
+        """Drop every cached KV block; call after the weights change, before publishing.
+
+        Prefix-cache blocks are keyed by token ids (and LoRA name), never by weights, and
+        every real prompt shares its first blocks (system prompt, task text) with earlier
+        ones: without this, a new version would attend to keys and values computed by the
+        old one, so its samples and log-probs would match neither version.
+        """
+        if self.llm.reset_prefix_cache():
+            return
+        # Blocks still held although nothing was running: preempt whatever holds them (it is
+        # recomputed from the new weights) rather than keep serving stale blocks.
+        if not self.llm.reset_prefix_cache(reset_running_requests=True):
+            raise RuntimeError("vLLM could not reset its prefix cache after a weight update")
 
     def weight_fingerprint(self) -> list[list[float]]:
         return self.llm.collective_rpc("hpcrl_weight_fingerprint")
