@@ -31,6 +31,9 @@ IMPROVE_MARGIN = 1.10
 # and threads lose on a busy node), but not by half.
 DEEPEN_FLOOR = 0.5
 SEED_STAGE_ONE = 0.7  # share of seed prompts at stage 1, where the scheduler starts
+# Target stages, weighted to where a short SQD run spends its requests (and its tokens: a
+# stage-3 answer is ~3x as long as a stage-1 one, so the SFT budget goes furthest there).
+STAGE_WEIGHTS: dict[int, float] = {1: 0.35, 2: 0.3, 3: 0.18, 4: 0.07, 5: 0.05, 6: 0.05}
 
 
 @dataclass(frozen=True)
@@ -132,10 +135,11 @@ def _available(pairs: Pairs, mode: str) -> bool:
     return any(table.values())
 
 
-def _stage(rng: random.Random, table: dict[int, list]) -> int:
-    """A stage with something in ``table``, weighted by how much it holds."""
+def _stage(rng: random.Random, table: dict[int, list], shift: int = 0) -> int:
+    """A stage with something in ``table``, weighted by :data:`STAGE_WEIGHTS` of the target
+    stage (``shift``: table keys are parent stages, one below their target)."""
     stages = [s for s, items in sorted(table.items()) if items]
-    return rng.choices(stages, [len(table[s]) for s in stages])[0]
+    return rng.choices(stages, [STAGE_WEIGHTS.get(s + shift, 0.01) for s in stages])[0]
 
 
 def _pick(rng: random.Random, mode: str, pairs: Pairs
@@ -145,7 +149,7 @@ def _pick(rng: random.Random, mode: str, pairs: Pairs
         number = 1 if rng.random() < SEED_STAGE_ONE else _stage(rng, pairs.correct)
         return number, None, rng.choice(pairs.correct[number]).kernel, None
     if mode == "deepen":
-        low, high = rng.choice(pairs.deepen[_stage(rng, pairs.deepen)])
+        low, high = rng.choice(pairs.deepen[_stage(rng, pairs.deepen, shift=1)])
         return high.kernel.stage, low.kernel, high.kernel, None
     if mode == "improve":
         slow, fast = rng.choice(pairs.improve[_stage(rng, pairs.improve)])
