@@ -1,61 +1,52 @@
-"""Does the policy learn? The demo experiment with learning rate 0 versus the default, per seed.
+"""Does the policy learn? The demo with learning rate 0 versus the demo's, per seed, each judged
+on the fixed evaluation set.
 
 Runs `deploy/local/demo.py` (the four real services over the real broker) once per
-(learning rate, seed), each as its own experiment (own namespace, data dir and run dir),
-then prints, per iteration of every run, the best GFLOPS so far, the mean raw reward and the
-share of programs that were correct; the overall best kernel as a fraction of OpenBLAS dgemm
-at 256³ timed in the same run; and the learning gains (default LR minus LR 0, mean over seeds,
-with their spread): in the share correct and the mean reward over the later half of the
-iterations (less noisy: every sample counts), and in the final best GFLOPS (the last line).
+(learning rate, seed), each as its own experiment (own namespace, data dir and run dir). Every
+run ends with the demo's own evaluation (`hpcrl-evaluate`: version 0 and the final version
+sample the same fixed prompts with the same seeds; `evaluation.json`). Pools are not compared:
+their mix of prompts drifts with what the policy wrote. Printed, for share correct, mean raw
+reward and mean GFLOPS (failures count 0):
+
+1. per run: final - v0, with its paired bootstrap 95 % CI (the demo's figure);
+2. per seed: the trained arm's gain minus the lr-0 arm's gain, with a 95 % CI from
+   bootstrapping the paired samples of both arms together (all four evaluations of a seed
+   share prompts and sampling seeds, so sample i of prompt p is one resampling unit);
+3. across seeds: the mean of that difference and its spread (standard deviation, range).
 
     .venv/bin/python bench/learning.py                 # 3 seeds x 2 learning rates
-    .venv/bin/python bench/learning.py --seeds 0 --iterations 2   # a quicker look
+    .venv/bin/python bench/learning.py --seeds 0 --iterations 2 --eval-samples 4   # quicker
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
-import ctypes.util
 import json
 import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
+from typing import Any
 
-import numpy as np
+from rich.console import Console
+from rich.table import Table
 
 from hpcrl_common.config import load_config
+from hpcrl_evaluate.run import metric_values, records_of
+from hpcrl_evaluate.stats import Interval, gain_difference
 from hpcrl_learner.config import LearnerConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "deploy/local/demo.py"
 CONFIG = ROOT / "deploy/local/demo.toml"
+SHOWN = {"share_correct": "share correct", "mean_reward": "mean reward (raw)",
+         "mean_gflops": "mean GFLOPS (failures 0)"}
+console = Console()
 
 
-def openblas_gflops(n: int = 256, runs: int = 3) -> float:
-    """cblas_dgemm at n³, one warm-up then the mean of ``runs`` timed calls (all threads)."""
-    path = ctypes.util.find_library("openblas") or "libopenblas.so.0"
-    lib = ctypes.CDLL(path)
-    rng = np.random.default_rng(0)
-    a, b = rng.standard_normal((n, n)), rng.standard_normal((n, n))
-    c = np.zeros((n, n))
-    p = ctypes.POINTER(ctypes.c_double)
-    args = (101, 111, 111, n, n, n, ctypes.c_double(1.0), a.ctypes.data_as(p), n,
-            b.ctypes.data_as(p), n, ctypes.c_double(0.0), c.ctypes.data_as(p), n)
-    lib.cblas_dgemm(*args)
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        lib.cblas_dgemm(*args)
-        times.append(time.perf_counter() - start)
-    return 2 * n**3 / statistics.fmean(times) / 1e9
-
-
-def run_experiment(name: str, seed: int, lr: float, iterations: int | None,
-                   runs: Path) -> dict:
+def run_experiment(name: str, seed: int, lr: float, args: argparse.Namespace) -> dict[str, Any]:
+    """One demo run, fresh; its evaluation.json (which must compare two versions)."""
     env = {
         **os.environ,
         "HPCRL__EXPERIMENT__NAME": name,
@@ -64,47 +55,85 @@ def run_experiment(name: str, seed: int, lr: float, iterations: int | None,
         "HPCRL__BROKER__NAMESPACE": name,
         "HPCRL__LEARNER__LEARNING_RATE": repr(lr),
     }
-    if iterations is not None:
-        env["HPCRL__SCHEDULER__ITERATIONS"] = str(iterations)
-    print(f"--- {name}: seed {seed}, learning rate {lr:g}", flush=True)
-    done = subprocess.run([sys.executable, str(DEMO), "--fresh", "--runs", str(runs)], env=env,
-                          cwd=ROOT)
+    if args.iterations is not None:
+        env["HPCRL__SCHEDULER__ITERATIONS"] = str(args.iterations)
+    console.print(f"--- {name}: seed {seed}, learning rate {lr:g}")
+    done = subprocess.run([sys.executable, str(DEMO), "--fresh", "--runs", str(args.runs),
+                           "--eval-samples", str(args.eval_samples)], env=env, cwd=ROOT)
     if done.returncode != 0:
         raise SystemExit(f"{name} failed (exit {done.returncode})")
-    return json.loads((runs / name / "metrics.json").read_text())
+    evaluation = json.loads((args.runs / name / "evaluation.json").read_text())
+    if evaluation["comparison"] is None:
+        raise SystemExit(f"{name}: the learner took no step, so there is no final version")
+    return evaluation
 
 
-def best_per_iteration(metrics: dict) -> list[float]:
-    """Best GFLOPS found so far after each iteration (0 while nothing succeeded)."""
-    best, out = 0.0, []
-    for it in metrics["scheduler"]["iterations"]:
-        found = [s["best_gflops"] for s in it["pool"].values() if s["best_gflops"] is not None]
-        best = max([best, *found])
-        out.append(best)
-    return out
+def _ci(interval: Interval | dict[str, float]) -> str:
+    if isinstance(interval, Interval):
+        interval = interval.to_json()
+    return (f"{interval['gain']:+.3g} [{interval['low']:+.3g}, {interval['high']:+.3g}]")
 
 
-def success_share_per_iteration(metrics: dict) -> list[float]:
-    """Fraction of each iteration's (deduplicated) programs that were correct and timed."""
-    out = []
-    for it in metrics["scheduler"]["iterations"]:
-        stages = it["pool"].values()
-        total = sum(s["count"] for s in stages)
-        ok = sum(s["count"] * s["status_share"].get("success", 0.0) for s in stages)
-        out.append(ok / total if total else 0.0)
-    return out
+def arm_values(evaluation: dict[str, Any], metric: str) -> tuple[list[float], list[float]]:
+    """Per-sample values of version 0 and of the final version, in (prompt, index) order."""
+    first, last = evaluation["versions"][0], evaluation["versions"][-1]
+    return metric_values(records_of(first), metric), metric_values(records_of(last), metric)
 
 
-def reward_mean_per_iteration(metrics: dict) -> list[float]:
-    return [it["reward_mean"] if it["reward_mean"] is not None else float("nan")
-            for it in metrics["scheduler"]["iterations"]]
+def difference_of_gains(trained: dict[str, Any], control: dict[str, Any], metric: str,
+                        seed: int) -> Interval:
+    """(trained final - trained v0) - (control final - control v0), paired sample by sample."""
+    keys = [[(s["prompt"], s["index"]) for s in e["versions"][0]["samples"]]
+            for e in (trained, control)]
+    if keys[0] != keys[1] or trained["sampling"]["seed"] != control["sampling"]["seed"]:
+        raise SystemExit("the two arms were not evaluated on the same samples and seeds")
+    strata = [prompt for prompt, _ in keys[0]]
+    return gain_difference(*arm_values(trained, metric), *arm_values(control, metric),
+                           strata=strata, seed=seed)
 
 
-def _gain(label: str, unit: str, lr: float, treated: list[float], base: list[float]) -> str:
-    gains = [t - b for t, b in zip(treated, base, strict=True)]
-    spread = statistics.stdev(gains) if len(gains) > 1 else 0.0
-    return (f"{label} (lr {lr:g} - lr 0, per seed): mean {statistics.fmean(gains):+.3g}{unit}, "
-            f"std {spread:.3g} over {len(gains)} seeds")
+def per_run_table(runs: dict[float, list[dict[str, Any]]], seeds: list[int]) -> Table:
+    table = Table(title="Per run: final - v0 on the fixed set, gain [95 % CI]")
+    table.add_column("learning rate")
+    table.add_column("seed")
+    table.add_column("versions")
+    for label in SHOWN.values():
+        table.add_column(label)
+    for lr, evaluations in runs.items():
+        for seed, evaluation in zip(seeds, evaluations, strict=True):
+            comparison = evaluation["comparison"]
+            table.add_row(f"{lr:g}", str(seed),
+                          f"v{comparison['before']} -> v{comparison['after']}",
+                          *(_ci(comparison["metrics"][m]) for m in SHOWN))
+    return table
+
+
+def learning_table(runs: dict[float, list[dict[str, Any]]], seeds: list[int],
+                   control: float, trained: float) -> Table:
+    """Per seed, the difference of gains with its CI; then the mean and spread over seeds."""
+    table = Table(title=f"Learning gain: (lr {trained:g} gain) - (lr 0 gain), per seed "
+                        "[95 % CI], then across seeds")
+    table.add_column("seed")
+    for label in SHOWN.values():
+        table.add_column(label)
+    estimates: dict[str, list[float]] = {m: [] for m in SHOWN}
+    for seed, t_eval, c_eval in zip(seeds, runs[trained], runs[control], strict=True):
+        cells = []
+        for metric in SHOWN:
+            interval = difference_of_gains(t_eval, c_eval, metric, seed)
+            estimates[metric].append(interval.estimate)
+            cells.append(_ci(interval))
+        table.add_row(str(seed), *cells)
+    table.add_section()
+    table.add_row("mean over seeds", *(f"{statistics.fmean(estimates[m]):+.3g}" for m in SHOWN))
+    table.add_row("std over seeds", *(f"{_stdev(estimates[m]):.3g}" for m in SHOWN))
+    table.add_row("range", *(f"[{min(estimates[m]):+.3g}, {max(estimates[m]):+.3g}]"
+                             for m in SHOWN))
+    return table
+
+
+def _stdev(values: list[float]) -> float:
+    return statistics.stdev(values) if len(values) > 1 else 0.0
 
 
 def main() -> int:
@@ -114,55 +143,20 @@ def main() -> int:
                         help="override scheduler.iterations of the demo config")
     parser.add_argument("--learning-rate", type=float, default=None,
                         help="the learning rate compared with 0 (default: the demo's)")
+    parser.add_argument("--eval-samples", type=int, default=8,
+                        help="completions per prompt and version in each run's evaluation")
     parser.add_argument("--runs", type=Path, default=ROOT / "runs" / "bench-learning")
     args = parser.parse_args()
 
     default_lr = load_config(LearnerConfig, CONFIG, env={}).learner.learning_rate
-    lrs = (0.0, args.learning_rate or default_lr)
-    runs: dict[float, list[dict]] = {lr: [] for lr in lrs}
-    for lr in lrs:
+    control, trained = 0.0, args.learning_rate or default_lr
+    runs: dict[float, list[dict[str, Any]]] = {control: [], trained: []}
+    for lr in runs:
         for seed in args.seeds:
             name = f"learning-lr{lr:g}-s{seed}".replace(".", "p")
-            runs[lr].append(run_experiment(name, seed, lr, args.iterations, args.runs))
-    blas = openblas_gflops()
-
-    curves = {"best GFLOPS so far": best_per_iteration,
-              "mean reward (what the learner got: penalties, GFLOPS normalised per group)":
-                  reward_mean_per_iteration,
-              "share of programs correct": success_share_per_iteration}
-    for title, curve_of in curves.items():
-        print(f"\n{title}, per iteration")
-        for lr in lrs:
-            for seed, metrics in zip(args.seeds, runs[lr], strict=True):
-                print(f"  lr {lr:<8g} seed {seed}: "
-                      + "  ".join(f"{v:8.2f}" for v in curve_of(metrics)))
-
-    def last(curve_of, lr: float) -> list[float]:
-        return [curve_of(m)[-1] for m in runs[lr]]
-
-    def later_half(curve_of, lr: float) -> list[float]:
-        out = []
-        for metrics in runs[lr]:
-            values = curve_of(metrics)
-            tail = values[len(values) // 2:]
-            out.append(statistics.fmean(tail))
-        return out
-
-    base, treated = lrs
-    finals = {lr: last(best_per_iteration, lr) for lr in lrs}
-    overall = max(max(v) for v in finals.values())
-    print(f"\nfinal best GFLOPS, lr 0: mean {statistics.fmean(finals[base]):.2f}; "
-          f"lr {treated:g}: mean {statistics.fmean(finals[treated]):.2f}")
-    print(f"OpenBLAS dgemm 256^3 (same machine, same run): {blas:.2f} GFLOPS; best kernel "
-          f"{overall:.2f} GFLOPS = {overall / blas:.1%} of it")
-    print(_gain("gain in the share of programs correct, later half of the iterations", "",
-                treated, later_half(success_share_per_iteration, treated),
-                later_half(success_share_per_iteration, base)))
-    print(_gain("gain in mean reward, later half of the iterations", "", treated,
-                later_half(reward_mean_per_iteration, treated),
-                later_half(reward_mean_per_iteration, base)))
-    print(_gain("learning gain in final best GFLOPS", " GFLOPS", treated, finals[treated],
-                finals[base]))
+            runs[lr].append(run_experiment(name, seed, lr, args))
+    console.print(per_run_table(runs, args.seeds))
+    console.print(learning_table(runs, args.seeds, control, trained))
     return 0
 
 

@@ -2,8 +2,10 @@
 
 Bootstraps the embedded policy if it is missing, starts the four services as separate
 processes (the generator on vLLM's CPU build where it imports, else on transformers), runs the
-SQD experiment of ``deploy/local/demo.toml``, shows progress, stops the services cleanly and
-writes a run directory: best kernels, metrics as JSON/CSV, plots, and a summary table.
+SQD experiment of ``deploy/local/demo.toml``, shows progress, stops the services cleanly,
+evaluates version 0 and the final version on a fixed prompt set (``hpcrl-evaluate``, same
+seeds) and writes a run directory: best kernels, metrics as JSON/CSV, plots, the evaluation,
+and a summary table.
 Ctrl-C stops everything; running it again resumes the unfinished run (``--fresh`` starts over).
 """
 
@@ -90,7 +92,7 @@ class Service:
 def bootstrap_policy(data_dir: Path, extra: list[str]) -> Path:
     console.print("[bold]policy:[/] checking the embedded model (built once, then cached)")
     out = subprocess.run(
-        [str(BIN / "hpcrl-learner"), "bootstrap-model", "--data-dir", str(data_dir), *extra],
+        [str(BIN / "hpcrl-bootstrap"), "--data-dir", str(data_dir), *extra],
         stdout=subprocess.PIPE, text=True, cwd=ROOT,
     )
     if out.returncode != 0:
@@ -210,8 +212,11 @@ def write_report(run_dir: Path, data: dict[str, Any], db: Path, checkpoints: Pat
     export(Store(db), run_dir / "kernels")
     versions = CheckpointStore(checkpoints).versions()
     learner = {"steps": len(versions), "policy_version": versions[-1].version if versions else 0,
+               "sampler_kl": sampler_kl_summary(versions),
                "versions": [{"version": v.version, **v.metrics} for v in versions]}
-    summary = {"scheduler": data, "learner": learner, "corpus_best": corpus_best}
+    evaluation = read_evaluation(run_dir)
+    summary = {"scheduler": data, "learner": learner, "corpus_best": corpus_best,
+               "evaluation": evaluation_summary(evaluation)}
     (run_dir / "metrics.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     rows = iteration_rows(data)
     columns = list(dict.fromkeys(key for row in rows for key in row)) or ["iteration"]
@@ -239,6 +244,7 @@ def write_report(run_dir: Path, data: dict[str, Any], db: Path, checkpoints: Pat
     figure.savefig(run_dir / "best_gflops.png", dpi=120)
     plt.close("all")
     print_summary(data, learner, corpus_best)
+    print_evaluation(evaluation, learner["sampler_kl"])
 
 
 def iteration_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
@@ -286,6 +292,124 @@ def print_summary(data: dict[str, Any], learner: dict[str, Any],
                       f"{corpus_best['gflops']:.2f} GFLOPS (stage {corpus_best['stage']})")
 
 
+# --- the fixed evaluation set (hpcrl-evaluate): did this run's training help? ------------
+
+EVAL_ROWS = ("share_correct", "mean_reward", "mean_gflops", "best_gflops")
+
+
+def run_evaluation(args: argparse.Namespace, config: SchedulerConfig, model_dir: Path,
+                   backend: str, checkpoints: Path, run_dir: Path) -> bool:
+    """Version 0 and the final version on the fixed evaluation set, same sampling seeds, with
+    the generator backend the services used; run after they stopped, so timings have the
+    CPU. Writes evaluation.json and evaluation.png; False if the evaluation failed."""
+    for name in ("evaluation.json", "evaluation.png"):
+        (run_dir / name).unlink(missing_ok=True)  # never report another run's figures
+    if args.no_eval:
+        return True
+    argv = evaluation_command(args, config, model_dir, backend, checkpoints, run_dir)
+    log = run_dir / "logs" / "evaluate.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    console.print(f"[bold]evaluation:[/] version 0 and the final version on the fixed set, "
+                  f"{args.eval_samples} samples per prompt (log {log})")
+    try:
+        with log.open("w") as handle:  # the table goes to the log; progress shows on stderr
+            done = subprocess.run(argv, stdout=handle, cwd=ROOT)
+    except KeyboardInterrupt:
+        console.print("[yellow]evaluation interrupted:[/] the report has no evaluation")
+        return False
+    if done.returncode != 0:
+        console.print(f"[red]error:[/] the evaluation failed (exit {done.returncode}); see {log}")
+        return False
+    return True
+
+
+def evaluation_command(args: argparse.Namespace, config: SchedulerConfig, model_dir: Path,
+                       backend: str, checkpoints: Path, run_dir: Path) -> list[str]:
+    from hpcrl_generator.config import GeneratorConfig
+
+    generator = load_config(GeneratorConfig, args.config).generator
+    exp, sampling = config.experiment, config.scheduler
+    # Only version 0 when the learner took no step: there is no final version to compare.
+    trained = CheckpointStore(checkpoints).latest() is not None
+    versions = ["--checkpoints", str(checkpoints), "--versions", "0,latest"] if trained else []
+    return [
+        str(BIN / "hpcrl-evaluate"), "--model", str(model_dir), *versions,
+        "--samples", str(args.eval_samples), "--seed", str(exp.seed),
+        "--temperature", repr(sampling.temperature), "--top-p", repr(sampling.top_p),
+        "--max-tokens", str(sampling.max_tokens), "--backend", backend,
+        "--opt-level", exp.opt_level, "--task", str(exp.task), "--dtype", generator.dtype,
+        "--max-model-len", str(generator.max_model_len),
+        "--kv-cache-gib", str(generator.kv_cache_space_gib),
+        "--json", str(run_dir / "evaluation.json"), "--plot", str(run_dir / "evaluation.png"),
+    ]
+
+
+def read_evaluation(run_dir: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((run_dir / "evaluation.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def evaluation_summary(evaluation: dict[str, Any] | None) -> dict[str, Any] | None:
+    """What metrics.json keeps of the evaluation (evaluation.json has every sample)."""
+    if evaluation is None:
+        return None
+    comparison = evaluation.get("comparison")
+    return {"prompts": len(evaluation["prompts"]),
+            "samples_per_prompt": evaluation["sampling"]["samples"],
+            "versions": {str(v["version"]): v["metrics"] for v in evaluation["versions"]},
+            "gains": None if comparison is None else comparison["metrics"]}
+
+
+def sampler_kl_summary(versions: list[Any]) -> dict[str, Any] | None:
+    """The learner's k3 KL of the sampling policy against its recomputed log-probs, per step
+    (checkpoint manifest): large values mean the samples were not the policy's own."""
+    values = [v.metrics["sampler_kl"] for v in versions if "sampler_kl" in v.metrics]
+    if not values:
+        return None
+    return {"last": values[-1], "max": max(values), "steps": len(values),
+            "last_steps": values[-5:]}
+
+
+def print_evaluation(evaluation: dict[str, Any] | None, kl: dict[str, Any] | None) -> None:
+    if kl is not None:
+        recent = ", ".join(f"{v:.3g}" for v in kl["last_steps"])
+        console.print(f"learner sampler KL (k3, sampling policy vs trainer): last "
+                      f"{kl['last']:.3g}, max {kl['max']:.3g} over {kl['steps']} steps "
+                      f"(last steps: {recent})")
+    if evaluation is None:
+        console.print("fixed evaluation set: not run (--no-eval, or it failed)")
+        return
+    versions = evaluation["versions"]
+    comparison = evaluation.get("comparison")
+    if comparison is None:
+        console.print("fixed evaluation set: only version 0 (the learner took no step)")
+        return
+    first, last = versions[0], versions[-1]
+    table = Table(title=f"Fixed evaluation set: v{first['version']} -> v{last['version']} "
+                        f"({len(evaluation['prompts'])} prompts x "
+                        f"{evaluation['sampling']['samples']} samples, same seeds)")
+    for column in ("metric", f"v{first['version']}", f"v{last['version']}", "gain", "95% CI"):
+        table.add_column(column)
+    for name in EVAL_ROWS:
+        gain = comparison["metrics"][name]
+        table.add_row(evaluation["metric_labels"][name], f"{gain['before']:.3g}",
+                      f"{gain['after']:.3g}", f"{gain['gain']:+.3g}",
+                      f"[{gain['low']:+.3g}, {gain['high']:+.3g}]")
+    console.print(table)
+    console.print(learning_verdict(comparison["metrics"]["mean_reward"]))
+
+
+def learning_verdict(gain: dict[str, float]) -> str:
+    interval = f"{gain['gain']:+.3g}, 95 % CI [{gain['low']:+.3g}, {gain['high']:+.3g}]"
+    if gain["low"] > 0:
+        return f"[green]learning helped:[/] the mean reward on the fixed set rose ({interval})"
+    if gain["high"] < 0:
+        return f"[red]the final policy is worse[/] on the fixed set ({interval})"
+    return f"no clear change on the fixed set: the interval contains 0 ({interval})"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, default=ROOT / "deploy/local/demo.toml",
@@ -302,9 +426,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="where the bootstrapped policy is cached, shared by experiments "
                         "(default: data/, i.e. data/policy/bootstrap-<hash>/)")
     parser.add_argument("--bootstrap-arg", action="append", default=[], metavar="ARG",
-                        help="extra argument for `hpcrl-learner bootstrap-model` (repeatable), "
+                        help="extra argument for `hpcrl-bootstrap` (repeatable), "
                         "e.g. --bootstrap-arg=--steps=20 for a quick, weak policy")
+    parser.add_argument("--no-eval", action="store_true",
+                        help="skip the fixed-set evaluation of version 0 and the final version "
+                        "at the end (evaluation.json, evaluation.png)")
+    parser.add_argument("--eval-samples", type=int, default=8, metavar="K",
+                        help="completions per prompt and version in that evaluation (default 8)")
     args = parser.parse_args(argv)
+    if args.eval_samples < 1:
+        parser.error("--eval-samples must be at least 1")
 
     config = load_config(SchedulerConfig, args.config)
     data_dir = (ROOT / config.experiment.data_dir).resolve()
@@ -315,7 +446,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.report_only:
         if previous is None or not previous["done"]:
             raise SystemExit("error: no finished run of this experiment to report on")
-        write_report(run_dir, previous, db, checkpoints, benchmark_corpus_best(config))
+        model_dir = bootstrap_policy(args.policy_data_dir.resolve(), args.bootstrap_arg)
+        write_report(run_dir, previous, db, checkpoints,
+                     benchmark_corpus_best(config, model_dir))
         console.print(f"\n[bold]run directory:[/] {run_dir}")
         return 0
     if args.fresh or (previous is not None and previous["done"]):
@@ -357,26 +490,32 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for service in reversed(services):
             service.stop()
-    corpus_best = benchmark_corpus_best(config)
+    corpus_best = benchmark_corpus_best(config, model_dir)
+    evaluated = run_evaluation(args, config, model_dir, backend, checkpoints, run_dir)
     write_report(run_dir, data, db, checkpoints, corpus_best)
     console.print(f"\n[bold]run directory:[/] {run_dir}")
-    return 0
+    return 0 if evaluated else 1
 
 
-def benchmark_corpus_best(config: SchedulerConfig) -> dict[str, Any] | None:
-    """The best kernels of the bootstrap corpus, timed by the same benchmarker."""
-    from hpcrl_benchmarker.pipeline import evaluate
+def benchmark_corpus_best(config: SchedulerConfig, model_dir: Path) -> dict[str, Any] | None:
+    """The fastest kernel of each stage of the policy's measured catalogue, timed again by
+    the same benchmarker in this run (so the comparison with the run's best is fair)."""
+    from hpcrl_benchmarker.pipeline import Benchmarker, Settings
     from hpcrl_common.task import load_task
-    from hpcrl_learner.bootstrap.corpus import best_kernels
 
+    path = model_dir / "corpus.json"
+    if not path.is_file():
+        return None
+    rows = [row for row in json.loads(path.read_text()) if row["status"] == "success"]
     task = load_task(config.experiment.task)
-    isa = "avx512" if host_has_avx512() else "avx2"
+    benchmarker = Benchmarker(Settings(pin_threads=False))
     best = None
-    for kernel in best_kernels(seed=config.experiment.seed, per_stage=1, isa=isa):
-        verdict = evaluate(kernel.source, stage=6, opt_level=config.experiment.opt_level,
-                           task=task)
+    for number in sorted({row["stage"] for row in rows}):
+        top = max((row for row in rows if row["stage"] == number), key=lambda r: r["gflops"])
+        verdict = benchmarker.evaluate(f"```c\n{top['source']}\n```", stage=number,
+                                       opt_level=config.experiment.opt_level, task=task)
         if verdict.status == "success" and (best is None or verdict.gflops > best["gflops"]):
-            best = {"gflops": verdict.gflops, "stage": kernel.stage}
+            best = {"gflops": verdict.gflops, "stage": number}
     return best
 
 

@@ -1,4 +1,5 @@
-"""A reduced `make demo` end to end: four real services over the real broker, one iteration.
+"""A reduced `make demo` end to end: four real services over the real broker, one iteration,
+then the fixed-set evaluation of version 0 and the final version (one sample per prompt).
 
 The policy is a quickly bootstrapped (weak) one; this checks the whole system runs and
 reports, not that it learns (bench/learning.py measures that).
@@ -37,7 +38,7 @@ def test_reduced_demo_runs_end_to_end(broker_settings, tmp_path):
     result = subprocess.run(
         [sys.executable, str(ROOT / "deploy/local/demo.py"),
          "--runs", str(runs), "--policy-data-dir", str(tmp_path / "data"),
-         "--bootstrap-arg=--steps=4", "--bootstrap-arg=--examples=64"],
+         "--bootstrap-arg=--steps=4", "--bootstrap-arg=--examples=64", "--eval-samples", "1"],
         capture_output=True, text=True, timeout=900, cwd=ROOT,
         env={**os.environ, **overrides},
     )
@@ -55,3 +56,15 @@ def test_reduced_demo_runs_end_to_end(broker_settings, tmp_path):
     for service in ("benchmarker", "learner", "generator", "scheduler"):
         assert (run_dir / "logs" / f"{service}.log").exists()
     assert "SQD iterations" in result.stdout
+    evaluation = json.loads((run_dir / "evaluation.json").read_text())
+    assert [v["version"] for v in evaluation["versions"]] == [0, 1]
+    assert evaluation["sampling"]["samples"] == 1
+    for version in evaluation["versions"]:  # every prompt of the set, one judged sample each
+        assert len(version["samples"]) == len(evaluation["prompts"])
+        assert all(sample["status"] for sample in version["samples"])
+    assert set(evaluation["comparison"]["metrics"]) >= {"share_correct", "mean_reward",
+                                                         "mean_gflops"}
+    assert (run_dir / "evaluation.png").stat().st_size > 0
+    assert metrics["evaluation"]["gains"]["mean_reward"] == \
+        evaluation["comparison"]["metrics"]["mean_reward"]
+    assert "Fixed evaluation set" in result.stdout and "sampler KL" in result.stdout

@@ -105,8 +105,6 @@ def setup(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Evaluati
     """Check every argument before anything heavy is imported (exit 2 on a mistake)."""
     if not (args.model / "config.json").is_file():
         parser.error(f"--model: {args.model} is not a model directory (no config.json)")
-    if args.checkpoints is not None and not args.checkpoints.is_dir():
-        parser.error(f"--checkpoints: {args.checkpoints} is not a directory")
     requested = args.versions or ("0,latest" if args.checkpoints else "0")
     try:
         refs = resolve_versions(requested.split(","), args.model, args.checkpoints)

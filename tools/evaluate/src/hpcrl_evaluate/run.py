@@ -18,9 +18,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpcrl_common.checkpoints import CheckpointStore
+from hpcrl_common.checkpoints import CheckpointInfo, CheckpointStore
 from hpcrl_common.messages import SamplingParams
 from hpcrl_common.stages import TECHNIQUES
+from hpcrl_common.task import TaskSpec
 from hpcrl_evaluate import stats
 from hpcrl_evaluate.evalset import EvalPrompt
 
@@ -28,7 +29,8 @@ if TYPE_CHECKING:
     from rich.progress import Progress
 
     from hpcrl_benchmarker.pipeline import Benchmarker
-    from hpcrl_generator.sampling import Sampler
+    from hpcrl_benchmarker.verdict import Verdict
+    from hpcrl_generator.sampling import Sample, Sampler
 
 SCHEMA = "hpcrl-evaluation/1"
 ERROR_CHARS = 300  # enough to see why a sample failed; the full text is the benchmarker's
@@ -123,11 +125,12 @@ def _resolve(text: str, model: Path, store: CheckpointStore | None) -> VersionRe
         raise VersionError(f"version {text!r} needs --checkpoints (the learner's store)")
     info = store.latest() if text == "latest" else _get(store, int(text))
     if info is None:
-        raise VersionError(f"the checkpoint store {store.root} has no versions yet")
+        raise VersionError(f"the checkpoint store {store.root} has no versions yet "
+                           f"(no {store.root / 'manifest.json'} listing one)")
     return VersionRef(text, info.version, store.path_of(info), info.format, info.checksum)
 
 
-def _get(store: CheckpointStore, version: int):  # -> CheckpointInfo
+def _get(store: CheckpointStore, version: int) -> CheckpointInfo:
     try:
         return store.get(version)
     except KeyError:
@@ -176,11 +179,11 @@ class Judge:
     """The benchmarker, remembering verdicts: a completion that two versions both wrote is
     measured once, so identical code never shows a gain made of timing noise."""
 
-    def __init__(self, benchmarker: Benchmarker, task: Any, opt_level: str) -> None:
+    def __init__(self, benchmarker: Benchmarker, task: TaskSpec, opt_level: str) -> None:
         self.benchmarker, self.task, self.opt_level = benchmarker, task, opt_level
-        self._seen: dict[tuple[str, int], Any] = {}
+        self._seen: dict[tuple[str, int], Verdict] = {}
 
-    def __call__(self, completion: str, stage: int):  # -> Verdict
+    def __call__(self, completion: str, stage: int) -> Verdict:
         key = (completion, stage)
         if key not in self._seen:
             self._seen[key] = self.benchmarker.evaluate(
@@ -199,7 +202,7 @@ def make_judge(task_name: str, opt_level: str) -> Judge:
 
 
 def sample_prompt(sampler: Sampler, prompt: EvalPrompt, options: SamplingOptions
-                  ) -> list[Any]:  # -> list[Sample]
+                  ) -> list[Sample]:
     from hpcrl_generator.prompt import completion_budget, render_prompt
 
     ids = render_prompt(sampler.tokenizer, prompt.messages)
@@ -228,7 +231,7 @@ def evaluate_version(sampler: Sampler, judge: Judge, prompts: list[EvalPrompt],
     return records
 
 
-def _record(prompt: EvalPrompt, index: int, sample: Any, verdict: Any) -> SampleRecord:
+def _record(prompt: EvalPrompt, index: int, sample: Sample, verdict: Verdict) -> SampleRecord:
     return SampleRecord(prompt=prompt.index, index=index, status=verdict.status,
                         reward=float(verdict.reward), gflops=verdict.gflops,
                         techniques=list(verdict.techniques), finish_reason=sample.finish_reason,

@@ -1,0 +1,89 @@
+"""The fixed evaluation set: what it holds, and parents that really pass the benchmarker."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpcrl_common.prompts import build_prompt
+from hpcrl_common.task import builtin_seed, load_task
+from hpcrl_evaluate.evalset import (
+    PARENT_FILES,
+    PARENT_STAGES,
+    SPECS,
+    build_set,
+    isa_of_cpuinfo,
+    parent_source,
+)
+from hpcrl_evaluate.run import prompt_seed
+
+BIN = Path(sys.executable).parent
+HOST_ISA = isa_of_cpuinfo(Path("/proc/cpuinfo").read_text())
+
+
+def test_the_set_covers_stages_one_to_three() -> None:
+    shape = [(s.mode, s.target_stage, s.parent) for s in SPECS]
+    assert shape == [("seed", 1, None), ("improve", 1, "seed"), ("improve", 1, "ikj"),
+                     ("deepen", 2, "ikj"), ("improve", 2, "tiled"), ("deepen", 3, "tiled")]
+    for spec in SPECS:
+        if spec.mode == "deepen":
+            assert spec.target_stage == PARENT_STAGES[spec.parent] + 1
+        elif spec.parent is not None:
+            assert spec.target_stage == PARENT_STAGES[spec.parent]
+    assert len({s.name for s in SPECS}) == len(SPECS)
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+def test_prompts_are_the_schedulers(isa: str) -> None:
+    task = load_task("matmul")
+    prompts = build_set(task, isa)
+    assert [p.index for p in prompts] == list(range(len(SPECS)))
+    for prompt in prompts:
+        parent = parent_source(prompt.spec.parent or "seed")
+        expected = build_prompt(task, target_stage=prompt.stage, mode=prompt.spec.mode,
+                                parent_source=parent, error=None, isa=isa)
+        assert list(prompt.messages) == expected
+        if prompt.spec.parent is not None:
+            assert parent.strip() in prompt.messages[-1].content
+    assert parent_source("seed") == builtin_seed("matmul")
+    assert ("AVX-512" if isa == "avx512" else "AVX2") in prompts[0].messages[0].content
+
+
+def test_isa_of_cpuinfo() -> None:
+    assert isa_of_cpuinfo("flags : fpu sse2 avx2 avx512f avx512bw") == "avx512"
+    assert isa_of_cpuinfo("flags : fpu sse2 avx2 avx512_bf16") == "avx2"
+    with pytest.raises(ValueError):
+        parent_source("nope")
+
+
+def test_prompt_seeds_depend_on_seed_and_prompt_only() -> None:
+    seeds = {prompt_seed(s, p) for s in range(3) for p in range(len(SPECS))}
+    assert len(seeds) == 3 * len(SPECS)
+    assert prompt_seed(0, 1) == prompt_seed(0, 1)
+    assert all(0 <= s < 2**31 for s in seeds)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
+@pytest.mark.parametrize("name", sorted(PARENT_FILES))
+def test_fixed_parents_pass_the_benchmarker(name: str, tmp_path: Path) -> None:
+    """Correct at every size the task verifies, within their stage, as `check` judges them."""
+    path = tmp_path / f"{name}.c"
+    path.write_text(parent_source(name))
+    allow = [] if HOST_ISA == "avx512" else ["--allow-isa", "avx2"]
+    out = subprocess.run(
+        [str(BIN / "hpcrl-benchmarker"), "check", str(path), "--stage",
+         str(PARENT_STAGES[name]), "--json", *allow],
+        capture_output=True, text=True, timeout=120, check=True,
+    )
+    verdict = json.loads(out.stdout)
+    assert verdict["status"] == "success", verdict["error"]
+    assert verdict["generalizes"] is True
+    assert verdict["gflops"] > 0
+    expected = {"ikj": [], "tiled": ["cache_blocking"]}[name]
+    assert verdict["techniques"] == expected
