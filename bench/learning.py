@@ -57,6 +57,10 @@ def run_experiment(name: str, seed: int, lr: float, args: argparse.Namespace) ->
     }
     if args.iterations is not None:
         env["HPCRL__SCHEDULER__ITERATIONS"] = str(args.iterations)
+    finished = args.runs / name / "evaluation.json"
+    if args.reuse and finished.is_file():
+        console.print(f"--- {name}: reusing the finished run in {finished.parent}")
+        return json.loads(finished.read_text())
     console.print(f"--- {name}: seed {seed}, learning rate {lr:g}")
     done = subprocess.run([sys.executable, str(DEMO), "--fresh", "--runs", str(args.runs),
                            "--eval-samples", str(args.eval_samples)], env=env, cwd=ROOT)
@@ -141,22 +145,27 @@ def main() -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--iterations", type=int, default=None,
                         help="override scheduler.iterations of the demo config")
-    parser.add_argument("--learning-rate", type=float, default=None,
-                        help="the learning rate compared with 0 (default: the demo's)")
+    parser.add_argument("--learning-rate", type=float, nargs="+", default=None,
+                        help="the learning rate(s) compared with 0 (default: the demo's); "
+                        "several make a sweep, each compared with the same lr-0 runs")
+    parser.add_argument("--reuse", action="store_true",
+                        help="reuse runs that already finished (their evaluation.json) instead "
+                        "of running them again: resume an interrupted bench, or add seeds")
     parser.add_argument("--eval-samples", type=int, default=8,
                         help="completions per prompt and version in each run's evaluation")
     parser.add_argument("--runs", type=Path, default=ROOT / "runs" / "bench-learning")
     args = parser.parse_args()
 
     default_lr = load_config(LearnerConfig, CONFIG, env={}).learner.learning_rate
-    control, trained = 0.0, args.learning_rate or default_lr
-    runs: dict[float, list[dict[str, Any]]] = {control: [], trained: []}
-    for lr in runs:
-        for seed in args.seeds:
+    control, trained = 0.0, args.learning_rate or [default_lr]
+    runs: dict[float, list[dict[str, Any]]] = {lr: [] for lr in (control, *trained)}
+    for seed in args.seeds:  # seed by seed, so an interrupted bench has whole seeds
+        for lr in runs:
             name = f"learning-lr{lr:g}-s{seed}".replace(".", "p")
             runs[lr].append(run_experiment(name, seed, lr, args))
     console.print(per_run_table(runs, args.seeds))
-    console.print(learning_table(runs, args.seeds, control, trained))
+    for lr in trained:
+        console.print(learning_table(runs, args.seeds, control, lr))
     return 0
 
 
