@@ -288,8 +288,13 @@ def print_summary(data: dict[str, Any], learner: dict[str, Any],
         console.print(f"best kernel of the run: {best['gflops']:.2f} GFLOPS (stage "
                       f"{best['stage']}, iteration {best['iteration']})")
     if corpus_best is not None:
-        console.print(f"best kernel of the bootstrap corpus, same benchmarker: "
+        console.print(f"best kernel of the policy's measured catalogue, same benchmarker: "
                       f"{corpus_best['gflops']:.2f} GFLOPS (stage {corpus_best['stage']})")
+        blas = corpus_best.get("openblas_gflops")
+        if blas and best is not None:
+            console.print(f"OpenBLAS dgemm, same machine, same run: {blas:.2f} GFLOPS; the run's "
+                          f"best is {best['gflops'] / blas:.1%} of it and "
+                          f"{best['gflops'] / corpus_best['gflops']:.0%} of the catalogue's best")
 
 
 # --- the fixed evaluation set (hpcrl-evaluate): did this run's training help? ------------
@@ -516,7 +521,38 @@ def benchmark_corpus_best(config: SchedulerConfig, model_dir: Path) -> dict[str,
                                        opt_level=config.experiment.opt_level, task=task)
         if verdict.status == "success" and (best is None or verdict.gflops > best["gflops"]):
             best = {"gflops": verdict.gflops, "stage": number}
+    if best is not None:
+        best["openblas_gflops"] = openblas_gflops(task.sizes.reward)
     return best
+
+
+def openblas_gflops(sizes: dict[str, int], runs: int = 3) -> float | None:
+    """OpenBLAS dgemm (the verifier's library) at the reward size on this machine, now:
+    one warm-up, then the mean of ``runs`` timed calls, as the benchmarker times a kernel."""
+    import ctypes
+    import ctypes.util
+
+    import numpy as np
+
+    path = ctypes.util.find_library("openblas")
+    if path is None:
+        return None
+    lib = ctypes.CDLL(path)
+    m, n, k = sizes["M"], sizes["N"], sizes["K"]
+    rng = np.random.default_rng(0)
+    a, b, c = rng.standard_normal((m, k)), rng.standard_normal((k, n)), np.zeros((m, n))
+    pointer = ctypes.POINTER(ctypes.c_double)
+    row_major, no_trans = 101, 111
+    args = (row_major, no_trans, no_trans, m, n, k, ctypes.c_double(1.0),
+            a.ctypes.data_as(pointer), k, b.ctypes.data_as(pointer), n, ctypes.c_double(0.0),
+            c.ctypes.data_as(pointer), n)
+    lib.cblas_dgemm(*args)
+    seconds = []
+    for _ in range(runs):
+        started = time.perf_counter()
+        lib.cblas_dgemm(*args)
+        seconds.append(time.perf_counter() - started)
+    return 2.0 * m * n * k / (sum(seconds) / runs) / 1e9
 
 
 if __name__ == "__main__":
