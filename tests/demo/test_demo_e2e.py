@@ -38,7 +38,8 @@ def test_reduced_demo_runs_end_to_end(broker_settings, tmp_path):
     result = subprocess.run(
         [sys.executable, str(ROOT / "deploy/local/demo.py"),
          "--runs", str(runs), "--policy-data-dir", str(tmp_path / "data"),
-         "--bootstrap-arg=--steps=4", "--bootstrap-arg=--examples=64", "--eval-samples", "1"],
+         "--bootstrap-arg=--steps=4", "--bootstrap-arg=--examples=64",
+         "--bootstrap-arg=--kernels-per-stage=2,2,1,1,1,1", "--eval-samples", "1"],
         capture_output=True, text=True, timeout=900, cwd=ROOT,
         env={**os.environ, **overrides},
     )

@@ -32,6 +32,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--examples", type=int, default=_DEFAULTS.examples,
                         help=f"distinct training examples generated (default "
                         f"{_DEFAULTS.examples})")
+    parser.add_argument("--kernels-per-stage", type=_per_stage,
+                        default=_DEFAULTS.kernels_per_stage, metavar="N,N,N,N,N,N",
+                        help="distinct correct kernels of stages 1-6 in the measured catalogue "
+                        "(default " + ",".join(map(str, _DEFAULTS.kernels_per_stage)) + ")")
     parser.add_argument("--learning-rate", type=float, default=_DEFAULTS.learning_rate,
                         help=f"peak learning rate (default {_DEFAULTS.learning_rate:g})")
     parser.add_argument("--seed", type=int, default=_DEFAULTS.seed,
@@ -52,8 +56,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sampling temperature of --evaluate (default 0.8)")
 
 
+def _per_stage(text: str) -> tuple[int, ...]:
+    try:
+        counts = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected six counts like 20,20,18,12,8,8, got {text!r}"
+                                         ) from None
+    if len(counts) != 6 or min(counts) < 0 or counts[0] < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected six counts >= 0 (stage 1 at least 1), got {text!r}")
+    return counts
+
+
 def settings_from_args(args: argparse.Namespace, task: str) -> BootstrapSettings:
     return BootstrapSettings(seed=args.seed, task=task, examples=args.examples,
+                             kernels_per_stage=args.kernels_per_stage,
                              steps=args.steps, batch_size=args.batch_size,
                              learning_rate=args.learning_rate, precision=args.precision)
 

@@ -146,7 +146,8 @@ def _pick(rng: random.Random, mode: str, pairs: Pairs
           ) -> tuple[int, Kernel | None, Kernel, str | None]:
     """(target stage, parent, target, error) of one expansion."""
     if mode == "seed":
-        number = 1 if rng.random() < SEED_STAGE_ONE else _stage(rng, pairs.correct)
+        first = rng.random() < SEED_STAGE_ONE and bool(pairs.correct.get(1))
+        number = 1 if first else _stage(rng, pairs.correct)
         return number, None, rng.choice(pairs.correct[number]).kernel, None
     if mode == "deepen":
         low, high = rng.choice(pairs.deepen[_stage(rng, pairs.deepen, shift=1)])
