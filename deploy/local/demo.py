@@ -373,8 +373,11 @@ def sampler_kl_summary(versions: list[Any]) -> dict[str, Any] | None:
     values = [v.metrics["sampler_kl"] for v in versions if "sampler_kl" in v.metrics]
     if not values:
         return None
+    # On samples of the trainer's own current weights: sampler and trainer must agree there.
+    fresh = [v.metrics["sampler_kl_fresh"] for v in versions if "sampler_kl_fresh" in v.metrics]
     return {"last": values[-1], "max": max(values), "steps": len(values),
-            "last_steps": values[-5:]}
+            "last_steps": values[-5:], "fresh_max": max(fresh) if fresh else None,
+            "fresh_steps": len(fresh)}
 
 
 def print_evaluation(evaluation: dict[str, Any] | None, kl: dict[str, Any] | None) -> None:
@@ -382,7 +385,10 @@ def print_evaluation(evaluation: dict[str, Any] | None, kl: dict[str, Any] | Non
         recent = ", ".join(f"{v:.3g}" for v in kl["last_steps"])
         console.print(f"learner sampler KL (k3, sampling policy vs trainer): last "
                       f"{kl['last']:.3g}, max {kl['max']:.3g} over {kl['steps']} steps "
-                      f"(last steps: {recent})")
+                      f"(last steps: {recent}; samples of an older version count too)")
+        if kl["fresh_max"] is not None:
+            console.print(f"  on fresh samples only (drawn from the trainer's current weights): "
+                          f"max {kl['fresh_max']:.3g} over {kl['fresh_steps']} steps")
     if evaluation is None:
         console.print("fixed evaluation set: not run (--no-eval, or it failed)")
         return

@@ -41,6 +41,20 @@ def test_rewards_move_log_probs_of_the_favoured_completion(tiny_model, lora):
     assert bad1 < bad0 - 0.5, (bad0, bad1)
 
 
+def test_sampler_kl_of_fresh_samples_is_measured_apart_from_stale_ones(tiny_model):
+    trainer = TorchTrainer(LearnerSettings(model_path=tiny_model, learning_rate=0.0))
+    own = trainer.logprobs(sequences_of([GOOD, BAD]))
+    # Fresh: the trainer's own log-probs. Stale: another version's (shifted by 0.3 per token).
+    fresh = [TrainSequence(np.array(PROMPT), np.array(ids), lp, adv)
+             for ids, lp, adv in ((GOOD, own[0], 1.0), (BAD, own[1], -1.0))]
+    stale = [TrainSequence(np.array(PROMPT), np.array(ids), lp - 0.3, adv, fresh=False)
+             for ids, lp, adv in ((GOOD, own[0], 1.0), (BAD, own[1], -1.0))]
+    metrics = trainer.step([stale[0], fresh[0], stale[1], fresh[1]])
+    assert metrics["sampler_kl_fresh"] < 1e-6
+    assert metrics["sampler_kl"] > 1e-2  # k3 of a 0.3 log-ratio is ~0.04, on half the tokens
+    assert np.isnan(trainer.step(stale)["sampler_kl_fresh"])  # no fresh sample: no figure
+
+
 def test_beta_controls_the_reference_model(tiny_model):
     no_ref = TorchTrainer(LearnerSettings(model_path=tiny_model, beta=0.0))
     assert no_ref.reference is None
@@ -161,3 +175,13 @@ def test_non_finite_gradient_skips_the_update(tiny_model):
     assert metrics["skipped"] == 1.0 and metrics["grad_norm"] == -1.0
     assert torch.equal(trainer.model.get_input_embeddings().weight, before)
     assert not trainer.optimizer.state_dict()["state"]  # AdamW moments untouched
+
+
+def test_a_group_is_fresh_only_when_sampled_by_the_current_version():
+    def sequences(sampled_by: int, current: int) -> list[TrainSequence]:
+        batch = good_bad_batch("g", policy_version=sampled_by)
+        return prepare_group(batch, current, adv_eps=1e-4, vocab_size=10_000,
+                             max_sequence_tokens=64).sequences
+
+    assert all(s.fresh for s in sequences(3, 3))
+    assert not any(s.fresh for s in sequences(2, 3))

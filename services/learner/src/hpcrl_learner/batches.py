@@ -27,6 +27,7 @@ class TrainSequence:
     completion_ids: np.ndarray  # int64
     sampling_logprobs: np.ndarray  # float32, one per completion token
     advantage: float
+    fresh: bool = True  # sampled by the trainer's current version (no update since)
 
     @property
     def length(self) -> int:
@@ -63,6 +64,7 @@ def prepare_group(
         advantages = group_advantages(rewards, eps=adv_eps).tolist()
     except ValueError as exc:
         raise BadBatch(str(exc)) from None
+    lag = staleness(batch, current_version)
     sequences = []
     for sample, advantage in zip(batch.samples, advantages, strict=True):
         ids = sample.completion_token_ids.numpy().astype(np.int64)
@@ -76,9 +78,8 @@ def prepare_group(
             if len(array) and (array.min() < 0 or array.max() >= vocab_size):
                 raise BadBatch(f"{sample.candidate_id}: {name} token id outside the "
                                f"vocabulary [0, {vocab_size})")
-        sequences.append(TrainSequence(prompt, ids, logprobs, float(advantage)))
-    return PreparedGroup(batch.id, sequences, rewards, advantages,
-                         staleness(batch, current_version))
+        sequences.append(TrainSequence(prompt, ids, logprobs, float(advantage), fresh=lag == 0))
+    return PreparedGroup(batch.id, sequences, rewards, advantages, lag)
 
 
 @dataclass

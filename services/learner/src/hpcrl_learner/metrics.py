@@ -14,6 +14,11 @@ MASKED_FRACTION = Gauge(
 SAMPLER_KL = Gauge(
     "hpcrl_learner_sampler_kl", "k3 KL(sampling policy || trainer) per token, last step"
 )
+SAMPLER_KL_FRESH = Gauge(
+    "hpcrl_learner_sampler_kl_fresh",
+    "k3 KL(sampling policy || trainer) per token over the last step's samples drawn from the "
+    "trainer's current weights (NaN if none): about 0 unless the sampler uses stale weights",
+)
 GRAD_NORM = Gauge("hpcrl_learner_grad_norm", "Global gradient norm before clipping, last step")
 LEARNING_RATE = Gauge("hpcrl_learner_learning_rate", "Learning rate of the last step")
 REWARD_MEAN = Gauge("hpcrl_learner_reward_mean", "Mean reward over the groups of the last step")

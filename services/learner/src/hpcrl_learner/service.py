@@ -215,6 +215,8 @@ class Learner:
             "groups_per_step": float(self.settings.groups_per_step),
             **{k: float(train[k]) for k in ("loss", "kl", "clip_fraction", "grad_norm",
                                              "learning_rate", "sampler_kl", "tokens")},
+            # Not every backend splits it out; NaN (no fresh sample) is left out below.
+            "sampler_kl_fresh": float(train.get("sampler_kl_fresh", math.nan)),
             **summary,
         }
         # Weight-update messages carry these and refuse NaN/inf; a skipped step can have them.
@@ -236,6 +238,7 @@ class Learner:
         m.CLIP_FRACTION.set(train["clip_fraction"])
         m.MASKED_FRACTION.set(train["masked_fraction"])
         m.SAMPLER_KL.set(train["sampler_kl"])
+        m.SAMPLER_KL_FRESH.set(train.get("sampler_kl_fresh", math.nan))
         m.GRAD_NORM.set(train["grad_norm"])
         m.LEARNING_RATE.set(train["learning_rate"])
         m.TOKENS_PER_SECOND.set(train["tokens_per_second"])

@@ -166,20 +166,27 @@ class TorchTrainer:
             normalizer = float(sum(len(s.completion_ids) for s in with_tokens))
         else:
             normalizer = float(len(with_tokens))
-        stats = LossStats()
+        stats, fresh_stats = LossStats(), LossStats()
         lr = float(self.scheduler.get_last_lr()[0])
         self.optimizer.zero_grad(set_to_none=True)
-        for micro in chunks(with_tokens, self.settings.micro_batch_size):
-            batch = collate(micro)
-            ref = self._reference_logprobs(batch)
-            logp = self._forward_logprobs(self.model, batch)
-            out = grpo_loss(
-                logp, batch.sampling_logprobs.to(self.device), batch.advantages.to(self.device),
-                batch.completion_mask.to(self.device), settings, ref_logp=ref,
-                normalizer=normalizer,
-            )
-            out.loss.backward()
-            stats.add(out.stats)
+        # Fresh samples (from the current weights) in micro-batches of their own, so their
+        # sampler KL is measured apart: on them it checks the sampler against the trainer,
+        # free of the drift that older samples carry by design.
+        for fresh in (True, False):
+            part = [s for s in with_tokens if s.fresh == fresh]
+            for micro in chunks(part, self.settings.micro_batch_size):
+                batch = collate(micro)
+                ref = self._reference_logprobs(batch)
+                logp = self._forward_logprobs(self.model, batch)
+                out = grpo_loss(
+                    logp, batch.sampling_logprobs.to(self.device),
+                    batch.advantages.to(self.device), batch.completion_mask.to(self.device),
+                    settings, ref_logp=ref, normalizer=normalizer,
+                )
+                out.loss.backward()
+                stats.add(out.stats)
+                if fresh:
+                    fresh_stats.add(out.stats)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.settings.max_grad_norm))
         skipped = not math.isfinite(grad_norm)
         if skipped:
@@ -192,6 +199,8 @@ class TorchTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         elapsed = time.perf_counter() - started
         metrics = stats.means()
+        metrics["sampler_kl_fresh"] = (fresh_stats.means()["sampler_kl"] if fresh_stats.tokens
+                                       else math.nan)
         metrics.update(grad_norm=grad_norm if not skipped else -1.0, learning_rate=lr,
                        skipped=float(skipped), train_seconds=elapsed,
                        tokens_per_second=metrics["tokens"] / max(elapsed, 1e-9))
