@@ -324,9 +324,12 @@ def policy() -> DashboardSpec:
     training = [
         ts("Loss", "GRPO loss of the last step.", q("hpcrl_learner_loss", "loss")),
         ts("KL", "k3 KL estimate per token of the policy against the reference (0 when "
-           "beta = 0) and of the sampling policy against the trainer.",
+           "beta = 0) and of the sampling policy against the trainer: over all samples, and "
+           "over fresh ones only (drawn from the trainer's current weights: about 0 unless the "
+           "generators sample with stale weights).",
            q("hpcrl_learner_kl", "KL(policy || reference)"),
-           q("hpcrl_learner_sampler_kl", "KL(sampler || trainer)")),
+           q("hpcrl_learner_sampler_kl", "KL(sampler || trainer)"),
+           q("hpcrl_learner_sampler_kl_fresh", "KL(sampler || trainer), fresh samples")),
         ts("Grad norm", "Global gradient norm before clipping, last step.",
            q("hpcrl_learner_grad_norm", "grad norm")),
         ts("Clip and mask fractions", "Fraction of tokens whose ratio was clipped, and of "
