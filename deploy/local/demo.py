@@ -532,9 +532,10 @@ def benchmark_corpus_best(config: SchedulerConfig, model_dir: Path) -> dict[str,
     return best
 
 
-def openblas_gflops(sizes: dict[str, int], runs: int = 3) -> float | None:
+def openblas_gflops(sizes: dict[str, int], runs: int = 9) -> float | None:
     """OpenBLAS dgemm (the verifier's library) at the reward size on this machine, now:
-    one warm-up, then the mean of ``runs`` timed calls, as the benchmarker times a kernel."""
+    warm-up calls, then the median of ``runs`` timed calls (a call takes milliseconds, so one
+    disturbed by a process that is still exiting would move a mean)."""
     import ctypes
     import ctypes.util
 
@@ -552,13 +553,14 @@ def openblas_gflops(sizes: dict[str, int], runs: int = 3) -> float | None:
     args = (row_major, no_trans, no_trans, m, n, k, ctypes.c_double(1.0),
             a.ctypes.data_as(pointer), k, b.ctypes.data_as(pointer), n, ctypes.c_double(0.0),
             c.ctypes.data_as(pointer), n)
-    lib.cblas_dgemm(*args)
+    for _ in range(3):
+        lib.cblas_dgemm(*args)
     seconds = []
     for _ in range(runs):
         started = time.perf_counter()
         lib.cblas_dgemm(*args)
         seconds.append(time.perf_counter() - started)
-    return 2.0 * m * n * k / (sum(seconds) / runs) / 1e9
+    return 2.0 * m * n * k / sorted(seconds)[runs // 2] / 1e9
 
 
 if __name__ == "__main__":
