@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from hpcrl_benchmarker.host import HostProfile, detect
 from hpcrl_common.prompts import build_prompt
 from hpcrl_common.task import builtin_seed, load_task
 from hpcrl_evaluate.evalset import (
@@ -17,13 +18,12 @@ from hpcrl_evaluate.evalset import (
     PARENT_STAGES,
     SPECS,
     build_set,
-    isa_of_cpuinfo,
     parent_source,
 )
 from hpcrl_evaluate.run import prompt_seed
 
 BIN = Path(sys.executable).parent
-HOST_ISA = isa_of_cpuinfo(Path("/proc/cpuinfo").read_text())
+HOST_ISA = detect().prompt_isa
 
 
 def test_the_set_covers_stages_one_to_three() -> None:
@@ -54,9 +54,12 @@ def test_prompts_are_the_schedulers(isa: str) -> None:
     assert ("AVX-512" if isa == "avx512" else "AVX2") in prompts[0].messages[0].content
 
 
-def test_isa_of_cpuinfo() -> None:
-    assert isa_of_cpuinfo("flags : fpu sse2 avx2 avx512f avx512bw") == "avx512"
-    assert isa_of_cpuinfo("flags : fpu sse2 avx2 avx512_bf16") == "avx2"
+def test_the_prompts_isa_is_the_hosts() -> None:
+    def host(flags: str) -> HostProfile:
+        return HostProfile("h", "cpu", frozenset(flags.split()), 2, 4000.0, "gcc")
+
+    assert host("fpu sse2 avx2 avx512f avx512bw").prompt_isa == "avx512"
+    assert host("fpu sse2 avx2 avx512_bf16").prompt_isa == "avx2"
     with pytest.raises(ValueError):
         parent_source("nope")
 

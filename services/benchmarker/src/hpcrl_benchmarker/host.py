@@ -54,6 +54,11 @@ class HostProfile:
         return "sse2"
 
     @property
+    def prompt_isa(self) -> str:
+        """The ISA name prompts use for this host: avx512 (with AVX-512F) or avx2."""
+        return "avx512" if "avx512f" in self.flags else "avx2"
+
+    @property
     def flops_per_cycle(self) -> int:
         for flag, flops in _FLOPS_PER_CYCLE:
             if flag in self.flags:

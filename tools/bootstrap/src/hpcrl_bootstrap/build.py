@@ -72,12 +72,10 @@ def is_ready(path: Path) -> bool:
 
 
 def host_isa() -> str:
-    """avx512 where the CPU has AVX-512F, else avx2: what prompts name and kernels use."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return "avx2"
-    return "avx512" if "avx512f" in flags else "avx2"
+    """What prompts name and kernels use on this host (the benchmarker's view of it)."""
+    from hpcrl_benchmarker.host import detect
+
+    return detect().prompt_isa
 
 
 def cpu_has_bf16() -> bool:

@@ -14,7 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from hpcrl_common.task import TaskError, load_task
-from hpcrl_evaluate.evalset import SPECS, build_set, isa_of_cpuinfo
+from hpcrl_evaluate.evalset import SPECS, build_set
 from hpcrl_evaluate.run import (
     METRICS,
     BackendOptions,
@@ -98,7 +98,9 @@ def _prompt_indices(text: str | None, parser: argparse.ArgumentParser) -> list[i
 
 
 def host_isa() -> str:
-    return isa_of_cpuinfo(Path("/proc/cpuinfo").read_text())
+    from hpcrl_benchmarker.host import detect
+
+    return detect().prompt_isa
 
 
 def setup(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Evaluation:

@@ -90,8 +90,3 @@ def build_set(task: TaskSpec, isa: str, specs: tuple[PromptSpec, ...] = SPECS
                                 parent_source=parent, error=None, isa=isa)
         prompts.append(EvalPrompt(index, spec, tuple(messages)))
     return prompts
-
-
-def isa_of_cpuinfo(cpuinfo: str) -> str:
-    """The ISA name prompts use for a host, from the text of its /proc/cpuinfo."""
-    return "avx512" if "avx512f" in cpuinfo.split() else "avx2"
