@@ -30,10 +30,12 @@ $(STAMP): $(PYPROJECTS) requirements-dev.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -r requirements-dev.txt $(addprefix -e ,$(SERVICES) $(TOOLS))
+	$(BIN)/python -m pip install -q -r requirements-dev.txt $(addprefix -e ,$(SERVICES))
 	@# Services name libs/common by path (so `pip install ./services/X` works alone); that
-	@# installs it as a copy, so make it editable again last.
-	$(BIN)/python -m pip install -q --no-deps -e libs/common
+	@# installs it as a copy, so make it editable again last. The tools name services by path
+	@# too, which pip refuses beside the same services installed editable: their other
+	@# requirements are the services' and requirements-dev's, so --no-deps.
+	$(BIN)/python -m pip install -q --no-deps -e libs/common $(addprefix -e ,$(TOOLS))
 	@touch $@
 
 install-swift: install
