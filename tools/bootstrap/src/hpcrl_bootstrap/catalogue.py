@@ -155,7 +155,8 @@ def relabel(measured: Measured, stage: int) -> Measured:
 
 
 def summary(measured: Sequence[Measured]) -> dict[str, Any]:
-    """What bootstrap.json records: counts, and the speed range per stage."""
+    """What bootstrap.json records: counts of distinct verdicts, the speed range per stage."""
+    measured = list({verdict_key(m.kernel): m for m in measured}.values())
     ok = [m for m in measured if m.ok]
     stages: dict[str, Any] = {}
     for number in range(1, LAST_STAGE + 1):
@@ -181,7 +182,8 @@ def best(measured: Sequence[Measured], per_stage: int = 1) -> list[Measured]:
 
 
 def export(measured: Sequence[Measured]) -> list[dict[str, Any]]:
-    """The catalogue as JSON rows (written next to the model as corpus.json)."""
+    """The catalogue's distinct verdicts as JSON rows (next to the model as corpus.json)."""
+    measured = list({verdict_key(m.kernel): m for m in measured}.values())
     return [{"stage": m.kernel.stage, "techniques": list(m.kernel.techniques),
              "mistake": m.kernel.mistake, "status": m.status, "gflops": m.gflops,
              "generalizes": m.generalizes, "source": m.kernel.source} for m in measured]
