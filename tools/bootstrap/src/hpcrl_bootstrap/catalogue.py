@@ -70,14 +70,15 @@ def plan(seed: int, isa: str, per_stage: dict[int, int] | None = None) -> Plan:
     targets: list[Kernel] = []
     seen: set[str] = set()
     for number in range(1, LAST_STAGE + 1):
-        wanted = counts.get(number, 0)
-        for _ in range(wanted * 40):
-            if sum(1 for k in targets if k.stage == number) == wanted:
+        wanted, found = counts.get(number, 0), 0
+        for _ in range(wanted * 40):  # bounded: a small stage may have fewer distinct kernels
+            if found == wanted:
                 break
             kernel = cp.render_kernel(cp.sample_spec(rng, number, isa, styles=1), number, isa)
             if kernel.source not in seen:
                 seen.add(kernel.source)
                 targets.append(kernel)
+                found += 1
     parents = {index: cp.render_kernel(cp.downgrade(rng, k.spec, k.stage - 1), k.stage - 1, isa)
                for index, k in enumerate(targets) if k.stage > 1}
     broken = {index: cp.render_kernel(cp.with_mistake(rng, k.spec, k.stage, isa), k.stage, isa)
