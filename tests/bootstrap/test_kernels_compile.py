@@ -3,7 +3,6 @@ their stage, its broken twins really are broken, and the verdicts are cached per
 
 from __future__ import annotations
 
-import itertools
 import json
 
 import pytest
@@ -50,11 +49,7 @@ def test_verdicts_are_cached_per_host_and_sources(small_plan, tmp_path) -> None:
     assert elsewhere != path and other[0].gflops != 12345.0
 
 
-def test_best_and_summary_rank_by_measured_speed(small_measured) -> None:
-    best = catalogue.best(small_measured, per_stage=2)
-    for first, second in itertools.pairwise(best):
-        if first.kernel.stage == second.kernel.stage:
-            assert (first.gflops or 0) >= (second.gflops or 0)
+def test_summary_and_export_count_distinct_verdicts(small_measured) -> None:
     summary = catalogue.summary(small_measured)
     distinct = {catalogue.verdict_key(m.kernel) for m in small_measured}
     assert summary["kernels"] == len(distinct) == len(catalogue.export(small_measured))

@@ -20,7 +20,7 @@ import os
 import random
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -151,10 +151,6 @@ def _measured(kernel: Kernel, verdict: dict[str, Any]) -> Measured:
                     error=str(verdict.get("error") or ""), generalizes=verdict.get("generalizes"))
 
 
-def relabel(measured: Measured, stage: int) -> Measured:
-    return replace(measured, kernel=replace(measured.kernel, stage=stage))
-
-
 def summary(measured: Sequence[Measured]) -> dict[str, Any]:
     """What bootstrap.json records: counts of distinct verdicts, the speed range per stage."""
     measured = list({verdict_key(m.kernel): m for m in measured}.values())
@@ -170,16 +166,6 @@ def summary(measured: Sequence[Measured]) -> dict[str, Any]:
         statuses[m.status] = statuses.get(m.status, 0) + 1
     return {"kernels": len(measured), "correct": len(ok), "statuses": statuses,
             "stages": stages}
-
-
-def best(measured: Sequence[Measured], per_stage: int = 1) -> list[Measured]:
-    """The fastest correct kernels of each stage, fastest first within a stage."""
-    out: list[Measured] = []
-    for number in range(1, LAST_STAGE + 1):
-        ranked = sorted((m for m in measured if m.ok and m.kernel.stage == number),
-                        key=lambda m: -(m.gflops or 0.0))
-        out += ranked[:per_stage]
-    return out
 
 
 def export(measured: Sequence[Measured]) -> list[dict[str, Any]]:
