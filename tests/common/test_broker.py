@@ -302,3 +302,104 @@ def test_publish_from_another_thread_is_confirmed(broker_settings):
             future.result(timeout=10)
         wait_for(lambda: len(got) == 5)
     assert sorted(got) == [f"t{i}" for i in range(5)]
+
+
+# --- any body, any headers: settled, and the consumer keeps serving ------------------------
+
+# superscript one, Arabic-Indic one, full-width one, then ASCII spellings that are not "1"
+ODD_VERSIONS = ["\u00b9", "\u0661", "\uff11",
+                "01", "1 ", "+1", "-0", "1_0", "", "99999999999999999999"]
+
+
+def test_odd_schema_versions_are_dead_lettered_not_fatal(broker_settings, raw_channel):
+    """`str.isdigit()` accepts a superscript one and `int()` then raises outside MessageError;
+    "01" and the full-width one used to pass as version 1."""
+    topology = Topology(broker_settings.namespace, broker_settings.delivery_limit)
+    handled: list = []
+    consumer = Consumer(broker_settings, "odd-versions")
+    consumer.subscribe(CODE_TO_BENCH, lambda m, _d: handled.append(m.id) or [])
+    good = sample_candidate()
+    raw = msgpack.unpackb(encode(good))
+    queue = topology.name(CODE_TO_BENCH)
+    with RunningConsumer(consumer):
+        for version in ODD_VERSIONS:
+            body = msgpack.packb({**raw, "schema": f"candidate/{version}"})
+            raw_channel.basic_publish("", queue, body)
+        raw_channel.basic_publish("", queue, encode(good))
+        wait_for(lambda: handled == [good.id], what="the valid message")
+        dead: list = []
+        wait_for(lambda: dead.extend(drain(raw_channel, topology.dlq(CODE_TO_BENCH)))
+                 or len(dead) >= len(ODD_VERSIONS), what="dead letters")
+    assert all("unsupported major version" in props.headers[REASON_HEADER] for props, _ in dead)
+    assert consumer.connections == 1
+
+
+def _header_values():
+    from hypothesis import strategies as st
+
+    # pika cannot publish a float header (other clients can; the consumer reads it as "not a
+    # count" like any other non-integer).
+    scalars = (st.text(max_size=20) | st.integers(-(2**63), 2**63 - 1) | st.booleans()
+               | st.binary(max_size=20) | st.none())
+    return st.recursive(scalars, lambda inner: st.lists(inner, max_size=3)
+                        | st.dictionaries(st.text(min_size=1, max_size=8), inner, max_size=3),
+                        max_leaves=6)
+
+
+def _bodies():
+    """Garbage, msgpack of anything, and valid candidates with one field replaced."""
+    from hypothesis import strategies as st
+
+    raw = msgpack.unpackb(encode(sample_candidate()))
+    anything = st.recursive(
+        st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats()
+        | st.text(max_size=30) | st.binary(max_size=30),
+        lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                     max_size=4),
+        max_leaves=10)
+    mutated = st.tuples(st.sampled_from([*raw, "extra"]), anything).map(
+        lambda kv: msgpack.packb({**raw, kv[0]: kv[1]}))
+    schemas = st.text(max_size=12).map(lambda v: msgpack.packb({**raw, "schema": f"candidate/{v}"}))
+    return st.binary(max_size=200) | anything.map(msgpack.packb) | mutated | schemas
+
+
+def test_any_body_and_headers_are_settled_and_the_consumer_keeps_serving(broker_settings,
+                                                                         raw_channel):
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    topology = Topology(broker_settings.namespace, broker_settings.delivery_limit)
+    queue = topology.name(CODE_TO_BENCH)
+    handled: list = []
+    consumer = Consumer(broker_settings, "anything")
+    consumer.subscribe(CODE_TO_BENCH, lambda m, d: handled.append((m.id, d.attempt)) or [])
+    sent = 0
+    headers = st.dictionaries(st.text(min_size=1, max_size=16), _header_values(), max_size=4)
+    delivery_counts = st.none() | _header_values()
+    with RunningConsumer(consumer):
+
+        @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
+        @given(_bodies(), headers, delivery_counts)
+        def send(body, extra, count):
+            nonlocal sent
+            if count is not None:
+                extra = {**extra, "x-delivery-count": count}
+            raw_channel.basic_publish("", queue, body, pika.BasicProperties(headers=extra))
+            sent += 1
+
+        send()
+        good = sample_candidate("after-the-storm")
+        raw_channel.basic_publish("", queue, encode(good),
+                                  pika.BasicProperties(headers={"x-delivery-count": "abc"}))
+        sent += 1
+        dead: list = []
+
+        def all_settled() -> bool:
+            dead.extend(drain(raw_channel, topology.dlq(CODE_TO_BENCH)))
+            return len(dead) + len(handled) >= sent
+
+        wait_for(all_settled, timeout=60, what="every message settled")
+        assert good.id in [message_id for message_id, _ in handled]
+        assert all(props.headers.get(REASON_HEADER) for props, _ in dead)
+        assert consumer.connections == 1 and consumer.healthy()[0]
+    assert raw_channel.queue_declare(queue, passive=True).method.message_count == 0

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import msgpack
 import numpy as np
 import pytest
 from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hpcrl_common.messages import (
     BenchResult,
@@ -130,3 +133,20 @@ def test_strict_types_reject_coercion():
         decode(_body_of(update, version="3"))
     with pytest.raises(MessageError, match="uri"):
         decode(_body_of(update, uri=b"/bytes/not/str"))
+
+
+@pytest.mark.parametrize("version", ["\u00b9", "\u0661", "\uff11", "01", "+1", " 1", "1_0",
+                                     "99999999999999999999999"])
+def test_a_schema_version_is_plain_ascii_digits(version):
+    raw = msgpack.unpackb(encode(sample_candidate()))
+    with pytest.raises(MessageError, match="unsupported major version"):
+        decode(msgpack.packb({**raw, "schema": f"candidate/{version}"}))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(max_size=12), st.binary(max_size=64))
+def test_decode_raises_nothing_but_message_error(version, garbage):
+    raw = msgpack.unpackb(encode(sample_candidate()))
+    for body in (msgpack.packb({**raw, "schema": f"candidate/{version}"}), garbage):
+        with contextlib.suppress(MessageError):
+            decode(body)

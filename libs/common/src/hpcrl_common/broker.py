@@ -385,15 +385,15 @@ class Consumer:
 
     def _on_message(self, sub: _Subscription, _channel: Any, method: Any, props: Any,
                     body: bytes) -> None:
-        headers = dict(props.headers or {})
+        headers = props.headers if isinstance(props.headers, dict) else {}
         delivery = Delivery(
             queue=sub.queue,
             tag=method.delivery_tag,
             generation=self._generation,
-            attempt=int(headers.get("x-delivery-count", 0)) + 1,
+            attempt=delivery_count(headers) + 1,
             body=body,
-            headers=headers,
-            message_id=props.message_id or "",
+            headers=dict(headers),
+            message_id=props.message_id if isinstance(props.message_id, str) else "",
         )
         # Decide outside pika's callback: dispatch may publish (dead letters, replays).
         self._actions.put(partial(self._dispatch, sub, delivery))
@@ -403,6 +403,10 @@ class Consumer:
             message = decode(delivery.body, sub.expected, max_bytes=self.settings.max_message_bytes)
         except MessageError as exc:
             self._dead_letter(sub, delivery, exc.reason)
+            return
+        except Exception as exc:  # a decoder bug must not kill the consumer: settle the message
+            log.exception("decoding raised", queue=sub.queue)
+            self._dead_letter(sub, delivery, f"undecodable message: {exc!r}")
             return
         delivery.message_id = message.id
         delivery.key = key = (sub.queue, message.id)
@@ -484,12 +488,18 @@ class Consumer:
     def _dead_letter(self, sub: _Subscription, delivery: Delivery, reason: str) -> None:
         log.warning("dead-lettering message", queue=sub.queue, reason=reason[:500],
                     message_id=delivery.message_id)
-        headers = {
-            **delivery.headers,
-            REASON_HEADER: reason[:4000],
-            SOURCE_QUEUE_HEADER: sub.queue,
-            CONSUMER_HEADER: self.client,
-        }
+        ours = {REASON_HEADER: reason[:4000], SOURCE_QUEUE_HEADER: sub.queue,
+                CONSUMER_HEADER: self.client}
+        try:
+            self._publish_dead_letter(sub, delivery, {**delivery.headers, **ours})
+        except (TypeError, ValueError, pika.exceptions.UnsupportedAMQPFieldException):
+            # Headers pika decoded but cannot encode again: keep them as text instead.
+            self._publish_dead_letter(sub, delivery, {**_as_text(delivery.headers), **ours})
+        self._ack(delivery)
+        CONSUMED.labels(delivery.queue, "dead_lettered").inc()
+
+    def _publish_dead_letter(self, sub: _Subscription, delivery: Delivery,
+                             headers: dict[str, Any]) -> None:
         properties = pika.BasicProperties(
             delivery_mode=pika.DeliveryMode.Persistent,
             headers=headers,
@@ -499,8 +509,6 @@ class Consumer:
             self.topology.dead_letter_exchange, sub.dead_letter_key, delivery.body,
             properties=properties, mandatory=True,
         )
-        self._ack(delivery)
-        CONSUMED.labels(delivery.queue, "dead_lettered").inc()
 
     def _ack(self, delivery: Delivery) -> None:
         if delivery.generation != self._generation:
@@ -577,3 +585,19 @@ class Consumer:
             self._actions.put(partial(self._publish_request, outputs, None))
         timer.due = time.monotonic() + timer.every_s
         timer.running = False
+
+
+def delivery_count(headers: dict[str, Any]) -> int:
+    """The broker's ``x-delivery-count``; 0 when absent or not a sane count.
+
+    Anyone who can publish can set headers, so the value may be a string, a list or a huge
+    number: such a value counts as 0 and never raises.
+    """
+    count = headers.get("x-delivery-count", 0)
+    if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count < 1_000_000:
+        return 0
+    return count
+
+
+def _as_text(headers: dict[str, Any]) -> dict[str, str]:
+    return {str(key): repr(value)[:1000] for key, value in headers.items() if str(key)}

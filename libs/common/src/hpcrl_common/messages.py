@@ -9,6 +9,7 @@ lists of Python numbers. :func:`decode` validates everything at the boundary and
 from __future__ import annotations
 
 import math
+import re
 import time
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
@@ -372,6 +373,12 @@ def _unpack(body: bytes) -> dict[str, Any]:
     return raw
 
 
+# ASCII digits, no leading zero: str.isdigit() and int() also accept superscript, Arabic-Indic
+# and full-width digits and "01", so one tag would have several spellings and some of them
+# would raise outside MessageError.
+_MAJOR_VERSION = re.compile(r"0|[1-9][0-9]{0,8}")
+
+
 def _schema_class(raw: dict[str, Any]) -> type[Message]:
     tag = raw.get("schema")
     if tag is None:
@@ -382,7 +389,7 @@ def _schema_class(raw: dict[str, Any]) -> type[Message]:
     cls = MESSAGE_TYPES.get(name)
     if cls is None:
         raise MessageError(f"unknown schema name {name!r} (known: {', '.join(MESSAGE_TYPES)})")
-    if not major_text.isdigit() or int(major_text) != cls.SCHEMA_MAJOR:
+    if _MAJOR_VERSION.fullmatch(major_text) is None or int(major_text) != cls.SCHEMA_MAJOR:
         raise MessageError(
             f"unsupported major version {major_text!r} of schema {name!r} "
             f"(this build reads {cls.SCHEMA_MAJOR})"
