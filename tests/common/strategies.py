@@ -22,10 +22,12 @@ from hpcrl_common.messages import (
     WeightUpdate,
     candidate_id,
 )
+from hpcrl_common.rewards import MAX_ABS_REWARD, reward_for_status
 
 ids = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,40}", fullmatch=True)
 text = st.text(max_size=200)
 finite = st.floats(allow_nan=False, allow_infinity=False, width=64)
+rewards = st.floats(-MAX_ABS_REWARD, MAX_ABS_REWARD, allow_nan=False)
 positive = st.floats(min_value=1e-9, max_value=1e6, allow_nan=False)
 stages = st.integers(1, 6)
 timestamps = st.floats(min_value=0, max_value=4e9, allow_nan=False)
@@ -91,6 +93,7 @@ def candidates(draw: st.DrawFn) -> Candidate:
 hosts = st.builds(
     HostInfo, hostname=ids, cpu_model=text, isa=st.lists(st.sampled_from(["avx2", "avx512f"])),
     cores=st.integers(1, 256), compiler=text, host_class=ids,
+    peak_gflops=st.none() | st.just(1e6),
 )
 
 
@@ -105,11 +108,11 @@ def timings(draw: st.DrawFn) -> Timing:
 def bench_results(draw: st.DrawFn) -> BenchResult:
     group, index = draw(ids), draw(st.integers(0, 1023))
     status = draw(st.sampled_from(STATUSES))
-    success = status == "success"
+    gflops = draw(positive) if status == "success" else None
     return BenchResult(
         id=candidate_id(group, index), group_id=group, index=index, status=status,
-        reward=draw(finite), gflops=draw(positive) if success else None,
-        timing=draw(timings()) if success else None,
+        reward=reward_for_status(status, gflops), gflops=gflops,
+        timing=draw(timings()) if gflops is not None else None,
         techniques=draw(st.lists(st.sampled_from(["simd", "openmp", "prefetch"]), unique=True)),
         generalizes=draw(st.none() | st.booleans()), error=draw(text),
         source=draw(st.none() | text), bench=draw(bench_specs),
@@ -125,7 +128,7 @@ def rollout_samples(draw: st.DrawFn) -> RolloutSample:
     completion, logprobs = draw(aligned_tokens())
     return RolloutSample(
         candidate_id=draw(ids), completion_token_ids=completion, sampling_logprobs=logprobs,
-        policy_version=draw(st.integers(0, 1000)), reward=draw(finite),
+        policy_version=draw(st.integers(0, 1000)), reward=draw(rewards),
         status=draw(st.sampled_from(STATUSES)),
     )
 

@@ -150,3 +150,44 @@ def test_decode_raises_nothing_but_message_error(version, garbage):
     for body in (msgpack.packb({**raw, "schema": f"candidate/{version}"}), garbage):
         with contextlib.suppress(MessageError):
             decode(body)
+
+
+def _result_fields(**changes) -> dict:
+    host = {"hostname": "n1", "cpu_model": "cpu", "isa": ["avx2"], "cores": 2,
+            "compiler": "gcc", "host_class": "c", "peak_gflops": 200.0}
+    fields = {"schema": "bench-result/1", "id": "g/0", "group_id": "g", "index": 0,
+              "status": "success", "reward": 12.5, "gflops": 12.5,
+              "bench": {"task": "matmul", "stage": 1}, "host": host}
+    return {**fields, **changes}
+
+
+@pytest.mark.parametrize("changes, reason", [
+    ({"reward": 1e308, "gflops": 1e308}, "less than or equal to 1000000"),
+    ({"reward": -1e200}, "greater than or equal to -1000000"),
+    ({"reward": 99.0}, "does not follow from status 'success'"),
+    ({"status": "compile_error", "gflops": None, "reward": 50.0}, "reward table gives -40.0"),
+    ({"status": "verification_error", "gflops": None, "reward": -40.0}, "gives -10.0"),
+    ({"reward": 300.0, "gflops": 300.0}, "above the host's theoretical peak 200.0"),
+])
+def test_a_result_whose_numbers_do_not_add_up_is_refused(changes, reason):
+    assert decode(msgpack.packb(_result_fields()))  # the unchanged result is fine
+    with pytest.raises(MessageError, match=reason):
+        decode(msgpack.packb(_result_fields(**changes)))
+
+
+def test_rollout_rewards_are_bounded():
+    batch = msgpack.unpackb(encode(_sample_batch()))
+    batch["samples"][0]["reward"] = 1e200
+    with pytest.raises(MessageError, match=r"samples\.0\.reward"):
+        decode(msgpack.packb(batch))
+
+
+def _sample_batch() -> RolloutBatch:
+    from hpcrl_common.messages import RolloutSample
+
+    tokens = PackedArray.of([1, 2, 3], "<i4")
+    sample = RolloutSample(candidate_id="g/0", completion_token_ids=tokens,
+                           sampling_logprobs=PackedArray.of([-0.1] * 3, "<f4"),
+                           policy_version=0, reward=1.0, status="success")
+    return RolloutBatch(id="g", experiment="e", iteration=0, prompt_token_ids=tokens,
+                        samples=[sample], reward_mode="raw")

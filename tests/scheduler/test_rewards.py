@@ -8,7 +8,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from hpcrl_common.rewards import MAX_ABS_REWARD
 from hpcrl_scheduler.groups import (
+    PARENT_RELATIVE_CEILING,
     PARENT_RELATIVE_FLOOR,
     Parent,
     RewardMode,
@@ -80,10 +82,11 @@ gflops = st.floats(min_value=0.0, max_value=1e4, allow_nan=False)
 positive_gflops = st.floats(min_value=1e-3, max_value=1e4, allow_nan=False)
 
 
-@given(child=gflops, base=positive_gflops)
-def test_parent_relative_sign_and_floor(child: float, base: float):
+@given(child=gflops | st.floats(0.0, 1e6), base=positive_gflops)
+def test_parent_relative_sign_floor_and_ceiling(child: float, base: float):
     reward = parent_relative_reward(child, base)
     assert reward >= PARENT_RELATIVE_FLOOR > max(PENALTY.values())
+    assert reward <= PARENT_RELATIVE_CEILING < MAX_ABS_REWARD  # a near-zero parent stays sane
     assert (reward < 0) == (child < base)
 
 

@@ -24,6 +24,8 @@ from pydantic import (
     model_validator,
 )
 
+from hpcrl_common.rewards import MAX_ABS_REWARD, MAX_GFLOPS, reward_for_status
+
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
 # --- shared field types -------------------------------------------------------------------
@@ -37,6 +39,8 @@ ErrorText = Annotated[str, StringConstraints(max_length=64_000)]
 Stage = Annotated[int, Field(ge=1, le=6)]
 Version = Annotated[int, Field(ge=0)]
 Timestamp = Annotated[float, Field(ge=0)]
+Gflops = Annotated[float, Field(ge=0, le=MAX_GFLOPS)]
+Reward = Annotated[float, Field(ge=-MAX_ABS_REWARD, le=MAX_ABS_REWARD)]
 OptLevel = Literal["O0", "O1", "O2", "O3"]
 Mode = Literal["seed", "deepen", "improve", "repair"]
 Status = Literal[
@@ -206,6 +210,8 @@ class HostInfo(Strict):
     cores: Annotated[int, Field(ge=1)]
     compiler: ShortText
     host_class: ShortText
+    # Theoretical double-precision peak (an upper bound); a result above it cannot be genuine.
+    peak_gflops: Annotated[float, Field(gt=0, le=MAX_GFLOPS)] | None = None
 
 
 class Timing(Strict):
@@ -225,8 +231,8 @@ class BenchResult(Message):
     group_id: MessageId
     index: Annotated[int, Field(ge=0, lt=1024)]
     status: Status
-    reward: float
-    gflops: Annotated[float, Field(ge=0)] | None = None
+    reward: Reward
+    gflops: Gflops | None = None
     timing: Timing | None = None
     techniques: list[ShortText] = []
     generalizes: bool | None = None
@@ -246,6 +252,14 @@ class BenchResult(Message):
             raise ValueError(f"result id must be {candidate_id(self.group_id, self.index)!r}")
         if (self.status == "success") != (self.gflops is not None):
             raise ValueError("gflops must be set exactly when status is 'success'")
+        expected = reward_for_status(self.status, self.gflops)
+        if self.reward != expected:
+            raise ValueError(f"reward {self.reward!r} does not follow from status "
+                             f"{self.status!r} (the reward table gives {expected!r})")
+        peak = self.host.peak_gflops
+        if self.gflops is not None and peak is not None and self.gflops > peak:
+            raise ValueError(f"gflops {self.gflops!r} is above the host's theoretical peak "
+                             f"{peak!r}")
         return self
 
 
@@ -254,7 +268,7 @@ class RolloutSample(Strict):
     completion_token_ids: PackedArray
     sampling_logprobs: PackedArray
     policy_version: Version
-    reward: float
+    reward: Reward
     status: Status
 
     @model_validator(mode="after")

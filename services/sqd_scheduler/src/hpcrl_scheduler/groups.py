@@ -40,6 +40,9 @@ RewardMode = Literal["raw", "group_normalized", "parent_relative"]
 # SPEC section 4: the mildest failure penalty is verification_error, -10. A slow but correct
 # child must still out-score every wrong one, so parent-relative successes stop just above.
 PARENT_RELATIVE_FLOOR = -9.0
+# A child 100x its parent is already a discovery; beyond it the ratio of a near-zero parent
+# would dwarf every other reward in the step (and leave the wire format's bound).
+PARENT_RELATIVE_CEILING = 9_900.0
 
 
 @dataclass(frozen=True)
@@ -84,7 +87,8 @@ def compute_rewards(results: Sequence[BenchResult], mode: RewardMode,
 
 def parent_relative_reward(gflops: float, parent_gflops: float) -> float:
     # The ratio first: equal speeds give exactly 0 and a slower child is always below 0.
-    return max(PARENT_RELATIVE_FLOOR, 100.0 * (gflops / parent_gflops - 1.0))
+    relative = 100.0 * (gflops / parent_gflops - 1.0)
+    return min(PARENT_RELATIVE_CEILING, max(PARENT_RELATIVE_FLOOR, relative))
 
 
 def _success_score(results: Sequence[BenchResult], mode: RewardMode,

@@ -1,0 +1,33 @@
+"""The reward table (SPEC section 4) and the bounds every boundary holds numbers to.
+
+Pure: no I/O. The benchmarker assigns rewards with :func:`reward_for_status`; message
+validation uses the same function to refuse a result whose reward does not follow from its
+status and GFLOPS, so a consumer (the scheduler) never trusts the producer's arithmetic.
+"""
+
+from __future__ import annotations
+
+FAILURE_REWARDS: dict[str, float] = {
+    "format_violation": -100.0,
+    "library_violation": -100.0,
+    "stage_violation": -100.0,  # treated like a library violation: the rules were broken
+    "compile_error": -40.0,
+    "timeout": -30.0,
+    "runtime_error": -20.0,
+    "verification_error": -10.0,
+}
+
+# No CPU node reaches a petaflop in double precision: a figure above it is forged or broken,
+# whatever the host claims. Squares of numbers this size stay far from float overflow, so
+# means and standard deviations of rewards cannot become inf or NaN.
+MAX_GFLOPS = 1e6
+MAX_ABS_REWARD = 1e6
+
+
+def reward_for_status(status: str, gflops: float | None) -> float:
+    """Raw reward: GFLOPS for a success, the table's penalty otherwise."""
+    if status == "success":
+        if gflops is None:
+            raise ValueError("a success needs its GFLOPS")
+        return gflops
+    return FAILURE_REWARDS[status]
