@@ -403,3 +403,28 @@ def test_any_body_and_headers_are_settled_and_the_consumer_keeps_serving(broker_
         assert all(props.headers.get(REASON_HEADER) for props, _ in dead)
         assert consumer.connections == 1 and consumer.healthy()[0]
     assert raw_channel.queue_declare(queue, passive=True).method.message_count == 0
+
+
+def test_a_periodic_task_that_keeps_failing_makes_the_consumer_unhealthy(broker_settings):
+    """A service whose tick raises makes no progress: /healthz must say so, with the error."""
+    consumer = Consumer(broker_settings, "stuck-tick")
+    consumer.periodic_failure_grace_s = 2.0
+    calls: list[float] = []
+    broken = threading.Event()
+    broken.set()
+
+    def tick() -> list[Publish]:
+        calls.append(time.monotonic())
+        if broken.is_set():
+            raise RuntimeError("selected a program without source")
+        return []
+
+    consumer.every(0.05, tick)
+    with RunningConsumer(consumer):
+        wait_for(lambda: len(calls) >= 2, what="the tick to run")
+        assert consumer.healthy()[0]  # inside the grace period a failure may be passing
+        wait_for(lambda: not consumer.healthy()[0], timeout=10, what="unhealthy")
+        detail = consumer.healthy()[1]["failing_periodic_tasks"]["tick"]
+        assert "program without source" in detail["error"] and detail["failing_for_s"] >= 2.0
+        broken.clear()
+        wait_for(lambda: consumer.healthy()[0], timeout=5, what="healthy again")

@@ -83,6 +83,17 @@ def test_failures_without_source_cannot_be_repaired():
         [], SEED, iteration=1, budget=5, ratios=Ratios(), seed=0)
 
 
+def test_successes_without_source_are_never_parents():
+    """With benchmarker.include_source = false every result lacks its source; selecting one
+    used to make every later tick raise while the scheduler reported itself healthy."""
+    hidden = Program(id="h", stage=1, status="success", gflops=50.0, source=None)
+    pool = [hidden, program("shown", gflops=10.0)]
+    nodes = select(pool, SEED, iteration=1, budget=5, ratios=Ratios(), seed=0)
+    assert [n.parent.id for n in nodes] == ["seed", "shown"]
+    assert select([hidden], SEED, iteration=1, budget=5, ratios=Ratios(), seed=0) == select(
+        [], SEED, iteration=1, budget=5, ratios=Ratios(), seed=0)
+
+
 def test_the_last_stage_deepens_into_itself():
     pool = [program("top", stage=LAST_STAGE, gflops=100.0)]
     nodes = select(pool, SEED, iteration=4, budget=3, ratios=Ratios(), seed=0)

@@ -59,6 +59,11 @@ PUBLISHED = Counter(
     "hpcrl_broker_published_total", "Messages confirmed by the broker", ["routing_key"]
 )
 RECONNECTS = Counter("hpcrl_broker_reconnects_total", "Connection losses recovered", ["client"])
+PERIODIC_FAILURES = Counter(
+    "hpcrl_broker_periodic_failures_total",
+    "Runs of a periodic task (e.g. the scheduler's tick) that raised",
+    ["client", "task"],
+)
 CONNECTED = Gauge("hpcrl_broker_connected", "1 while connected to the broker", ["client"])
 HANDLER_SECONDS = Histogram(
     "hpcrl_broker_handler_seconds",
@@ -136,6 +141,12 @@ class _Timer:
     fn: Callable[[], Sequence[Publish]]
     due: float = 0.0
     running: bool = False
+    failing_since: float | None = None  # monotonic time of the first of consecutive failures
+    last_error: str = ""
+
+    @property
+    def name(self) -> str:
+        return getattr(self.fn, "__name__", "?")
 
 
 def connection_parameters(settings: BrokerSettings, client: str) -> pika.URLParameters:
@@ -235,6 +246,10 @@ class Publisher:
 class Consumer:
     """Consumes one or more queues, runs handlers off the I/O thread, reconnects forever."""
 
+    # A periodic task that keeps raising this long makes the service unhealthy: one failure
+    # may be a passing fault, a run of them means the service makes no progress.
+    periodic_failure_grace_s = 10.0
+
     def __init__(
         self,
         settings: BrokerSettings,
@@ -308,13 +323,24 @@ class Consumer:
         self._stop.set()
 
     def healthy(self) -> tuple[bool, dict[str, Any]]:
-        loop_age = time.monotonic() - self._last_tick
-        ok = self.connected.is_set() and loop_age < 30
-        return ok, {
+        now = time.monotonic()
+        loop_age = now - self._last_tick
+        stuck = {
+            timer.name: {"failing_for_s": round(now - timer.failing_since, 1),
+                         "error": timer.last_error}
+            for timer in self._timers
+            if timer.failing_since is not None
+            and now - timer.failing_since >= self.periodic_failure_grace_s
+        }
+        ok = self.connected.is_set() and loop_age < 30 and not stuck
+        detail: dict[str, Any] = {
             "connected": self.connected.is_set(),
             "loop_age_s": round(loop_age, 3),
             "inflight": len(self._inflight),
         }
+        if stuck:
+            detail["failing_periodic_tasks"] = stuck
+        return ok, detail
 
     # --- the loop -----------------------------------------------------------------------
 
@@ -578,9 +604,15 @@ class Consumer:
     def _run_timer(self, timer: _Timer) -> None:
         try:
             outputs = list(timer.fn())
-        except Exception:
-            log.exception("periodic task failed", task=getattr(timer.fn, "__name__", "?"))
+        except Exception as exc:
+            log.exception("periodic task failed", task=timer.name)
+            PERIODIC_FAILURES.labels(self.client, timer.name).inc()
+            if timer.failing_since is None:
+                timer.failing_since = time.monotonic()
+            timer.last_error = repr(exc)[:500]
             outputs = []
+        else:
+            timer.failing_since, timer.last_error = None, ""
         if outputs:
             self._actions.put(partial(self._publish_request, outputs, None))
         timer.due = time.monotonic() + timer.every_s

@@ -2,9 +2,9 @@
 
 Pure functions over :class:`Program` records (no I/O). The rule, per stage s of pool(t-1):
 
-* successes ranked by GFLOPS: the top ``deepen`` share (rounded up) are deepened (target
-  stage s+1, the last stage deepens into itself), the next ``improve`` share are improved
-  (same stage), the rest are not expanded;
+* successes that have a source, ranked by GFLOPS: the top ``deepen`` share (rounded up) are
+  deepened (target stage s+1, the last stage deepens into itself), the next ``improve``
+  share are improved (same stage), the rest are not expanded;
 * failures that still have a source, most-progressed first (verification error, runtime
   error, timeout, compile error, stage / library violation), are repaired (same stage);
 * a node budget B (``0`` = unbounded) bounds how many of those are expanded: B is split
@@ -121,7 +121,8 @@ def tie_key(seed: int, iteration: int, program: Program) -> str:
 
 
 def rank_successes(programs: Sequence[Program], seed: int, iteration: int) -> list[Program]:
-    ok = [p for p in programs if p.ok]
+    # Without its source (benchmarker.include_source = false) a program cannot be a parent.
+    ok = [p for p in programs if p.ok and p.source]
     return sorted(ok, key=lambda p: (-(p.gflops or 0.0), tie_key(seed, iteration, p)))
 
 
