@@ -62,7 +62,7 @@ def main() -> None:
             started = time.perf_counter()
             scheduler.step()  # plans the iteration from the previous pool and admits it
             plan_s = time.perf_counter() - started
-            groups = scheduler.store.groups("state = 'published'")
+            groups = scheduler.store.groups_in_flight()
             started = time.perf_counter()
             for group in groups:
                 for index in range(group.group_size):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hpcrl_common.broker import Reject
-from hpcrl_common.messages import GenerateRequest, RolloutBatch, WeightUpdate, decode
+from hpcrl_common.messages import GenerateRequest, RolloutBatch, WeightUpdate
 from hpcrl_scheduler.config import SchedulerConfig, SchedulerSection
 from hpcrl_scheduler.report import export, snapshot
 from hpcrl_scheduler.scheduler import Scheduler, SchedulerError
@@ -118,7 +118,7 @@ def test_group_without_token_data_files_children_but_sends_no_batch(tmp_path):
         s.handle_result(result(request.id, index, gflops=1.0 + index, with_rollout=False,
                                source=f"int x{index};"))
     assert batches(s) == []
-    assert s.store.group(request.id).batch == "no_rollout"
+    assert s.store.group(request.id).outcome == "no_rollout"
     assert len(s.store.pool(0)) == 2
 
 
@@ -185,10 +185,9 @@ def test_restart_resumes_and_a_different_experiment_is_refused(tmp_path):
 def test_outbox_rows_are_valid_wire_messages(tmp_path):
     s = make(tmp_path)
     s.step()
-    rows = s.store.query("SELECT queue, body FROM outbox")
-    assert rows[0]["queue"] == "generate-requests"
-    decoded = decode(bytes(rows[0]["body"]), GenerateRequest)
-    assert decoded.experiment == "unit"
+    [(_seq, queue, message)] = s.store.unsent()  # decoded from the stored wire bytes
+    assert queue == "generate-requests"
+    assert isinstance(message, GenerateRequest) and message.experiment == "unit"
 
 
 @needs_contract

@@ -103,14 +103,10 @@ def _progress_updater(progress, scheduler: Scheduler) -> Callable[[], None]:
 
     def update() -> None:
         t = scheduler.iteration()
-        store = scheduler.store
-        total = store.count_groups("iteration = ?", (t,))
-        closed = store.count_groups("iteration = ? AND state = 'closed'", (t,))
-        done = sum(1 for i in range(t + 1)
-                   if store.count_groups("iteration = ? AND state != 'closed'", (i,)) == 0)
-        progress.update(iterations, completed=done)
-        progress.update(groups, description=f"groups of iteration {t}", total=max(total, 1),
-                        completed=closed)
+        states = scheduler.store.count_groups_by_state(t)
+        progress.update(iterations, completed=scheduler.iterations_done())
+        progress.update(groups, description=f"groups of iteration {t}",
+                        total=max(sum(states.values()), 1), completed=states["closed"])
 
     return update
 

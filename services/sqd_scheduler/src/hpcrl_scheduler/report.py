@@ -29,11 +29,9 @@ def snapshot(store: Store) -> dict[str, Any]:
     total = int(store.get("iterations", 0))
     iterations = []
     for i in range(t + 1):
-        groups = store.groups("iteration = ?", (i,))
+        groups = store.groups_of_iteration(i)
         pool = dedupe(store.pool(i))
-        rewards = [r[0] for r in store.query(
-            "SELECT r.reward FROM results r JOIN groups g ON g.id = r.group_id "
-            "WHERE g.iteration = ? AND r.reward IS NOT NULL", (i,))]
+        rewards = store.rewards_of_iteration(i)
         states = Counter(g.state for g in groups)
         iterations.append({
             "iteration": i,
@@ -42,7 +40,7 @@ def snapshot(store: Store) -> dict[str, Any]:
             "in_flight": states.get("published", 0),
             "closed": states.get("closed", 0),
             "complete": bool(groups) and states.get("closed", 0) == len(groups),
-            "batches_sent": sum(g.batch == "sent" for g in groups),
+            "batches_sent": sum(g.outcome == "sent" for g in groups),
             "reward_mean": statistics.fmean(rewards) if rewards else None,
             "reward_max": max(rewards) if rewards else None,
             "pool": {str(s): _stage_summary([p for p in pool if p.stage == s])
@@ -61,8 +59,8 @@ def snapshot(store: Store) -> dict[str, Any]:
         "done": t >= total - 1 and t >= 0 and current_complete,
         "policy_version": int(store.get("policy_version", 0)),
         "groups_trained": int(store.get("groups_trained", 0)),
-        "in_flight": store.count_groups("state = 'published'"),
-        "pending": store.count_groups("state = 'pending'"),
+        "in_flight": store.count_groups_in_flight(),
+        "pending": store.count_pending_groups(),
         "outbox_unsent": store.count_unsent(),
         "pool": iterations[-1]["pool"] if iterations else {},
         "iterations": iterations,

@@ -2,7 +2,8 @@
 
 No broker code here: the service shell (``service.py``) feeds it messages and publishes the
 outbox. Every method runs inside one store transaction, so each step is atomic with respect
-to a kill -9.
+to a kill -9. No SQL either: a group's life cycle reads as the store's named operations,
+``plan_group`` → ``mark_published`` → ``note_progress``… → ``mark_closed``.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from hpcrl_scheduler.config import SchedulerConfig
 from hpcrl_scheduler.groups import Parent, close_group
 from hpcrl_scheduler.pacing import PacingState, hold_reason, outstanding
 from hpcrl_scheduler.selection import SEED_ID, Program, Ratios, dedupe, select
-from hpcrl_scheduler.store import GroupRow, Store
+from hpcrl_scheduler.store import BatchOutcome, CloseReason, GroupRow, Store
 
 log = structlog.get_logger("hpcrl.scheduler")
 
@@ -116,8 +117,7 @@ class Scheduler:
             s.set("iterations", self.section.iterations)
             s.set("reward_mode", self.section.reward_mode)
             # Time spent down does not count against a group's deadline.
-            s.execute("UPDATE groups SET last_progress_at = ? WHERE state = 'published'",
-                      (self.clock(),))
+            s.restart_deadlines(self.clock())
 
     # --- the loop step --------------------------------------------------------------
 
@@ -136,11 +136,16 @@ class Scheduler:
         t = self.iteration()
         if t < self.section.iterations - 1:
             return False
-        return self.store.count_groups("iteration = ? AND state != 'closed'", (t,)) == 0
+        return self.store.count_open_groups(t) == 0
+
+    def iterations_done(self) -> int:
+        """Iterations up to the current one with every group closed."""
+        return sum(1 for i in range(max(self.iteration(), -1) + 1)
+                   if self.store.count_open_groups(i) == 0)
 
     def _advance(self) -> None:
         t = self.iteration()
-        if t >= 0 and self.store.count_groups("iteration = ? AND state != 'closed'", (t,)):
+        if t >= 0 and self.store.count_open_groups(t):
             return
         if t + 1 >= self.section.iterations:
             return
@@ -161,8 +166,8 @@ class Scheduler:
                 isa=self.section.isa,
                 templates=self.templates,
             )
-            store.add_group(
-                id=group_id_of(exp.name, exp.seed, t, ordinal), iteration=t, ordinal=ordinal,
+            store.plan_group(
+                group_id_of(exp.name, exp.seed, t, ordinal), iteration=t, ordinal=ordinal,
                 parent_id=node.parent.id, mode=node.mode, target_stage=node.target_stage,
                 group_size=self.section.group_size,
                 prompt=[message.model_dump() for message in prompt],
@@ -175,14 +180,14 @@ class Scheduler:
     def pacing_state(self) -> PacingState:
         s = self.store
         return PacingState(
-            batches_published=s.count_groups("batch = 'sent'"),
-            groups_in_flight=s.count_groups("state = 'published'"),
+            batches_published=s.count_batches_sent(),
+            groups_in_flight=s.count_groups_in_flight(),
             groups_trained=int(s.get("groups_trained", 0)),
             groups_per_step=int(s.get("groups_per_step", self.section.initial_groups_per_step)),
         )
 
     def _admit(self, now: float) -> None:
-        pending = self.store.groups("state = 'pending'")
+        pending = self.store.pending_groups()
         held: dict[str, int] = {"in_flight": 0, "staleness": 0}
         for index, group in enumerate(pending):
             reason = hold_reason(self.pacing_state(), max_staleness=self.section.max_staleness,
@@ -213,14 +218,11 @@ class Scheduler:
             created_at=now,
         )
         self.store.enqueue(GENERATE_REQUESTS, request)
-        self.store.update_group(group.id, state="published", min_policy_version=floor,
-                                published_at=now, last_progress_at=now)
+        self.store.mark_published(group.id, min_policy_version=floor, at=now)
         m.REQUESTS.labels(group.mode).inc()
 
     def _close_overdue(self, now: float) -> None:
-        deadline = now - self.section.group_deadline_s
-        for group in self.store.groups("state = 'published' AND last_progress_at < ?",
-                                       (deadline,)):
+        for group in self.store.overdue_groups(now - self.section.group_deadline_s):
             log.warning("group deadline passed; closing it short", group=group.id,
                         results=self.store.count_results(group.id), expected=group.group_size)
             self._close(group, now, "deadline")
@@ -243,7 +245,7 @@ class Scheduler:
             if late:
                 m.RESULTS_IGNORED.labels("late").inc()
                 return
-            s.update_group(group.id, last_progress_at=now)
+            s.note_progress(group.id, now)
             m.RESULTS.labels(result.status).inc()
             m.RESULT_LAG.observe(max(0.0, now - result.created_at))
             if s.count_results(group.id) >= group.group_size:
@@ -260,14 +262,14 @@ class Scheduler:
                 s.set("groups_per_step", max(1, int(update.metrics["groups_per_step"])))
         log.info("policy version seen", version=update.version, metrics=update.metrics)
 
-    def _close(self, group: GroupRow, now: float, reason: str) -> None:
+    def _close(self, group: GroupRow, now: float, reason: CloseReason) -> None:
         s, exp = self.store, self.config.experiment
         closed = close_group(group.id, s.results_of(group.id), experiment=exp.name,
                              iteration=group.iteration, reward_mode=self.section.reward_mode,
                              parent=parent_of(s.program(group.parent_id)))
         for result in closed.kept:
             reward = closed.rewards[result.id]
-            s.execute("UPDATE results SET reward = ? WHERE id = ?", (reward, result.id))
+            s.record_reward(result.id, reward)
             s.add_program(Program(
                 id=result.id, stage=group.target_stage, status=result.status,
                 source=result.source, gflops=result.gflops, reward=reward, error=result.error,
@@ -276,15 +278,15 @@ class Scheduler:
             ), group.id)
             if result.gflops is not None:
                 m.GFLOPS.labels(str(group.target_stage)).observe(result.gflops)
+        outcome: BatchOutcome
         if closed.batch is not None:
             s.enqueue(ROLLOUT_BATCHES, closed.batch)
             outcome = "sent"
         else:
             outcome = "no_rollout" if closed.kept else "empty"
-        s.update_group(group.id, state="closed", closed_at=now, close_reason=reason,
-                       batch=outcome, host_class=closed.host_class,
-                       excluded=len(closed.excluded), reward_mean=closed.reward_mean,
-                       reward_max=closed.reward_max)
+        s.mark_closed(group.id, at=now, reason=reason, outcome=outcome,
+                      host_class=closed.host_class, excluded=len(closed.excluded),
+                      reward_mean=closed.reward_mean, reward_max=closed.reward_max)
         m.GROUPS_CLOSED.labels(reason).inc()
         m.BATCHES.labels(outcome).inc()
         m.EXCLUDED.inc(len(closed.excluded))
@@ -299,7 +301,7 @@ class Scheduler:
         if group.published_at is not None:
             m.GROUP_SECONDS.observe(max(0.0, now - group.published_at))
         log.info("group closed", group=group.id, reason=reason, kept=len(closed.kept),
-                 batch=outcome, reward_mean=closed.reward_mean, reward_max=closed.reward_max)
+                 outcome=outcome, reward_mean=closed.reward_mean, reward_max=closed.reward_max)
 
     # --- metrics from the store (restart-proof gauges) --------------------------------
 
@@ -308,11 +310,9 @@ class Scheduler:
         t = self.iteration()
         m.ITERATION.set(max(t, 0))
         m.ITERATIONS.set(self.section.iterations)
-        done = sum(1 for i in range(max(t, -1) + 1)
-                   if s.count_groups("iteration = ? AND state != 'closed'", (i,)) == 0)
-        m.ITERATIONS_DONE.set(done)
-        for state in ("pending", "published", "closed"):
-            m.GROUPS.labels(state).set(s.count_groups("iteration = ? AND state = ?", (t, state)))
+        m.ITERATIONS_DONE.set(self.iterations_done())
+        for state, count in s.count_groups_by_state(t).items():
+            m.GROUPS.labels(state).set(count)
         pacing = self.pacing_state()
         m.IN_FLIGHT.set(pacing.groups_in_flight)
         m.OUTSTANDING.set(outstanding(pacing))
@@ -322,27 +322,11 @@ class Scheduler:
         m.POOL.clear()
         for program in dedupe(s.pool(t)):
             m.POOL.labels(str(program.stage), program.status).inc()
-        for (iteration, stage), values in _gflops_by(s).items():
+        for (iteration, stage), values in s.gflops_by_iteration_and_stage().items():
             m.BEST_GFLOPS.labels(str(stage), str(iteration)).set(max(values))
             m.MEDIAN_GFLOPS.labels(str(stage), str(iteration)).set(statistics.median(values))
-        for stage, best in _best_by_stage(s).items():
+        for stage, best in s.best_gflops_by_stage().items():
             m.BEST_GFLOPS_STAGE.labels(str(stage)).set(best)
-        for row in s.query("SELECT g.iteration, AVG(r.reward), MAX(r.reward) FROM results r "
-                           "JOIN groups g ON g.id = r.group_id WHERE r.reward IS NOT NULL "
-                           "GROUP BY g.iteration"):
-            m.ITERATION_REWARD_MEAN.labels(str(row[0])).set(row[1])
-            m.ITERATION_REWARD_MAX.labels(str(row[0])).set(row[2])
-
-
-def _gflops_by(s: Store) -> dict[tuple[int, int], list[float]]:
-    out: dict[tuple[int, int], list[float]] = {}
-    for row in s.query("SELECT iteration, stage, gflops FROM programs WHERE iteration >= 0 "
-                       "AND gflops IS NOT NULL"):
-        out.setdefault((row[0], row[1]), []).append(row[2])
-    return out
-
-
-def _best_by_stage(s: Store) -> dict[int, float]:
-    rows = s.query("SELECT stage, MAX(gflops) FROM programs WHERE gflops IS NOT NULL "
-                   "GROUP BY stage")
-    return {row[0]: row[1] for row in rows}
+        for iteration, (mean, best_reward) in s.reward_stats_by_iteration().items():
+            m.ITERATION_REWARD_MEAN.labels(str(iteration)).set(mean)
+            m.ITERATION_REWARD_MAX.labels(str(iteration)).set(best_reward)

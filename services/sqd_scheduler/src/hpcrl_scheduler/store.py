@@ -4,6 +4,15 @@ Every state change and the messages it causes are written in one transaction; me
 to an outbox and are published from there (and marked sent after the broker's confirm), so
 a kill -9 at any point loses nothing: after a restart the outbox is published again with
 the same ids, which consumers deduplicate. A result is stored before its delivery is acked.
+
+All SQL lives here, behind operations named in the scheduler's words; callers pass values,
+never SQL or column names. A group's life cycle is ``plan_group`` (pending) →
+``mark_published`` (its request is in the outbox; ``note_progress`` on each result) →
+``mark_closed`` (rewards recorded, children filed, ``outcome`` says what became of its
+rollout batch). A closed group never reopens.
+
+Schema changes migrate on open (``_migrate``), in one transaction and idempotently, so a
+run started by an older scheduler resumes.
 """
 
 from __future__ import annotations
@@ -13,12 +22,19 @@ import sqlite3
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from hpcrl_common.messages import BenchResult, Message, decode, encode
 from hpcrl_scheduler.selection import SEED_ID, Program
+
+GroupState = Literal["pending", "published", "closed"]
+GROUP_STATES: tuple[GroupState, ...] = ("pending", "published", "closed")
+CloseReason = Literal["complete", "deadline"]
+# What became of a closed group's rollout batch: published to the learner, not sent because
+# no kept result had token data, or not sent because the group closed with no kept result.
+BatchOutcome = Literal["sent", "no_rollout", "empty"]
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -33,7 +49,7 @@ CREATE TABLE IF NOT EXISTS groups (
     parent_id TEXT NOT NULL, mode TEXT NOT NULL, target_stage INTEGER NOT NULL,
     group_size INTEGER NOT NULL, prompt TEXT NOT NULL, state TEXT NOT NULL DEFAULT 'pending',
     min_policy_version INTEGER, published_at REAL, last_progress_at REAL, closed_at REAL,
-    close_reason TEXT, batch TEXT, host_class TEXT, excluded INTEGER NOT NULL DEFAULT 0,
+    close_reason TEXT, outcome TEXT, host_class TEXT, excluded INTEGER NOT NULL DEFAULT 0,
     reward_mean REAL, reward_max REAL, UNIQUE (iteration, ordinal));
 CREATE INDEX IF NOT EXISTS groups_state ON groups (state, iteration, ordinal);
 CREATE TABLE IF NOT EXISTS results (
@@ -47,6 +63,13 @@ CREATE TABLE IF NOT EXISTS outbox (
 CREATE INDEX IF NOT EXISTS outbox_unsent ON outbox (sent, seq);
 """
 
+# Columns renamed since a run could have started: (table, old name, new name). Applied in
+# order on every writable open; each step is a no-op once done.
+RENAMED_COLUMNS: tuple[tuple[str, str, str], ...] = (
+    # It held "sent" / "no_rollout" / "empty", never a batch.
+    ("groups", "batch", "outcome"),
+)
+
 
 @dataclass(frozen=True)
 class GroupRow:
@@ -58,13 +81,13 @@ class GroupRow:
     target_stage: int
     group_size: int
     prompt: list[dict[str, str]]
-    state: str
+    state: GroupState
     min_policy_version: int | None
     published_at: float | None
     last_progress_at: float | None
     closed_at: float | None
-    close_reason: str | None
-    batch: str | None
+    close_reason: CloseReason | None
+    outcome: BatchOutcome | None
     host_class: str | None
     excluded: int
     reward_mean: float | None
@@ -87,6 +110,36 @@ def program_of(row: sqlite3.Row) -> Program:
     )
 
 
+def _columns(db: sqlite3.Connection, table: str) -> set[str]:
+    return {row[1] for row in db.execute(f"PRAGMA table_info({table})")}
+
+
+def _migrate(db: sqlite3.Connection) -> None:
+    """Bring a database written by an older scheduler up to SCHEMA's column names."""
+    # IMMEDIATE takes the write lock before looking, so two processes opening the same
+    # file cannot both decide to rename.
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        for table, old, new in RENAMED_COLUMNS:
+            present = _columns(db, table)
+            if old in present and new not in present:
+                db.execute(f"ALTER TABLE {table} RENAME COLUMN {old} TO {new}")
+    except BaseException:
+        db.execute("ROLLBACK")
+        raise
+    db.execute("COMMIT")
+
+
+def _group_select(db: sqlite3.Connection) -> str:
+    """The select list that reads a groups row into a GroupRow."""
+    present = _columns(db, "groups")
+    # A read-only open cannot migrate: read an old database's columns under their new names.
+    renamed = {new: old for table, old, new in RENAMED_COLUMNS
+               if table == "groups" and new not in present and old in present}
+    return ", ".join(f"{renamed[f.name]} AS {f.name}" if f.name in renamed else f.name
+                     for f in fields(GroupRow))
+
+
 class Store:
     """One SQLite connection shared by the scheduler's threads behind a lock."""
 
@@ -105,8 +158,12 @@ class Store:
             # NORMAL is durable against a killed process (what we must survive); FULL would
             # add an fsync per transaction only to survive power loss.
             self._db.execute("PRAGMA synchronous=NORMAL")
+            # Before SCHEMA: its CREATE IF NOT EXISTS leaves an old table as it is, and a
+            # later index on a renamed column would not find it.
+            _migrate(self._db)
             self._db.executescript(SCHEMA)
         self._db.row_factory = sqlite3.Row
+        self._group_columns = _group_select(self._db)
         self._lock = threading.RLock()
         self._depth = 0
 
@@ -132,32 +189,32 @@ class Store:
             if self._depth == 0:
                 self._db.execute("COMMIT")
 
-    def query(self, sql: str, params: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
+    def _query(self, sql: str, params: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
         with self._lock:
             return self._db.execute(sql, params).fetchall()
 
-    def execute(self, sql: str, params: tuple[Any, ...] = ()) -> None:
+    def _execute(self, sql: str, params: tuple[Any, ...] = ()) -> None:
         with self._lock:
             self._db.execute(sql, params)
 
-    def scalar(self, sql: str, params: tuple[Any, ...] = ()) -> Any:
-        rows = self.query(sql, params)
+    def _scalar(self, sql: str, params: tuple[Any, ...] = ()) -> Any:
+        rows = self._query(sql, params)
         return rows[0][0] if rows else None
 
     # --- meta -------------------------------------------------------------------------
 
     def get(self, key: str, default: Any = None) -> Any:
-        value = self.scalar("SELECT value FROM meta WHERE key = ?", (key,))
+        value = self._scalar("SELECT value FROM meta WHERE key = ?", (key,))
         return default if value is None else json.loads(value)
 
     def set(self, key: str, value: Any) -> None:
-        self.execute("INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO UPDATE "
-                     "SET value = excluded.value", (key, json.dumps(value)))
+        self._execute("INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO UPDATE "
+                      "SET value = excluded.value", (key, json.dumps(value)))
 
     # --- programs ---------------------------------------------------------------------
 
     def add_program(self, program: Program, group_id: str | None) -> None:
-        self.execute(
+        self._execute(
             "INSERT OR IGNORE INTO programs (id, iteration, stage, key, source, parent_id, mode,"
             " status, gflops, reward, techniques, error, host_class, group_id)"
             " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
@@ -168,7 +225,7 @@ class Store:
         )
 
     def program(self, program_id: str) -> Program | None:
-        rows = self.query("SELECT * FROM programs WHERE id = ?", (program_id,))
+        rows = self._query("SELECT * FROM programs WHERE id = ?", (program_id,))
         return program_of(rows[0]) if rows else None
 
     def seed_program(self) -> Program:
@@ -178,43 +235,119 @@ class Store:
         return seed
 
     def pool(self, iteration: int) -> list[Program]:
-        rows = self.query("SELECT * FROM programs WHERE iteration = ? ORDER BY id", (iteration,))
+        rows = self._query("SELECT * FROM programs WHERE iteration = ? ORDER BY id",
+                           (iteration,))
         return [program_of(r) for r in rows]
 
     def all_programs(self) -> list[Program]:
-        return [program_of(r) for r in self.query("SELECT * FROM programs ORDER BY id")]
+        return [program_of(r) for r in self._query("SELECT * FROM programs ORDER BY id")]
 
-    # --- groups -----------------------------------------------------------------------
+    def gflops_by_iteration_and_stage(self) -> dict[tuple[int, int], list[float]]:
+        """GFLOPS of every measured child, by (iteration, stage); the seed is left out."""
+        out: dict[tuple[int, int], list[float]] = {}
+        for row in self._query("SELECT iteration, stage, gflops FROM programs "
+                               "WHERE iteration >= 0 AND gflops IS NOT NULL"):
+            out.setdefault((row[0], row[1]), []).append(row[2])
+        return out
 
-    def add_group(self, **fields: Any) -> None:
-        fields = {**fields, "prompt": json.dumps(fields["prompt"])}
-        names = ", ".join(fields)
-        marks = ", ".join("?" for _ in fields)
-        self.execute(f"INSERT INTO groups ({names}) VALUES ({marks})", tuple(fields.values()))
+    def best_gflops_by_stage(self) -> dict[int, float]:
+        rows = self._query("SELECT stage, MAX(gflops) FROM programs WHERE gflops IS NOT NULL "
+                           "GROUP BY stage")
+        return {row[0]: row[1] for row in rows}
 
-    def update_group(self, group_id: str, **fields: Any) -> None:
-        sets = ", ".join(f"{name} = ?" for name in fields)
-        self.execute(f"UPDATE groups SET {sets} WHERE id = ?", (*fields.values(), group_id))
+    # --- groups: the life cycle -------------------------------------------------------
 
-    def group(self, group_id: str) -> GroupRow | None:
-        rows = self.query("SELECT * FROM groups WHERE id = ?", (group_id,))
-        return GroupRow.of(rows[0]) if rows else None
+    def plan_group(self, group_id: str, *, iteration: int, ordinal: int, parent_id: str,
+                   mode: str, target_stage: int, group_size: int,
+                   prompt: list[dict[str, str]]) -> None:
+        """File a node of iteration ``iteration`` to expand; it starts pending."""
+        self._execute(
+            "INSERT INTO groups (id, iteration, ordinal, parent_id, mode, target_stage,"
+            " group_size, prompt) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            (group_id, iteration, ordinal, parent_id, mode, target_stage, group_size,
+             json.dumps(prompt)),
+        )
 
-    def groups(self, where: str = "1", params: tuple[Any, ...] = ()) -> list[GroupRow]:
-        rows = self.query(f"SELECT * FROM groups WHERE {where} ORDER BY iteration, ordinal",
-                          params)
+    def mark_published(self, group_id: str, *, min_policy_version: int, at: float) -> None:
+        """Its request is in the outbox: the group is in flight and its deadline runs."""
+        self._execute("UPDATE groups SET state = 'published', min_policy_version = ?,"
+                      " published_at = ?, last_progress_at = ? WHERE id = ?",
+                      (min_policy_version, at, at, group_id))
+
+    def note_progress(self, group_id: str, at: float) -> None:
+        """A result arrived: the group's deadline starts again from ``at``."""
+        self._execute("UPDATE groups SET last_progress_at = ? WHERE id = ?", (at, group_id))
+
+    def restart_deadlines(self, at: float) -> None:
+        """Every group in flight counts its deadline from ``at`` (time spent down is free)."""
+        self._execute("UPDATE groups SET last_progress_at = ? WHERE state = 'published'",
+                      (at,))
+
+    def mark_closed(self, group_id: str, *, at: float, reason: CloseReason,
+                    outcome: BatchOutcome, host_class: str, excluded: int,
+                    reward_mean: float | None, reward_max: float | None) -> None:
+        self._execute(
+            "UPDATE groups SET state = 'closed', closed_at = ?, close_reason = ?, outcome = ?,"
+            " host_class = ?, excluded = ?, reward_mean = ?, reward_max = ? WHERE id = ?",
+            (at, reason, outcome, host_class, excluded, reward_mean, reward_max, group_id),
+        )
+
+    # --- groups: reading --------------------------------------------------------------
+
+    def _groups(self, where: str, params: tuple[Any, ...] = ()) -> list[GroupRow]:
+        rows = self._query(f"SELECT {self._group_columns} FROM groups WHERE {where} "
+                           "ORDER BY iteration, ordinal", params)
         return [GroupRow.of(r) for r in rows]
 
-    def count_groups(self, where: str, params: tuple[Any, ...] = ()) -> int:
-        return int(self.scalar(f"SELECT COUNT(*) FROM groups WHERE {where}", params))
+    def group(self, group_id: str) -> GroupRow | None:
+        rows = self._groups("id = ?", (group_id,))
+        return rows[0] if rows else None
+
+    def groups_of_iteration(self, iteration: int) -> list[GroupRow]:
+        return self._groups("iteration = ?", (iteration,))
+
+    def pending_groups(self) -> list[GroupRow]:
+        """Groups planned but not yet requested, in the order they are to be admitted."""
+        return self._groups("state = 'pending'")
+
+    def groups_in_flight(self) -> list[GroupRow]:
+        return self._groups("state = 'published'")
+
+    def overdue_groups(self, no_progress_since: float) -> list[GroupRow]:
+        """Groups in flight whose last result (or publication) is older than the time given."""
+        return self._groups("state = 'published' AND last_progress_at < ?",
+                            (no_progress_since,))
+
+    def count_open_groups(self, iteration: int) -> int:
+        """Groups of the iteration not yet closed; 0 means the iteration is complete."""
+        return int(self._scalar("SELECT COUNT(*) FROM groups WHERE iteration = ? "
+                                "AND state != 'closed'", (iteration,)))
+
+    def count_groups_by_state(self, iteration: int) -> dict[GroupState, int]:
+        """The iteration's groups per state (every state present, 0 where none)."""
+        counts: dict[GroupState, int] = dict.fromkeys(GROUP_STATES, 0)
+        for row in self._query("SELECT state, COUNT(*) FROM groups WHERE iteration = ? "
+                               "GROUP BY state", (iteration,)):
+            counts[row[0]] = row[1]
+        return counts
+
+    def count_pending_groups(self) -> int:
+        return int(self._scalar("SELECT COUNT(*) FROM groups WHERE state = 'pending'"))
+
+    def count_groups_in_flight(self) -> int:
+        return int(self._scalar("SELECT COUNT(*) FROM groups WHERE state = 'published'"))
+
+    def count_batches_sent(self) -> int:
+        """Closed groups whose rollout batch went to the learner (all iterations)."""
+        return int(self._scalar("SELECT COUNT(*) FROM groups WHERE outcome = 'sent'"))
 
     # --- results ----------------------------------------------------------------------
 
     def has_result(self, result_id: str) -> bool:
-        return self.scalar("SELECT 1 FROM results WHERE id = ?", (result_id,)) is not None
+        return self._scalar("SELECT 1 FROM results WHERE id = ?", (result_id,)) is not None
 
     def add_result(self, result: BenchResult, *, received_at: float, late: bool) -> None:
-        self.execute(
+        self._execute(
             "INSERT INTO results (id, group_id, idx, status, gflops, host_class, late,"
             " received_at, body) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (result.id, result.group_id, result.index, result.status, result.gflops,
@@ -222,27 +355,44 @@ class Store:
         )
 
     def results_of(self, group_id: str) -> list[BenchResult]:
-        rows = self.query("SELECT body FROM results WHERE group_id = ? AND late = 0 ORDER BY idx",
-                          (group_id,))
+        """The group's results filed in time (late ones are kept but never count)."""
+        rows = self._query("SELECT body FROM results WHERE group_id = ? AND late = 0 "
+                           "ORDER BY idx", (group_id,))
         return [decode(bytes(r["body"]), BenchResult) for r in rows]
 
     def count_results(self, group_id: str) -> int:
-        return int(self.scalar("SELECT COUNT(*) FROM results WHERE group_id = ? AND late = 0",
-                               (group_id,)))
+        return int(self._scalar("SELECT COUNT(*) FROM results WHERE group_id = ? AND late = 0",
+                                (group_id,)))
+
+    def record_reward(self, result_id: str, reward: float) -> None:
+        self._execute("UPDATE results SET reward = ? WHERE id = ?", (reward, result_id))
+
+    def rewards_of_iteration(self, iteration: int) -> list[float]:
+        """Rewards given to the results of the iteration's closed groups."""
+        rows = self._query("SELECT r.reward FROM results r JOIN groups g ON g.id = r.group_id "
+                           "WHERE g.iteration = ? AND r.reward IS NOT NULL", (iteration,))
+        return [row[0] for row in rows]
+
+    def reward_stats_by_iteration(self) -> dict[int, tuple[float, float]]:
+        """Iteration → (mean, max) of its rewards; iterations with none are left out."""
+        rows = self._query("SELECT g.iteration, AVG(r.reward), MAX(r.reward) FROM results r "
+                           "JOIN groups g ON g.id = r.group_id WHERE r.reward IS NOT NULL "
+                           "GROUP BY g.iteration")
+        return {row[0]: (row[1], row[2]) for row in rows}
 
     # --- outbox -----------------------------------------------------------------------
 
     def enqueue(self, queue: str, message: Message) -> None:
-        self.execute("INSERT INTO outbox (queue, message_id, body) VALUES (?, ?, ?)",
-                     (queue, message.id, encode(message)))
+        self._execute("INSERT INTO outbox (queue, message_id, body) VALUES (?, ?, ?)",
+                      (queue, message.id, encode(message)))
 
     def unsent(self, limit: int = 500) -> list[tuple[int, str, Message]]:
-        rows = self.query("SELECT seq, queue, body FROM outbox WHERE sent = 0 ORDER BY seq "
-                          "LIMIT ?", (limit,))
+        rows = self._query("SELECT seq, queue, body FROM outbox WHERE sent = 0 ORDER BY seq "
+                           "LIMIT ?", (limit,))
         return [(r["seq"], r["queue"], decode(bytes(r["body"]))) for r in rows]
 
     def mark_sent(self, seq: int) -> None:
-        self.execute("UPDATE outbox SET sent = 1 WHERE seq = ?", (seq,))
+        self._execute("UPDATE outbox SET sent = 1 WHERE seq = ?", (seq,))
 
     def count_unsent(self) -> int:
-        return int(self.scalar("SELECT COUNT(*) FROM outbox WHERE sent = 0"))
+        return int(self._scalar("SELECT COUNT(*) FROM outbox WHERE sent = 0"))
