@@ -144,7 +144,7 @@ def test_run_to_the_end_then_done_and_report(tmp_path):
 
 
 def test_pacing_holds_requests_until_the_learner_trains(tmp_path):
-    s = make(tmp_path, max_staleness=1, node_budget=4)
+    s = make(tmp_path, max_staleness=1, node_budget=4, initial_groups_per_step=1)
     s.step()
     [request] = requests(s)
     answer(s, request, ["success", "success", "verification_error"])

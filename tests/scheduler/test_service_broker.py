@@ -46,8 +46,8 @@ def test_results_batches_version_floor_and_pacing(broker_settings, raw_channel, 
     config = SchedulerConfig(
         broker=broker_settings, experiment={"name": "svc", "seed": 3},
         scheduler=SchedulerSection(iterations=2, group_size=2, node_budget=3, max_staleness=1,
-                                   metrics_port=0, tick_s=0.1, reward_mode="raw",
-                                   exit_when_done=False),
+                                   initial_groups_per_step=1, metrics_port=0, tick_s=0.1,
+                                   reward_mode="raw", exit_when_done=False),
     )
     scheduler = Scheduler(config, Store(tmp_path / "svc.sqlite"))
     consumer = Consumer(broker_settings, "scheduler-test", concurrency=2)

@@ -4,6 +4,11 @@ Each service validates the common sections (``broker``, ``logging``, ``experimen
 own section; sections of other services are skipped, unknown ones are errors. Environment
 variables ``HPCRL__<SECTION>__<KEY>=value`` override the file (nested keys with more ``__``).
 Every error names the offending key and where its value came from.
+
+Keys of different services that state one fact (the base model, the checkpoint store, the
+learner's step size) or must fit together are declared once, in ``RELATIONS``; every service
+checks all of them on the merged file + environment before it drops the other sections, so a
+disagreement stops whichever service is started first, with both keys named.
 """
 
 from __future__ import annotations
@@ -11,14 +16,76 @@ from __future__ import annotations
 import json
 import os
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 ENV_PREFIX = "HPCRL__"
 SERVICE_SECTIONS = ("generator", "benchmarker", "learner", "scheduler")
+
+
+RelationKind = Literal["equal", "at_most", "implies"]
+
+
+@dataclass(frozen=True)
+class Relation:
+    """``left`` *kind* ``right`` for two keys of different sections of one experiment config.
+
+    equal: the same fact, stated where each service reads it; at_most: left <= right;
+    implies: left true needs right true. ``read_as`` is the type both raw values (TOML or
+    environment strings) are validated as before they are compared.
+    """
+
+    left: str
+    kind: RelationKind
+    right: str
+    read_as: Any
+    why: str
+
+
+RELATIONS: tuple[Relation, ...] = (
+    Relation("learner.model_path", "equal", "generator.model_path", Path,
+             "version 0 of the policy the learner trains and the generators sample"),
+    Relation("learner.checkpoint_dir", "equal", "generator.checkpoint_dir", Path | None,
+             "the generators load new versions from the learner's store (an unset "
+             "generator.checkpoint_dir uses announced absolute URIs and is not compared)"),
+    Relation("scheduler.initial_groups_per_step", "equal", "learner.groups_per_step", int,
+             "the scheduler paces by it until the learner's first update: if max_staleness "
+             "x it is below a step's worth the first step never fills, if above, generation "
+             "runs further ahead than max_staleness"),
+    Relation("scheduler.max_staleness", "at_most", "learner.max_staleness", int,
+             "the learner drops groups sampled more versions behind than it allows"),
+    Relation("generator.max_model_len", "at_most", "learner.max_sequence_tokens", int,
+             "the learner refuses (dead-letters) longer prompt + completion sequences"),
+    Relation("learner.lora.enabled", "implies", "generator.enable_lora", bool,
+             "a LoRA learner publishes adapters, which vLLM loads only with enable_lora"),
+)
+
+# Defaults of the related keys, written only here: a service checking a relation needs the
+# default of a key of another service, whose package need not be installed on its host. The
+# owning sections take their defaults from here (``related_default``). A key that is not
+# listed is required.
+RELATED_DEFAULTS: dict[str, Any] = {
+    "learner.model_path": Path("models/base"),
+    "learner.checkpoint_dir": Path("data/checkpoints"),
+    "generator.checkpoint_dir": None,
+    "learner.groups_per_step": 4,
+    "scheduler.initial_groups_per_step": 4,
+    "scheduler.max_staleness": 2,
+    "learner.max_staleness": 4,
+    "generator.max_model_len": 4096,
+    "learner.max_sequence_tokens": 32_768,
+    "learner.lora.enabled": False,
+    "generator.enable_lora": False,
+}
+
+
+def related_default(key: str) -> Any:
+    """The default of a key named in ``RELATIONS``, for the Field of its own section."""
+    return RELATED_DEFAULTS[key]
 
 
 class Section(BaseModel):
@@ -86,11 +153,16 @@ def load_config(
         data = _read_toml(Path(path))
         _record_origin(data, (), f"file {path}", origin)
     _overlay_env(data, env, origin)
+    # Before the other services' sections are dropped: they hold the other side.
+    disagreements = _check_relations(data, origin)
     data = _drop_other_services(model, data)
     try:
-        return model.model_validate(data)
+        config = model.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(_explain(exc, origin)) from None
+        raise ConfigError(_explain(exc, origin, disagreements)) from None
+    if disagreements:
+        raise ConfigError("\n".join(["invalid configuration:", *disagreements]))
+    return config
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
@@ -144,7 +216,78 @@ def _drop_other_services(model: type[ServiceConfig], data: dict[str, Any]) -> di
     return {k: v for k, v in data.items() if k in known or k not in SERVICE_SECTIONS}
 
 
-def _explain(exc: ValidationError, origin: Mapping[tuple[str, ...], str]) -> str:
+def _check_relations(data: Mapping[str, Any], origin: Mapping[tuple[str, ...], str]) -> list[str]:
+    """One line per violated relation, naming both keys, their values and their sources.
+
+    A relation is checked only when both sections are in the file or the environment: a
+    config without, say, a ``[learner]`` section describes no learner (a generator-only
+    evaluation, one service's test). A key absent from its section takes its default, since
+    that is what its service will run with. It is not compared when that leaves it without a
+    value (required: its own service reports it; None: unset, e.g. generator.checkpoint_dir)
+    or when its value is invalid (its own service reports that too).
+    """
+    lines = []
+    for relation in RELATIONS:
+        left_side = _related_value(data, origin, relation.left, relation.read_as)
+        right_side = _related_value(data, origin, relation.right, relation.read_as)
+        if left_side is None or right_side is None:
+            continue
+        (left, left_from), (right, right_from) = left_side, right_side
+        if _holds(relation.kind, left, right):
+            continue
+        if relation.kind == "implies":
+            claim = f"{relation.left} = true requires {relation.right} = true"
+        else:
+            verb = "must equal" if relation.kind == "equal" else "must be at most"
+            claim = f"{relation.left} {verb} {relation.right}"
+        lines.append(f"  {claim}, but {relation.left} = {_shown(left)} [{left_from}] and "
+                     f"{relation.right} = {_shown(right)} [{right_from}]: {relation.why}")
+    return lines
+
+
+def _related_value(
+    data: Mapping[str, Any], origin: Mapping[tuple[str, ...], str], key: str, read_as: Any
+) -> tuple[Any, str] | None:
+    """(value, where it came from) of a dotted key, or None when it is not to be compared."""
+    path = tuple(key.split("."))
+    if not isinstance(data.get(path[0]), Mapping):
+        return None
+    node: Any = data
+    for part in path:
+        if not isinstance(node, Mapping):
+            return None  # not a table: its own service reports that
+        if part not in node:
+            if key not in RELATED_DEFAULTS:
+                return None
+            value, where = RELATED_DEFAULTS[key], "default"
+            break
+        node = node[part]
+    else:
+        value, where = node, f"from {_origin_of(path, origin)}"
+    try:
+        value = TypeAdapter(read_as).validate_python(value)
+    except ValidationError:
+        return None
+    return None if value is None else (value, where)
+
+
+def _holds(kind: RelationKind, left: Any, right: Any) -> bool:
+    if kind == "equal":
+        return bool(left == right)
+    if kind == "at_most":
+        return bool(left <= right)
+    return bool(right or not left)
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    return repr(str(value)) if isinstance(value, Path) else repr(value)
+
+
+def _explain(
+    exc: ValidationError, origin: Mapping[tuple[str, ...], str], extra: Sequence[str] = ()
+) -> str:
     lines = ["invalid configuration:"]
     for error in exc.errors():
         loc = tuple(str(part) for part in error["loc"])
@@ -154,7 +297,7 @@ def _explain(exc: ValidationError, origin: Mapping[tuple[str, ...], str]) -> str
         value = error.get("input")
         shown = "" if isinstance(value, dict | list) or value is None else f" (value {value!r})"
         lines.append(f"  {key}: {message}{shown}{f' [from {where}]' if where else ''}")
-    return "\n".join(lines)
+    return "\n".join([*lines, *extra])
 
 
 def _origin_of(loc: tuple[str, ...], origin: Mapping[tuple[str, ...], str]) -> str:

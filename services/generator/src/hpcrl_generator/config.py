@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from hpcrl_common.config import ServiceConfig
+from hpcrl_common.config import ServiceConfig, related_default
 from hpcrl_common.service import ServiceSection
 
 
@@ -20,7 +20,8 @@ class GeneratorSection(ServiceSection):
         description="Hugging Face model directory of the base policy (version 0); required"
     )
     checkpoint_dir: Path | None = Field(
-        None, description="root of the learner's checkpoint store (manifest.json); "
+        related_default("generator.checkpoint_dir"),
+        description="root of the learner's checkpoint store (manifest.json); "
         "unset: only the base model and announced absolute URIs are used"
     )
     replica: str = Field(
@@ -31,7 +32,8 @@ class GeneratorSection(ServiceSection):
         "auto", description="weights/activation dtype (auto: the model's own; CPU vLLM "
         "wants float32 or bfloat16)"
     )
-    max_model_len: int = Field(4096, ge=16, description="prompt + completion tokens, at most")
+    max_model_len: int = Field(related_default("generator.max_model_len"), ge=16,
+                               description="prompt + completion tokens, at most")
     max_num_seqs: int = Field(64, ge=1, description="vLLM: sequences decoded together")
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM: GPUs per engine")
     gpu_memory_utilization: float = Field(
@@ -44,7 +46,8 @@ class GeneratorSection(ServiceSection):
         True, description="vLLM: no CUDA graphs / torch.compile (fast start, slower decode)"
     )
     enable_lora: bool = Field(
-        False, description="vLLM: accept LoRA-format policy versions (LoRARequest)"
+        related_default("generator.enable_lora"),
+        description="vLLM: accept LoRA-format policy versions (LoRARequest)"
     )
     max_lora_rank: int = Field(64, ge=1, description="vLLM: largest LoRA rank accepted")
     device: str = Field("cpu", description="transformers backend: torch device")

@@ -7,12 +7,13 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from hpcrl_common.config import Section, ServiceConfig
+from hpcrl_common.config import Section, ServiceConfig, related_default
 from hpcrl_common.service import ServiceSection
 
 
 class LoraSettings(Section):
-    enabled: bool = Field(False, description="train a LoRA adapter instead of all weights")
+    enabled: bool = Field(related_default("learner.lora.enabled"),
+                          description="train a LoRA adapter instead of all weights")
     r: int = Field(16, ge=1, le=1024, description="LoRA rank")
     alpha: int = Field(32, ge=1, description="LoRA alpha (scale = alpha / r)")
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="LoRA dropout")
@@ -28,12 +29,14 @@ class LearnerSettings(ServiceSection):
     backend: Literal["torch", "swift"] = Field(
         "torch", description="torch: single process; swift: ms-swift Megatron (see README)"
     )
-    model_path: Path = Field(Path("models/base"), description="base model directory (version 0)")
+    model_path: Path = Field(related_default("learner.model_path"),
+                             description="base model directory (version 0)")
     checkpoint_dir: Path = Field(
-        Path("data/checkpoints"), description="checkpoint store on a filesystem shared with "
-        "the generators"
+        related_default("learner.checkpoint_dir"),
+        description="checkpoint store on a filesystem shared with the generators"
     )
-    groups_per_step: int = Field(4, ge=1, le=4096, description="rollout batches per step")
+    groups_per_step: int = Field(related_default("learner.groups_per_step"), ge=1, le=4096,
+                                 description="rollout batches per step")
     learning_rate: float = Field(
         5e-7, ge=0, description="AdamW learning rate (0: the no-update baseline)"
     )
@@ -51,14 +54,16 @@ class LearnerSettings(ServiceSection):
         2.0, gt=0, description="tokens with |log(pi_theta / pi_sampling)| above are masked"
     )
     max_staleness: int = Field(
-        4, ge=0, description="a group sampled more versions behind than this is dropped"
+        related_default("learner.max_staleness"), ge=0,
+        description="a group sampled more versions behind than this is dropped"
     )
     logprob_temperature: float = Field(
         1.0, gt=0, description="temperature the sampling log-probs were computed at"
     )
     micro_batch_size: int = Field(8, ge=1, description="sequences per forward/backward pass")
     max_sequence_tokens: int = Field(
-        32_768, ge=2, description="longer prompt+completion sequences are refused"
+        related_default("learner.max_sequence_tokens"), ge=2,
+        description="longer prompt+completion sequences are refused"
     )
     lora: LoraSettings = LoraSettings()
     device: str = Field("auto", description="auto (cuda if available), cpu, cuda, cuda:N")

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from hpcrl_common.config import ServiceConfig
+from hpcrl_common.config import ServiceConfig, related_default
 from hpcrl_common.service import ServiceSection
 from hpcrl_scheduler.groups import RewardMode
 
@@ -48,10 +48,12 @@ class SchedulerSection(ServiceSection):
         64, ge=0, description="requests published but not yet closed (0 = no bound)"
     )
     max_staleness: int = Field(
-        2, ge=0, description="steps generation may run ahead of learning (0 = off)"
+        related_default("scheduler.max_staleness"), ge=0,
+        description="steps generation may run ahead of learning (0 = off)"
     )
     initial_groups_per_step: int = Field(
-        1, ge=1, description="the learner's groups per step, assumed until its first update"
+        related_default("scheduler.initial_groups_per_step"), ge=1,
+        description="the learner's groups per step, assumed until its first update"
     )
     version_floor: bool = Field(
         True, description="requests ask for at least the latest policy version seen"
