@@ -24,6 +24,8 @@ from __future__ import annotations
 import contextlib
 import queue
 import random
+import ssl
+import stat
 import threading
 import time
 from collections import OrderedDict
@@ -31,7 +33,9 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pika
 import pika.exceptions
@@ -39,6 +43,7 @@ import structlog
 from pika.adapters.blocking_connection import BlockingChannel
 from prometheus_client import Counter, Gauge, Histogram
 
+from hpcrl_common.access import publisher_allowed
 from hpcrl_common.config import BrokerSettings
 from hpcrl_common.messages import Message, MessageError, decode, encode
 from hpcrl_common.topology import (
@@ -46,6 +51,7 @@ from hpcrl_common.topology import (
     REASON_HEADER,
     SOURCE_QUEUE_HEADER,
     Topology,
+    inbox_of,
 )
 
 log = structlog.get_logger("hpcrl.broker")
@@ -118,6 +124,7 @@ class Delivery:
     body: bytes
     headers: dict[str, Any]
     message_id: str = ""
+    user_id: str | None = None  # verified by RabbitMQ: the publisher's broker user
     key: tuple[str, str] = ("", "")  # (queue, message id): what idempotency is keyed on
     extra_tags: list[int] = field(default_factory=list)
     received_at: float = field(default_factory=time.monotonic)
@@ -132,6 +139,7 @@ class _Subscription:
     dead_letter_key: str
     expected: type[Message]
     handler: Handler
+    base: str  # the un-namespaced queue or exchange name: who may publish into it
     fanout: tuple[str, str, bool] | None = None  # (exchange base, subscriber, durable)
 
 
@@ -149,16 +157,86 @@ class _Timer:
         return getattr(self.fn, "__name__", "?")
 
 
+class BrokerSetupError(RuntimeError):
+    """A setting that cannot work (unreadable password file, bad TLS files): not retried."""
+
+
+class TlsRefused(pika.exceptions.AMQPConnectionError):
+    """The TLS handshake failed: a wrong CA, name or port, or a missing client certificate.
+
+    Retried like any lost connection (a certificate may be rotated), with this message.
+    """
+
+
+def open_connection(params: pika.URLParameters) -> pika.BlockingConnection:
+    try:
+        return pika.BlockingConnection(params)
+    except ssl.SSLCertVerificationError as exc:
+        raise TlsRefused(
+            f"TLS: the broker's certificate was refused ({exc.verify_message}); check "
+            f"broker.tls_ca_file and broker.tls_server_name") from None
+    except ssl.SSLError as exc:
+        raise TlsRefused(
+            f"TLS handshake with the broker failed ({exc.reason or exc}); is the URL's port a "
+            f"TLS listener, and does the broker require a client certificate "
+            f"(broker.tls_cert_file)?") from None
+
+
+class TopologyMissing(RuntimeError):
+    """The admin step has not declared what this service needs yet: retried with backoff."""
+
+
 def connection_parameters(settings: BrokerSettings, client: str) -> pika.URLParameters:
     params = pika.URLParameters(settings.url)
     params.heartbeat = settings.heartbeat_s
     params.blocked_connection_timeout = 60
     params.client_properties = {"connection_name": client, "product": "hpcrl"}
+    if settings.password_file is not None:
+        params.credentials = pika.PlainCredentials(params.credentials.username,
+                                                   read_password(settings.password_file))
+    if urlsplit(settings.url).scheme == "amqps":
+        params.ssl_options = pika.SSLOptions(
+            tls_context(settings), settings.tls_server_name or params.host)
     return params
 
 
-def publish_on(channel: BlockingChannel, item: Publish, max_bytes: int) -> None:
-    """Publish one message persistently and wait for the broker's confirm."""
+def read_password(path: Path) -> str:
+    try:
+        mode = path.stat().st_mode
+        text = path.read_text()
+    except OSError as exc:
+        raise BrokerSetupError(f"broker.password_file {path}: {exc.strerror}") from None
+    if mode & stat.S_IROTH:
+        raise BrokerSetupError(f"broker.password_file {path} is readable by every user: "
+                               f"chmod 600 it")
+    password = text.strip("\r\n")
+    if not password:
+        raise BrokerSetupError(f"broker.password_file {path} is empty")
+    return password
+
+
+def tls_context(settings: BrokerSettings) -> ssl.SSLContext:
+    """Verify the broker's certificate and name against the CA; optionally show ours."""
+    try:
+        context = ssl.create_default_context(
+            cafile=None if settings.tls_ca_file is None else str(settings.tls_ca_file))
+        if settings.tls_cert_file is not None:
+            context.load_cert_chain(str(settings.tls_cert_file),
+                                    None if settings.tls_key_file is None
+                                    else str(settings.tls_key_file))
+    except (OSError, ssl.SSLError) as exc:
+        raise BrokerSetupError(f"broker TLS files: {exc}") from None
+    return context
+
+
+def publish_on(channel: BlockingChannel, item: Publish, max_bytes: int,
+               user_id: str | None = None) -> None:
+    """Publish one message persistently and wait for the broker's confirm.
+
+    A message for a work queue goes through the queue's own exchange (``<queue>.in``); a
+    ``user_id`` is checked by RabbitMQ against the connection's user, so consumers can trust
+    it to say who published.
+    """
     body = encode(item.message)
     if len(body) > max_bytes:
         raise MessageError(f"refusing to publish {len(body)} bytes > limit {max_bytes}")
@@ -168,11 +246,30 @@ def publish_on(channel: BlockingChannel, item: Publish, max_bytes: int) -> None:
         message_id=item.message.id,
         type=item.message.schema_tag(),
         timestamp=int(time.time()),
+        user_id=user_id,
     )
+    exchange = item.exchange or inbox_of(item.routing_key)
     channel.basic_publish(
-        item.exchange, item.routing_key, body, properties=properties, mandatory=item.mandatory
+        exchange, item.routing_key, body, properties=properties, mandatory=item.mandatory
     )
     PUBLISHED.labels(item.routing_key or item.exchange).inc()
+
+
+def prepare_channel(connection: pika.BlockingConnection, settings: BrokerSettings,
+                    topology: Topology) -> BlockingChannel:
+    """A confirming channel on a broker that holds the topology (declared or checked)."""
+    if settings.declare_topology:
+        channel = connection.channel()
+        topology.declare(channel)
+    else:
+        missing = topology.missing(connection.channel)
+        if missing:
+            raise TopologyMissing(
+                f"the broker lacks {', '.join(missing)}: declare the topology first "
+                f"(hpcrl-broker-admin declare), or set broker.declare_topology = true")
+        channel = connection.channel()
+    channel.confirm_delivery()
+    return channel
 
 
 class _Backoff:
@@ -208,10 +305,8 @@ class Publisher:
     def _ensure_channel(self) -> BlockingChannel:
         if self._channel is None or not self._channel.is_open:
             self.close()
-            self._connection = pika.BlockingConnection(self._params)
-            self._channel = self._connection.channel()
-            self._channel.confirm_delivery()
-            self.topology.declare(self._channel)
+            self._connection = open_connection(self._params)
+            self._channel = prepare_channel(self._connection, self.settings, self.topology)
         return self._channel
 
     def publish(self, *items: Publish, attempts: int = 8) -> None:
@@ -219,7 +314,8 @@ class Publisher:
         for index, item in enumerate(items):
             for attempt in range(1, attempts + 1):
                 try:
-                    publish_on(self._ensure_channel(), item, self.settings.max_message_bytes)
+                    publish_on(self._ensure_channel(), item, self.settings.max_message_bytes,
+                               self._params.credentials.username)
                     break
                 except RECOVERABLE as exc:
                     self.close()
@@ -284,7 +380,7 @@ class Consumer:
         """Consume the work queue ``queue_base`` (a name from topology, un-namespaced)."""
         name = self.topology.name(queue_base)
         expected = self.topology.expected_schema(name)
-        self._subscriptions.append(_Subscription(name, name, expected, handler))
+        self._subscriptions.append(_Subscription(name, name, expected, handler, queue_base))
         return name
 
     def subscribe_fanout(
@@ -298,6 +394,7 @@ class Consumer:
                 self.topology.name(exchange_base),
                 self.topology.expected_schema(name),
                 handler,
+                exchange_base,
                 fanout=(exchange_base, subscriber, durable),
             )
         )
@@ -351,21 +448,26 @@ class Consumer:
             while not self._stop.is_set():
                 try:
                     self._serve(backoff)
+                except TopologyMissing as exc:
+                    self._lost_connection()
+                    delay = backoff.next()
+                    log.error("waiting for the topology", client=self.client, error=str(exc),
+                              delay_s=round(delay, 2))
+                    self._stop.wait(delay)
                 except RECOVERABLE as exc:
                     self._lost_connection()
                     delay = backoff.next()
-                    log.warning("broker connection lost, reconnecting", client=self.client,
-                                error=repr(exc), delay_s=round(delay, 2))
+                    report = log.error if isinstance(exc, TlsRefused) else log.warning
+                    report("broker connection lost, reconnecting", client=self.client,
+                           error=str(exc) or repr(exc), delay_s=round(delay, 2))
                     self._stop.wait(delay)
         finally:
             self._close()
             self._executor.shutdown(wait=False, cancel_futures=True)
 
     def _serve(self, backoff: _Backoff) -> None:
-        self._connection = pika.BlockingConnection(self._params)
-        channel = self._channel = self._connection.channel()
-        channel.confirm_delivery()
-        self.topology.declare(channel)
+        self._connection = open_connection(self._params)
+        channel = self._channel = prepare_channel(self._connection, self.settings, self.topology)
         channel.basic_qos(prefetch_count=self.settings.prefetch)
         self._generation += 1
         for sub in self._subscriptions:
@@ -420,11 +522,17 @@ class Consumer:
             body=body,
             headers=dict(headers),
             message_id=props.message_id if isinstance(props.message_id, str) else "",
+            user_id=props.user_id if isinstance(props.user_id, str) else None,
         )
         # Decide outside pika's callback: dispatch may publish (dead letters, replays).
         self._actions.put(partial(self._dispatch, sub, delivery))
 
     def _dispatch(self, sub: _Subscription, delivery: Delivery) -> None:
+        if self.settings.authenticate_publishers:
+            refused = publisher_allowed(sub.base, delivery.user_id, self.settings.role_users)
+            if refused is not None:
+                self._dead_letter(sub, delivery, refused)
+                return
         try:
             message = decode(delivery.body, sub.expected, max_bytes=self.settings.max_message_bytes)
         except MessageError as exc:
@@ -566,7 +674,8 @@ class Consumer:
     def _publish_all(self, outputs: Sequence[Publish]) -> None:
         channel = self._require_channel()
         for item in outputs:
-            publish_on(channel, item, self.settings.max_message_bytes)
+            publish_on(channel, item, self.settings.max_message_bytes,
+                       self._params.credentials.username)
 
     def _publish_request(self, items: list[Publish], done: Future | None) -> None:
         try:

@@ -20,8 +20,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
+from urllib.parse import urlsplit, urlunsplit
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 ENV_PREFIX = "HPCRL__"
 SERVICE_SECTIONS = ("generator", "benchmarker", "learner", "scheduler")
@@ -94,10 +95,36 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=True)
 
 
+ROLE_NAMES = ("scheduler", "generator", "benchmarker", "learner")
+
+
 class BrokerSettings(Section):
     url: str = Field(
-        "amqp://guest:guest@127.0.0.1:5672/%2F", description="AMQP URL of RabbitMQ"
+        "amqp://guest:guest@127.0.0.1:5672/%2F",
+        description="AMQP URL of RabbitMQ: amqp:// or amqps:// (TLS); put the password in "
+        "password_file, not here, outside a test machine",
     )
+    password_file: Path | None = Field(
+        None, description="file holding the broker password (replaces the URL's); must not "
+        "be readable by other users")
+    tls_ca_file: Path | None = Field(
+        None, description="CA bundle that signs the broker's certificate (amqps://; unset = "
+        "the system's CAs)")
+    tls_cert_file: Path | None = Field(
+        None, description="client certificate (PEM) for brokers that require one")
+    tls_key_file: Path | None = Field(None, description="key of tls_cert_file (PEM)")
+    tls_server_name: str = Field(
+        "", description="name the broker's certificate must carry (default: the URL's host)")
+    declare_topology: bool = Field(
+        True, description="declare queues and exchanges at start (needs configure rights); "
+        "false: only check they exist (made once by `hpcrl-broker-admin`)")
+    authenticate_publishers: bool = Field(
+        False, description="accept a message only from the role that may publish it (its "
+        "user_id, which RabbitMQ verifies); others are dead-lettered")
+    role_users: dict[str, str] = Field(
+        default_factory=lambda: {role: f"hpcrl-{role}" for role in ROLE_NAMES},
+        description="broker user of each role (scheduler, generator, benchmarker, learner); "
+        "<user>.<name> also counts, e.g. one benchmarker user per site")
     namespace: str = Field("", description="prefix of every queue/exchange name")
     prefetch: int = Field(8, ge=1, le=10_000, description="unacked messages per consumer")
     heartbeat_s: int = Field(30, ge=0, le=3600, description="AMQP heartbeat interval")
@@ -105,6 +132,33 @@ class BrokerSettings(Section):
     max_message_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="body size limit")
     reconnect_initial_s: float = Field(0.5, gt=0, description="first reconnect delay")
     reconnect_max_s: float = Field(30.0, gt=0, description="reconnect delay cap")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> BrokerSettings:
+        scheme = urlsplit(self.url).scheme
+        if scheme not in ("amqp", "amqps"):
+            raise ValueError(f"url must start with amqp:// or amqps://, got {scheme!r}://")
+        tls_files = (self.tls_ca_file, self.tls_cert_file, self.tls_key_file)
+        if scheme == "amqp" and any(path is not None for path in tls_files):
+            raise ValueError("tls_* files are set but url is amqp://, not amqps://")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file go together")
+        if set(self.role_users) != set(ROLE_NAMES):
+            raise ValueError(f"role_users must name exactly the roles {', '.join(ROLE_NAMES)}")
+        return self
+
+    @property
+    def masked_url(self) -> str:
+        return mask_url(self.url)
+
+
+def mask_url(url: str) -> str:
+    """The URL with its password replaced by ***, for logs and error messages."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{parts.username}:***@{host}"))
 
 
 class LoggingSettings(Section):
@@ -295,6 +349,8 @@ def _explain(
         message = "unknown key" if error["type"] == "extra_forbidden" else error["msg"]
         where = _origin_of(loc, origin)
         value = error.get("input")
+        if isinstance(value, str) and key.endswith("url"):
+            value = mask_url(value)  # never echo a password
         shown = "" if isinstance(value, dict | list) or value is None else f" (value {value!r})"
         lines.append(f"  {key}: {message}{shown}{f' [from {where}]' if where else ''}")
     return "\n".join([*lines, *extra])

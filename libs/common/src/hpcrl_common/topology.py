@@ -6,12 +6,21 @@ itself (the backstop for a message that crashes its consumer). Each work queue h
 dead-letter queue ``<queue>.dlq`` bound to the dead-letter exchange with the queue's name as
 routing key; consumers also dead-letter explicitly, with the reason in a header.
 ``weight-updates`` is a fanout exchange: every subscriber gets its own queue.
+
+Messages for a work queue are published to its own direct exchange ``<queue>.in``, never to
+the default exchange: a broker user's write right can then be limited to the queues of its
+role (see :mod:`hpcrl_common.access`). The topology is declared by each service at start
+(``broker.declare_topology``) or once by an admin (``hpcrl-broker-admin``), after which the
+services only :meth:`Topology.check` that it exists.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
+import pika.exceptions
 from pika.adapters.blocking_connection import BlockingChannel
 
 from hpcrl_common.messages import (
@@ -38,6 +47,8 @@ WORK_QUEUES: dict[str, type[Message]] = {
 }
 FANOUT_EXCHANGES: dict[str, type[Message]] = {WEIGHT_UPDATES: WeightUpdate}
 
+INBOX_SUFFIX = ".in"
+
 REASON_HEADER = "x-hpcrl-reason"
 SOURCE_QUEUE_HEADER = "x-hpcrl-source-queue"
 CONSUMER_HEADER = "x-hpcrl-consumer"
@@ -60,6 +71,10 @@ class Topology:
     def dead_letter_exchange(self) -> str:
         return self.name(DEAD_LETTER_EXCHANGE)
 
+    def work_exchange(self, base: str) -> str:
+        """The exchange that publishers of work queue ``base`` write to."""
+        return inbox_of(self.name(base))
+
     def subscriber_queue(self, exchange_base: str, subscriber: str) -> str:
         return self.name(f"{exchange_base}.{subscriber}")
 
@@ -78,6 +93,37 @@ class Topology:
             channel.exchange_declare(self.name(base), exchange_type="fanout", durable=True)
             self._declare_dlq(channel, base)
 
+    def missing(self, open_channel: Callable[[], BlockingChannel]) -> list[str]:
+        """What ``declare`` makes and the broker lacks, by passive declares (no rights needed).
+
+        A failed passive declare closes its channel, so each check gets a fresh one.
+        """
+        absent = []
+        checks: list[tuple[str, Callable[[BlockingChannel], object]]] = [
+            (f"exchange {self.dead_letter_exchange}",
+             lambda ch: ch.exchange_declare(self.dead_letter_exchange, passive=True))]
+        for base in WORK_QUEUES:
+            queue, inbox = self.name(base), self.work_exchange(base)
+            checks.append((f"queue {queue}", lambda ch, q=queue: ch.queue_declare(q, passive=True)))
+            checks.append((f"exchange {inbox}",
+                           lambda ch, e=inbox: ch.exchange_declare(e, passive=True)))
+        for base in FANOUT_EXCHANGES:
+            exchange = self.name(base)
+            checks.append((f"exchange {exchange}",
+                           lambda ch, e=exchange: ch.exchange_declare(e, passive=True)))
+        channel = open_channel()
+        for what, check in checks:
+            try:
+                check(channel)
+            except pika.exceptions.ChannelClosedByBroker as exc:
+                if exc.reply_code != 404:
+                    raise
+                absent.append(what)
+                channel = open_channel()
+        if channel.is_open:
+            channel.close()
+        return absent
+
     def declare_subscriber(
         self, channel: BlockingChannel, exchange_base: str, subscriber: str, *, durable: bool
     ) -> str:
@@ -88,7 +134,7 @@ class Topology:
         checkpoint manifest on start instead.
         """
         queue = self.subscriber_queue(exchange_base, subscriber)
-        arguments = self._dead_letter_arguments(exchange_base)
+        arguments = self.dead_letter_arguments(exchange_base)
         if durable:
             channel.queue_declare(queue, durable=True, arguments=arguments)
         else:
@@ -98,18 +144,23 @@ class Topology:
 
     def _declare_work_queue(self, channel: BlockingChannel, base: str) -> None:
         self._declare_dlq(channel, base)
-        arguments = {
+        channel.queue_declare(self.name(base), durable=True,
+                              arguments=self.work_queue_arguments(base))
+        channel.exchange_declare(self.work_exchange(base), exchange_type="direct", durable=True)
+        channel.queue_bind(self.name(base), self.work_exchange(base), routing_key=self.name(base))
+
+    def work_queue_arguments(self, base: str) -> dict[str, Any]:
+        return {
             "x-queue-type": "quorum",
             "x-delivery-limit": self.delivery_limit,
-            **self._dead_letter_arguments(base),
+            **self.dead_letter_arguments(base),
         }
-        channel.queue_declare(self.name(base), durable=True, arguments=arguments)
 
     def _declare_dlq(self, channel: BlockingChannel, base: str) -> None:
         channel.queue_declare(self.dlq(base), durable=True)
         channel.queue_bind(self.dlq(base), self.dead_letter_exchange, routing_key=self.name(base))
 
-    def _dead_letter_arguments(self, base: str) -> dict[str, str]:
+    def dead_letter_arguments(self, base: str) -> dict[str, str]:
         return {
             "x-dead-letter-exchange": self.dead_letter_exchange,
             "x-dead-letter-routing-key": self.name(base),
@@ -120,7 +171,13 @@ class Topology:
         for base in [*WORK_QUEUES, *FANOUT_EXCHANGES]:
             if base in WORK_QUEUES:
                 channel.queue_delete(self.name(base))
+                channel.exchange_delete(self.work_exchange(base))
             else:
                 channel.exchange_delete(self.name(base))
             channel.queue_delete(self.dlq(base))
         channel.exchange_delete(self.dead_letter_exchange)
+
+
+def inbox_of(queue: str) -> str:
+    """The exchange name of a full work-queue name (what :class:`Publish` routes through)."""
+    return queue + INBOX_SUFFIX

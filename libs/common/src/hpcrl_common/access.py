@@ -1,0 +1,188 @@
+"""Who may do what on the broker: one user per role, each allowed only its own queues.
+
+Pure: no I/O. RabbitMQ checks three permissions per vhost, each a regex over resource names
+(queues and exchanges alike): *configure* (declare, delete), *write* (publish to an
+exchange, bind a queue) and *read* (consume, purge, be the source of a binding). Publishing
+through the default exchange needs write on ``amq.default``, which reaches every queue, so
+each work queue has its own direct exchange ``<queue>.in`` and no role gets ``amq.default``.
+Exchange names differ from queue names so that a role's write right on an exchange never
+becomes a right to bind (or fill) a queue of the same name.
+
+Roles (SPEC's four services):
+
+==========  =========================  ===============================  ====================
+role        consumes                   publishes                        configures
+==========  =========================  ===============================  ====================
+scheduler   bench-results, updates     generate-requests, batches       its update queue
+generator   generate-requests, updates code-to-bench                    its replica's queue
+benchmarker code-to-bench              bench-results                    nothing
+learner     rollout-batches            weight-updates                   nothing
+==========  =========================  ===============================  ====================
+
+Every role may also publish to the dead-letter exchange (consumers dead-letter bad input).
+Publishers are authenticated by the ``user_id`` property, which RabbitMQ checks against the
+connection's user: :func:`publisher_allowed` tells a consumer whether that user holds the
+role that alone may publish to the queue.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from hpcrl_common.config import ROLE_NAMES
+from hpcrl_common.topology import (
+    BENCH_RESULTS,
+    CODE_TO_BENCH,
+    FANOUT_EXCHANGES,
+    GENERATE_REQUESTS,
+    ROLLOUT_BATCHES,
+    WEIGHT_UPDATES,
+    WORK_QUEUES,
+    Topology,
+)
+
+Role = Literal["scheduler", "generator", "benchmarker", "learner"]
+ROLES: tuple[Role, ...] = ROLE_NAMES  # type: ignore[assignment]
+SCHEDULER_SUBSCRIBER = "scheduler"
+
+# The one role that may publish into each queue or exchange (by base name).
+PUBLISHER_ROLE: dict[str, Role] = {
+    GENERATE_REQUESTS: "scheduler",
+    CODE_TO_BENCH: "generator",
+    BENCH_RESULTS: "benchmarker",
+    ROLLOUT_BATCHES: "scheduler",
+    WEIGHT_UPDATES: "learner",
+}
+NOTHING = "^$"
+
+
+@dataclass(frozen=True)
+class Permissions:
+    configure: str
+    write: str
+    read: str
+
+
+def role_permissions(topology: Topology, role: Role) -> Permissions:
+    """The regexes that let ``role`` do its work in the experiment's vhost, and no more."""
+    t = topology
+    dlx = re.escape(t.dead_letter_exchange)
+    updates = re.escape(t.name(WEIGHT_UPDATES))
+    scheduler_queue = re.escape(t.subscriber_queue(WEIGHT_UPDATES, SCHEDULER_SUBSCRIBER))
+    # A generator replica names its own auto-deleted update queue (hostname-pid by default),
+    # anything under the exchange's name except the scheduler's queue and the DLQ.
+    replica_queue = (f"{updates}\\.(?!{re.escape(SCHEDULER_SUBSCRIBER)}$|dlq$).+")
+
+    def inbox(base: str) -> str:
+        return re.escape(t.work_exchange(base))
+
+    def queue(base: str) -> str:
+        return re.escape(t.name(base))
+
+    if role == "scheduler":
+        return Permissions(
+            configure=_any(scheduler_queue),
+            write=_any(inbox(GENERATE_REQUESTS), inbox(ROLLOUT_BATCHES), dlx, scheduler_queue),
+            read=_any(queue(BENCH_RESULTS), updates, scheduler_queue),
+        )
+    if role == "generator":
+        return Permissions(
+            configure=_any(replica_queue),
+            write=_any(inbox(CODE_TO_BENCH), dlx, replica_queue),
+            read=_any(queue(GENERATE_REQUESTS), updates, replica_queue),
+        )
+    if role == "benchmarker":
+        return Permissions(configure=NOTHING, write=_any(inbox(BENCH_RESULTS), dlx),
+                           read=_any(queue(CODE_TO_BENCH)))
+    if role == "learner":
+        return Permissions(configure=NOTHING, write=_any(updates, dlx),
+                           read=_any(queue(ROLLOUT_BATCHES)))
+    raise ValueError(f"unknown role {role!r} (known: {', '.join(ROLES)})")
+
+
+def _any(*patterns: str) -> str:
+    return "^(?:" + "|".join(patterns) + ")$"
+
+
+def publisher_allowed(queue_base: str, user_id: str | None,
+                      role_users: Mapping[str, str]) -> str | None:
+    """None when ``user_id`` may publish into ``queue_base``; else the reason it may not.
+
+    The role's user is ``role_users[role]``; several users of one role (benchmarkers at
+    two sites) are ``<user>.<site>``.
+    """
+    role = PUBLISHER_ROLE[queue_base]
+    user = role_users[role]
+    if user_id is not None and (user_id == user or user_id.startswith(user + ".")):
+        return None
+    who = "an unauthenticated publisher" if not user_id else f"user {user_id!r}"
+    return (f"{who} may not publish to {queue_base}: only the {role} role "
+            f"(user {user!r} or {user!r}.<name>) may")
+
+
+def password_hash(password: str, salt: bytes | None = None) -> str:
+    """RabbitMQ's ``rabbit_password_hashing_sha256``: base64(salt + sha256(salt + pw))."""
+    salt = os.urandom(4) if salt is None else salt
+    digest = hashlib.sha256(salt + password.encode()).digest()
+    return base64.b64encode(salt + digest).decode()
+
+
+def definitions(topology: Topology, vhost: str,
+                users: Mapping[str, tuple[Role, str]]) -> dict[str, Any]:
+    """A RabbitMQ definitions document: the vhost, one user per entry, the topology.
+
+    ``users`` maps user name to (role, password). Import it with
+    ``rabbitmqctl import_definitions`` (or the management UI); the services then need no
+    configure rights on shared resources.
+    """
+    return {
+        "vhosts": [{"name": vhost}],
+        "users": [
+            {"name": name, "password_hash": password_hash(password),
+             "hashing_algorithm": "rabbit_password_hashing_sha256", "tags": []}
+            for name, (_role, password) in sorted(users.items())
+        ],
+        "permissions": [
+            {"user": name, "vhost": vhost, **role_permissions(topology, role).__dict__}
+            for name, (role, _password) in sorted(users.items())
+        ],
+        **topology_definitions(topology, vhost),
+    }
+
+
+def topology_definitions(topology: Topology, vhost: str) -> dict[str, list[dict[str, Any]]]:
+    """What :meth:`Topology.declare` makes, as definitions (queues, exchanges, bindings)."""
+    exchanges, queues, bindings = [], [], []
+
+    def exchange(name: str, kind: str) -> None:
+        exchanges.append({"name": name, "vhost": vhost, "type": kind, "durable": True,
+                          "auto_delete": False, "internal": False, "arguments": {}})
+
+    def queue(name: str, arguments: dict[str, Any]) -> None:
+        queues.append({"name": name, "vhost": vhost, "durable": True, "auto_delete": False,
+                       "arguments": arguments})
+
+    def bind(source: str, destination: str, key: str) -> None:
+        bindings.append({"source": source, "vhost": vhost, "destination": destination,
+                         "destination_type": "queue", "routing_key": key, "arguments": {}})
+
+    exchange(topology.dead_letter_exchange, "direct")
+    for base in [*WORK_QUEUES, *FANOUT_EXCHANGES]:
+        queue(topology.dlq(base), {})
+        bind(topology.dead_letter_exchange, topology.dlq(base), topology.name(base))
+    for base in WORK_QUEUES:
+        queue(topology.name(base), topology.work_queue_arguments(base))
+        exchange(topology.work_exchange(base), "direct")
+        bind(topology.work_exchange(base), topology.name(base), topology.name(base))
+    for base in FANOUT_EXCHANGES:
+        exchange(topology.name(base), "fanout")
+    scheduler_queue = topology.subscriber_queue(WEIGHT_UPDATES, SCHEDULER_SUBSCRIBER)
+    queue(scheduler_queue, topology.dead_letter_arguments(WEIGHT_UPDATES))
+    bind(topology.name(WEIGHT_UPDATES), scheduler_queue, "")
+    return {"exchanges": exchanges, "queues": queues, "bindings": bindings}
