@@ -47,16 +47,15 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     args = parser.parse_args()
 
-    from hpcrl_generator.backends.hf import TransformersSampler
+    from hpcrl_bootstrap.model import tiny_shape, write_random_model
+    from hpcrl_generator.backends.transformers import TransformersSampler
     from hpcrl_generator.backends.vllm import VLLMSampler
     from hpcrl_generator.prompt import render_prompt
-    from hpcrl_generator.tiny import build_tiny_model
 
     model = args.model
     if model is None:
-        model = build_tiny_model(Path(tempfile.mkdtemp(prefix="hpcrl-genbench-")) / "tiny",
-                                 hidden_size=args.hidden_size, num_layers=args.layers,
-                                 num_heads=args.heads)
+        model = write_random_model(Path(tempfile.mkdtemp(prefix="hpcrl-genbench-")) / "tiny",
+                                   tiny_shape(args.hidden_size, args.layers, args.heads))
     print(f"model {model}; G={args.group_size}, {args.prompts} prompts, "
           f"max_tokens={args.max_tokens}, {os.cpu_count()} CPUs")
 

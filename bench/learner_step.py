@@ -61,9 +61,9 @@ def timed(step, steps: int, device: torch.device) -> list[float]:
 
 
 def run_learner(args: argparse.Namespace, model: Path, batch: list[dict]) -> list[float]:
+    from hpcrl_learner.backends.torch import TorchTrainer
     from hpcrl_learner.batches import TrainSequence
     from hpcrl_learner.config import LearnerSettings
-    from hpcrl_learner.trainer import TorchTrainer
 
     trainer = TorchTrainer(LearnerSettings(
         model_path=model, learning_rate=1e-5, micro_batch_size=args.micro_batch,
@@ -160,11 +160,12 @@ def main() -> None:
     if args.child:
         child(args)
         return
-    from hpcrl_learner.tiny import build_tiny_model
+    from hpcrl_bootstrap.model import tiny_shape, write_random_model
 
     with tempfile.TemporaryDirectory() as tmp:
-        model = build_tiny_model(Path(tmp) / "m", vocab_size=args.vocab, hidden_size=args.hidden,
-                                 layers=args.layers, with_tokenizer=False)
+        shape = tiny_shape(args.hidden, args.layers, heads=4, kv_heads=2, max_positions=4096)
+        model = write_random_model(Path(tmp) / "m", shape, vocab_size=args.vocab, init_std=None,
+                                   tie_word_embeddings=False, with_tokenizer=False)
         results: dict[str, dict] = {}
         # Alternating and keeping the best run of each damps the noise of a shared machine.
         for _ in range(args.rounds):

@@ -136,7 +136,7 @@ class Loop:
                 raise TimeoutError(f"version {version} never came")
 
     def run(self) -> float:
-        from hpcrl_generator.backends.hf import TransformersSampler
+        from hpcrl_generator.backends.transformers import TransformersSampler
         from hpcrl_generator.config import GeneratorSection
         from hpcrl_generator.service import Generator
 
@@ -206,12 +206,12 @@ def main() -> None:
     parser.add_argument("--url", default="amqp://guest:guest@127.0.0.1:5672/%2F")
     args = parser.parse_args()
 
-    from hpcrl_generator.tiny import build_tiny_model, perturbed_copy
+    from hpcrl_bootstrap.model import write_random_model
 
     root = Path(tempfile.mkdtemp(prefix="hpcrl-overlap-models-"))
-    base = build_tiny_model(root / "v0")
-    models = [base, perturbed_copy(base, root / "a", seed=1), perturbed_copy(base, root / "b",
-                                                                             seed=2)]
+    # Versions only need to be distinct full checkpoints of one shape: other seeds will do.
+    models = [write_random_model(root / name, seed=seed)
+              for seed, name in enumerate(("v0", "a", "b"))]
     sync = Loop(args, models, "sync")
     sync_s = sync.run()
     overlap = Loop(args, models, "overlap")

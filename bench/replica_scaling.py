@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pika
 
+from hpcrl_benchmarker.host import has_avx512
 from hpcrl_common.broker import Publish, Publisher
 from hpcrl_common.config import BrokerSettings
 from hpcrl_common.messages import BenchResult, BenchSpec, Candidate, decode
@@ -75,7 +76,7 @@ def main() -> None:
     parser.add_argument("--candidates", type=int, default=12)
     parser.add_argument("--url", default="amqp://guest:guest@127.0.0.1:5672/%2F")
     args = parser.parse_args()
-    allow = [] if "avx512f" in Path("/proc/cpuinfo").read_text() else ["avx2"]
+    allow = [] if has_avx512() else ["avx2"]
     one = run(1, args.candidates, args.url, allow)
     print(f"1 replica:  {one:.2f} candidates/s")
     two = run(2, args.candidates, args.url, allow)

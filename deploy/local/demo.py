@@ -29,23 +29,20 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from hpcrl_benchmarker.host import has_avx512
+from hpcrl_common.access import SCHEDULER_SUBSCRIBER
 from hpcrl_common.checkpoints import CheckpointStore
 from hpcrl_common.config import load_config
 from hpcrl_common.topology import WEIGHT_UPDATES, Topology
 from hpcrl_learner.config import LearnerConfig
 from hpcrl_scheduler.config import SchedulerConfig
 from hpcrl_scheduler.report import export, snapshot
-from hpcrl_scheduler.service import SUBSCRIBER as SCHEDULER_SUBSCRIBER
 from hpcrl_scheduler.store import Store
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 SERVICES = ("benchmarker", "learner", "generator", "scheduler")
 console = Console()
-
-
-def host_has_avx512() -> bool:
-    return "avx512f" in Path("/proc/cpuinfo").read_text().split()
 
 
 def vllm_importable() -> bool:
@@ -115,7 +112,7 @@ def purge_broker(config: SchedulerConfig) -> None:
 
 
 def service_commands(config_path: Path, run_dir: Path) -> list[Service]:
-    allow = [] if host_has_avx512() else ["--allow-isa", "avx2"]
+    allow = [] if has_avx512() else ["--allow-isa", "avx2"]
     config = ["--config", str(config_path)]
     argv = {
         "benchmarker": [str(BIN / "hpcrl-benchmarker"), "serve", *config, *allow],
@@ -485,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
         "HPCRL__LEARNER__MODEL_PATH": str(model_dir),
         "HPCRL__LEARNER__CHECKPOINT_DIR": str(checkpoints),
         "HPCRL__EXPERIMENT__DATA_DIR": str(data_dir),
-        "HPCRL__SCHEDULER__ISA": "avx512" if host_has_avx512() else "avx2",
+        "HPCRL__SCHEDULER__ISA": "avx512" if has_avx512() else "avx2",
     }
     services = service_commands(args.config.resolve(), run_dir)
     try:
@@ -567,7 +564,7 @@ def openblas_gflops(sizes: dict[str, int], runs: int = 9) -> dict[str, Any] | No
 
     if ctypes.util.find_library("openblas") is None:
         return None
-    core = "SkylakeX" if host_has_avx512() else "Haswell"
+    core = "SkylakeX" if has_avx512() else "Haswell"
     argv = [sys.executable, "-c", _DGEMM_TIMER, *(str(sizes[d]) for d in "MNK"), str(runs)]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "OPENBLAS_CORETYPE": core})

@@ -17,7 +17,7 @@ venv=${SWIFT_VENV:-.venv-swift}
 python=${PYTHON:-python3}
 py="$venv/bin/python"
 torch_pin=2.13.0
-check='import swift, msgspec, ray, zmq, torch, transformers, peft, hpcrl_learner.swift.convert
+check='import swift, msgspec, ray, zmq, torch, transformers, peft, hpcrl_learner.backends.swift.convert
 from swift.rl_core.data import GRPOBatch
 from swift.rlhf_trainers.utils import collate_to_grpo_micro_batch
 assert torch.__version__.split("+")[0] == "'$torch_pin'", torch.__version__'

@@ -31,10 +31,10 @@ COMMON = ("--backend", "transformers", "--samples", "2", "--prompts", "0,3", "--
 @pytest.fixture(scope="module")
 def policy(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A base model and a store with v1 = the same weights, v2 = perturbed weights."""
-    from hpcrl_generator.tiny import build_tiny_model, perturbed_copy
+    from tests.support.models import chat_model, perturbed_copy
 
     root = tmp_path_factory.mktemp("evaluate")
-    model = build_tiny_model(root / "model")
+    model = chat_model(root / "model")
     store = CheckpointStore(root / "checkpoints")
     for version in (1, 2):
         staging = store.staging_dir(version)

@@ -13,13 +13,13 @@ from hpcrl_common.checkpoints import CheckpointInfo, CheckpointStore
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     """v0: a tiny Qwen2 with tied embeddings; v1: the same with every matrix perturbed."""
-    from hpcrl_generator.tiny import build_tiny_model, perturbed_copy
+    from tests.support.models import chat_model, perturbed_copy
 
     root = tmp_path_factory.mktemp("tiny-models")
-    v0 = build_tiny_model(root / "v0")
+    v0 = chat_model(root / "v0")
     v1 = perturbed_copy(v0, root / "v1", seed=1)
     v2 = perturbed_copy(v0, root / "v2", seed=2)
-    other = build_tiny_model(root / "wide", hidden_size=256, num_heads=4)
+    other = chat_model(root / "wide", hidden_size=256, heads=4)
     return {"v0": v0, "v1": v1, "v2": v2, "wide": other}
 
 

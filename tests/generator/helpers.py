@@ -40,7 +40,7 @@ void matmul_optimized(double *A, double *B, double *C, int M, int N, int K) {
 }
 """
 # Shaped like the scheduler's prompts (instructions + a parent program): long enough to span
-# several of vLLM's prefix-cache blocks (435 tokens with the tiny models' tokenizer).
+# several of vLLM's prefix-cache blocks (431 tokens with the tiny models' tokenizer).
 LONG_PROMPT = [
     ChatMessage(role="system", content="You are an expert HPC programmer."),
     ChatMessage(role="user", content=(

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hpcrl_common.messages import SamplingParams
-from hpcrl_generator.backends.hf import TransformersSampler
+from hpcrl_generator.backends.transformers import TransformersSampler
 from hpcrl_generator.prompt import render_prompt
 
 from .helpers import PROMPT

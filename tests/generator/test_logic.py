@@ -12,7 +12,7 @@ import torch
 from hpcrl_common.checkpoints import CheckpointStore
 from hpcrl_common.config import ConfigError, load_config
 from hpcrl_common.messages import ChatMessage, WeightUpdate, candidate_id, decode, encode
-from hpcrl_generator.backends.hf import sampled_logprobs
+from hpcrl_generator.backends.transformers import sampled_logprobs
 from hpcrl_generator.candidates import build_candidates
 from hpcrl_generator.config import GeneratorConfig
 from hpcrl_generator.prompt import (
@@ -193,7 +193,7 @@ def test_announced_uri_falls_back_to_this_replicas_view_of_the_store(tiny_models
 def test_config_defaults_env_overrides_and_a_missing_model(tmp_path):
     path = tmp_path / "exp.toml"
     path.write_text('[generator]\nmodel_path = "/models/qwen"\nbackend = "transformers"\n'
-                    '[learner]\nlr = 1e-6\n')
+                    '[learner]\nmodel_path = "/models/qwen"\nlr = 1e-6\n')
     config = load_config(GeneratorConfig, path, env={"HPCRL__GENERATOR__MAX_MODEL_LEN": "2048"})
     section = config.generator
     assert section.metrics_port == 9101 and section.backend == "transformers"

@@ -9,7 +9,7 @@ from hpcrl_common.broker import Reject
 from hpcrl_common.checkpoints import CheckpointStore
 from hpcrl_common.messages import ChatMessage, WeightUpdate
 from hpcrl_common.topology import Topology
-from hpcrl_generator.backends.hf import TransformersSampler
+from hpcrl_generator.backends.transformers import TransformersSampler
 from hpcrl_generator.config import GeneratorSection
 from hpcrl_generator.service import Generator, VersionNotReady
 

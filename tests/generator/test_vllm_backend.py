@@ -21,7 +21,7 @@ from hpcrl_common.messages import (
     WeightUpdate,
 )
 from hpcrl_common.topology import Topology
-from hpcrl_generator.backends.hf import TransformersSampler
+from hpcrl_generator.backends.transformers import TransformersSampler
 from hpcrl_generator.config import GeneratorSection
 from hpcrl_generator.prompt import render_prompt
 from hpcrl_generator.service import Generator
@@ -215,9 +215,9 @@ def by_group(candidates: list[Candidate]) -> list[list[Candidate]]:
 def learner_view(candidates: list[Candidate], policy: Path) -> tuple[float, np.ndarray]:
     """What the learner makes of ``candidates`` on ``policy``: its step metric ``sampler_kl``
     (learning rate 0, so the step changes nothing) and its log-probs minus the sampler's."""
+    from hpcrl_learner.backends.torch import TorchTrainer
     from hpcrl_learner.batches import prepare_group
     from hpcrl_learner.config import LearnerSettings
-    from hpcrl_learner.trainer import TorchTrainer
 
     settings = LearnerSettings(model_path=policy, device="cpu", learning_rate=0.0)
     trainer = TorchTrainer(settings)

@@ -10,7 +10,7 @@ import pytest
 
 from hpcrl_common.messages import PackedArray, RolloutBatch, RolloutSample
 from hpcrl_learner.batches import TrainSequence
-from hpcrl_learner.tiny import build_tiny_model
+from tests.support.models import learner_model
 
 PROMPT = [5, 6, 7, 8]
 GOOD = [10, 11, 12, 13, 2]  # the completion the rewards favour
@@ -19,7 +19,7 @@ BAD = [20, 21, 22, 2]
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen2")
+    return learner_model(tmp_path_factory.mktemp("models") / "tiny-qwen2")
 
 
 def sequences_of(completions: Sequence[Sequence[int]]) -> list[TrainSequence]:

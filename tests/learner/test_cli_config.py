@@ -8,9 +8,9 @@ import sys
 import pytest
 
 from hpcrl_common.config import BrokerSettings, ConfigError, load_config
+from hpcrl_learner.backends.swift import SwiftUnavailable, missing_requirements
 from hpcrl_learner.config import LearnerConfig, LearnerSettings
 from hpcrl_learner.service import build, effective_broker
-from hpcrl_learner.swift_backend import SwiftUnavailable, missing_requirements
 
 
 def test_help_lists_serve():

@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from hpcrl_learner.backends.torch import TorchTrainer
 from hpcrl_learner.batches import prepare_group
 from hpcrl_learner.config import LearnerSettings
-from hpcrl_learner.trainer import TorchTrainer
 
 from .conftest import BAD, GOOD, good_bad_batch, sequences_of
 

@@ -19,16 +19,18 @@ from hpcrl_common.checkpoints import CheckpointStore
 from hpcrl_common.config import BrokerSettings
 from hpcrl_common.messages import WeightUpdate, decode
 from hpcrl_common.topology import ROLLOUT_BATCHES, WEIGHT_UPDATES, Topology
+from hpcrl_learner.backends.torch import TorchTrainer
 from hpcrl_learner.batches import TrainSequence
 from hpcrl_learner.config import LearnerConfig, LearnerSettings
-from hpcrl_learner.service import HANG_ENV, HANG_MARKER_ENV, build
+from hpcrl_learner.service import build
 from hpcrl_learner.state import StateStore
-from hpcrl_learner.trainer import TorchTrainer
 from tests.conftest import RunningConsumer
 
 from .conftest import BAD, GOOD, PROMPT, good_bad_batch
 
 pytestmark = pytest.mark.broker
+
+HANGING_LEARNER = Path(__file__).with_name("hanging_learner.py")
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float, what: str,
@@ -157,12 +159,14 @@ metrics_port = 0
 
 def start_learner(config: Path, log: Path, hang: str | None = None,
                   marker: Path | None = None) -> subprocess.Popen:
+    """The real learner CLI in its own process; with ``hang``, one that stops dead at that
+    point and touches ``marker`` (tests/learner/hanging_learner.py)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("HPCRL")}
+    launcher = ["-m", "hpcrl_learner.cli"]
     if hang is not None:
-        env[HANG_ENV] = hang
-        env[HANG_MARKER_ENV] = str(marker)
+        launcher = [str(HANGING_LEARNER), hang, str(marker)]
     return subprocess.Popen(
-        [sys.executable, "-m", "hpcrl_learner.cli", "serve", "--config", str(config)],
+        [sys.executable, *launcher, "serve", "--config", str(config)],
         env=env, stdout=subprocess.DEVNULL, stderr=log.open("ab"),
     )
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from hpcrl_learner.backends.swift import SwiftUnavailable, missing_requirements, swift_backend
 from hpcrl_learner.config import LearnerSettings
-from hpcrl_learner.swift_backend import SwiftUnavailable, missing_requirements, swift_backend
 
 ROOT = Path(__file__).resolve().parents[2]
 SWIFT_PY = Path(os.environ.get("HPCRL_SWIFT_PYTHON", ROOT / ".venv-swift" / "bin" / "python"))
@@ -28,7 +28,8 @@ needs_swift_env = pytest.mark.skipif(
     reason=f"no ms-swift environment at {SWIFT_PY}: run deploy/local/install-swift.sh",
 )
 
-# Shared by every check: a tiny model, ms-swift's template for it, rollout batches.
+# Shared by every check: the suite's tiny model (built here: its builder, hpcrl_bootstrap, is not
+# in .venv-swift), ms-swift's template for it, rollout batches.
 PRELUDE = textwrap.dedent("""
     import json, sys
     from pathlib import Path
@@ -36,10 +37,9 @@ PRELUDE = textwrap.dedent("""
     import torch
     from hpcrl_common.messages import PackedArray, RolloutBatch, RolloutSample
     from hpcrl_learner.batches import prepare_group
-    from hpcrl_learner.tiny import build_tiny_model
 
-    tmp = Path(sys.argv[1])
-    model_dir = build_tiny_model(tmp / "tiny")
+    tmp, model_dir = Path(sys.argv[1]), Path(sys.argv[2])
+    VOCAB = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     PROMPT, GOOD, BAD = [5, 6, 7, 8], [10, 11, 12, 13, 2], [20, 21, 22, 2]
 
     def batch(batch_id, completions, rewards, logprobs=None, prompt=PROMPT):
@@ -55,7 +55,7 @@ PRELUDE = textwrap.dedent("""
                             reward_mode="raw")
 
     def group(b):
-        return prepare_group(b, 0, adv_eps=1e-4, vocab_size=256, max_sequence_tokens=4096)
+        return prepare_group(b, 0, adv_eps=1e-4, vocab_size=VOCAB, max_sequence_tokens=4096)
 
     def template():
         from swift.model import get_processor
@@ -67,7 +67,7 @@ PRELUDE = textwrap.dedent("""
 """)
 
 CONVERT = textwrap.dedent("""
-    from hpcrl_learner.swift.convert import collate_step
+    from hpcrl_learner.backends.swift.convert import collate_step
     g1 = group(batch("a", [GOOD, BAD, GOOD, BAD], [3, 0, 2, 1]))
     g2 = group(batch("b", [[30, 31, 2], [40, 2], [50, 51, 52, 53, 54, 2]], [1, 0, 5],
                      prompt=[9, 8, 7, 6, 5, 4]))
@@ -185,10 +185,10 @@ CPU_GROUP = textwrap.dedent("""
 
 EQUIVALENCE = textwrap.dedent("""
     from hpcrl_learner.config import LearnerSettings
-    from hpcrl_learner.swift.driver import SwiftTrainer
-    from hpcrl_learner.trainer import TorchTrainer
+    from hpcrl_learner.backends.swift.driver import SwiftTrainer
+    from hpcrl_learner.backends.torch import TorchTrainer
 
-    aggregation = sys.argv[2]
+    aggregation = sys.argv[3]
     settings = LearnerSettings(model_path=model_dir, checkpoint_dir=tmp / "ck", learning_rate=1e-3,
                                micro_batch_size=3, aggregation=aggregation, max_log_ratio=2.0,
                                device="cpu", dtype="float32")
@@ -202,7 +202,7 @@ EQUIVALENCE = textwrap.dedent("""
                      prompt=[9, 8, 7, 6, 5, 4]))
     seqs = g1.sequences + g2.sequences
     group_cpu = CpuGroup(settings, dp_size=2)
-    swift_trainer = SwiftTrainer(settings, group_cpu, template(), vocab_size=256)
+    swift_trainer = SwiftTrainer(settings, group_cpu, template(), vocab_size=VOCAB)
     m_swift = swift_trainer.step(seqs)
     m_torch = torch_trainer.step(seqs)
     diff = max(float((a - b).abs().max()) for a, b in
@@ -216,12 +216,12 @@ EQUIVALENCE = textwrap.dedent("""
 
 LEARNING = textwrap.dedent("""
     from hpcrl_learner.config import LearnerSettings
-    from hpcrl_learner.swift.driver import SwiftTrainer
+    from hpcrl_learner.backends.swift.driver import SwiftTrainer
 
     settings = LearnerSettings(model_path=model_dir, checkpoint_dir=tmp / "ck", learning_rate=3e-3,
                                micro_batch_size=2, device="cpu", dtype="float32")
     cpu = CpuGroup(settings, dp_size=1)
-    trainer = SwiftTrainer(settings, cpu, template(), vocab_size=256)
+    trainer = SwiftTrainer(settings, cpu, template(), vocab_size=VOCAB)
     probe = group(batch("probe", [GOOD, BAD], [0, 0])).sequences
 
     def seq_logp():
@@ -250,8 +250,8 @@ IMPORTS = textwrap.dedent("""
     import swift
     from swift.ray.megatron.megatron_worker import MegatronWorker
     from hpcrl_learner.config import LearnerSettings, LoraSettings
-    from hpcrl_learner.swift.cluster import megatron_args
-    from hpcrl_learner.swift.worker import HpcrlMegatronWorker
+    from hpcrl_learner.backends.swift.cluster import megatron_args
+    from hpcrl_learner.backends.swift.worker import HpcrlMegatronWorker
 
     # ms-swift's own MegatronRLHFArguments needs Megatron-Core to import; read its fields
     # (and those of its bases) from the installed source instead.
@@ -276,12 +276,14 @@ IMPORTS = textwrap.dedent("""
 """)
 
 
-def run_in_swift_env(tmp_path: Path, *parts: str, args: tuple[str, ...] = ()) -> dict:
+def run_in_swift_env(tmp_path: Path, model: Path, *parts: str, args: tuple[str, ...] = ()
+                     ) -> dict:
     script = "\n".join([PRELUDE, *parts])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(ROOT / "services" / "learner" / "src"), str(ROOT / "libs" / "common" / "src")]),
         "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    done = subprocess.run([str(SWIFT_PY), "-c", script, str(tmp_path), *args], env=env,
+    done = subprocess.run([str(SWIFT_PY), "-c", script, str(tmp_path), str(model), *args],
+                          env=env,
                           capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -300,8 +302,8 @@ def test_refuses_with_the_reason_where_swift_cannot_run(tiny_model, tmp_path):
 
 
 @needs_swift_env
-def test_batches_become_exactly_what_the_megatron_worker_consumes(tmp_path):
-    out = run_in_swift_env(tmp_path, CONVERT)
+def test_batches_become_exactly_what_the_megatron_worker_consumes(tiny_model, tmp_path):
+    out = run_in_swift_env(tmp_path, tiny_model, CONVERT)
     assert out["ranks"] == {"0": 2, "1": 2}  # 7 sequences, 2 ranks x 2 micro-batches of 3
     assert out["fillers"] == 12 - 7
     assert len(out["rows"]) == 7
@@ -318,8 +320,8 @@ def test_batches_become_exactly_what_the_megatron_worker_consumes(tmp_path):
 @needs_swift_env
 @pytest.mark.slow
 @pytest.mark.parametrize("aggregation", ["token", "sequence"])
-def test_swift_step_equals_the_torch_backend_step(tmp_path, aggregation):
-    out = run_in_swift_env(tmp_path, CPU_GROUP, EQUIVALENCE, args=(aggregation,))
+def test_swift_step_equals_the_torch_backend_step(tiny_model, tmp_path, aggregation):
+    out = run_in_swift_env(tmp_path, tiny_model, CPU_GROUP, EQUIVALENCE, args=(aggregation,))
     swift, torch_ = out["swift"], out["torch"]
     assert swift["loss"] == pytest.approx(torch_["loss"], rel=1e-4, abs=1e-6)
     assert swift["grad_norm"] == pytest.approx(torch_["grad_norm"], rel=1e-4)
@@ -336,16 +338,16 @@ def test_swift_step_equals_the_torch_backend_step(tmp_path, aggregation):
 
 @needs_swift_env
 @pytest.mark.slow
-def test_swift_driver_learns_the_favoured_completion(tmp_path):
-    out = run_in_swift_env(tmp_path, CPU_GROUP, LEARNING)
+def test_swift_driver_learns_the_favoured_completion(tiny_model, tmp_path):
+    out = run_in_swift_env(tmp_path, tiny_model, CPU_GROUP, LEARNING)
     (good0, bad0), (good1, bad1) = out["before"], out["after"]
     assert good1 > good0 + 0.5
     assert bad1 < bad0 - 0.5
 
 
 @needs_swift_env
-def test_megatron_worker_and_arguments_match_ms_swift(tmp_path):
-    out = run_in_swift_env(tmp_path, IMPORTS)
+def test_megatron_worker_and_arguments_match_ms_swift(tiny_model, tmp_path):
+    out = run_in_swift_env(tmp_path, tiny_model, IMPORTS)
     assert out["unknown"] == []  # every argument we pass is one ms-swift 4.6.0 defines
     assert out["subclass"]
     assert out["decorated"] == {"train_step": "DispatchMode.DP",
@@ -369,7 +371,7 @@ def test_gpu_route_trains_a_step(tiny_model, tmp_path):
     settings = LearnerSettings(backend="swift", model_path=tiny_model, checkpoint_dir=tmp_path,
                                learning_rate=1e-3, micro_batch_size=2)
     trainer = swift_backend(settings, None, None, 0)
-    group = prepare_group(good_bad_batch("gpu"), 0, adv_eps=1e-4, vocab_size=256,
+    group = prepare_group(good_bad_batch("gpu"), 0, adv_eps=1e-4, vocab_size=trainer.vocab_size,
                           max_sequence_tokens=4096)
     metrics = trainer.step(group.sequences)
     assert metrics["tokens"] == 18 and metrics["grad_norm"] > 0

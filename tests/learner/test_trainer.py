@@ -9,10 +9,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from hpcrl_learner.backends.torch import TorchTrainer
 from hpcrl_learner.batches import BadBatch, TrainSequence, collate, prepare_group
 from hpcrl_learner.config import LearnerSettings
 from hpcrl_learner.state import LearnerState, StateStore
-from hpcrl_learner.trainer import TorchTrainer
 
 from .conftest import BAD, GOOD, PROMPT, good_bad_batch, rollout_batch, sequences_of
 

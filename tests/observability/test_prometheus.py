@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from hpcrl_benchmarker.host import has_avx512
 from hpcrl_common.broker import Consumer
 from hpcrl_common.config import BrokerSettings
 from hpcrl_common.messages import GenerateRequest
@@ -40,7 +41,7 @@ pytestmark = [pytest.mark.broker, pytest.mark.slow]
 
 PROMETHEUS = Path("/usr/bin/prometheus")
 BIN = Path(sys.executable).parent
-HAS_AVX512 = "avx512f" in Path("/proc/cpuinfo").read_text()
+HAS_AVX512 = has_avx512()
 DEADLINE_S = 150
 # Panels that must show data once one iteration is done (the others need the learner and
 # generator services, or rates over a longer run).

@@ -25,6 +25,7 @@ import numpy as np
 import pika
 import pytest
 
+from hpcrl_benchmarker.host import has_avx512
 from hpcrl_common.broker import Consumer, Publish
 from hpcrl_common.config import BrokerSettings
 from hpcrl_common.messages import (
@@ -45,7 +46,7 @@ pytestmark = [pytest.mark.broker, pytest.mark.slow]
 
 BIN = Path(sys.executable).parent
 G = 5
-HAS_AVX512 = "avx512f" in Path("/proc/cpuinfo").read_text()
+HAS_AVX512 = has_avx512()
 
 
 def scripted_generator(topology: Topology, seen: list[GenerateRequest]):
@@ -241,7 +242,7 @@ def test_two_iterations_complete_and_the_pool_moves_up_a_stage(uninterrupted: Ru
     run = uninterrupted
     status = status_json(run)
     assert status["done"] and status["iterations_done"] == 2
-    groups = read_db(run.db, "SELECT iteration, mode, target_stage, parent_id, state, batch "
+    groups = read_db(run.db, "SELECT iteration, mode, target_stage, parent_id, state, outcome "
                              "FROM groups ORDER BY iteration, ordinal")
     assert [(g[0], g[1], g[2]) for g in groups[:1]] == [(0, "seed", 1)]
     iteration1 = sorted((g[1], g[2]) for g in groups if g[0] == 1)
@@ -307,7 +308,7 @@ MEASURED = re.compile(r"-?\d+\.\d+(?:e[-+]?\d+)?")
 
 def comparable(run: Run) -> dict:
     groups = [(*row[:5], MEASURED.sub("<n>", row[5]), *row[6:]) for row in read_db(
-        run.db, "SELECT id, iteration, parent_id, mode, target_stage, prompt, state, batch "
+        run.db, "SELECT id, iteration, parent_id, mode, target_stage, prompt, state, outcome "
                 "FROM groups ORDER BY id")]
     programs = read_db(run.db, "SELECT id, iteration, stage, key, parent_id, mode, status "
                                "FROM programs ORDER BY id")

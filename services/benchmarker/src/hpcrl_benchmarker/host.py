@@ -8,6 +8,7 @@ compiler version (not the hostname or the core count of a particular VM).
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
 import re
@@ -121,6 +122,21 @@ def parse_cpuinfo(text: str) -> tuple[str, frozenset[str], float]:
             with contextlib.suppress(ValueError):
                 mhz = max(mhz, float(value))
     return model, flags, mhz
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags as /proc/cpuinfo lists them (none where it cannot be read)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    return parse_cpuinfo(text)[1]
+
+
+def has_avx512() -> bool:
+    """AVX-512F: the ISA rewards are measured in unless a host is allowed another one."""
+    return DEFAULT_REQUIRED_ISA in cpu_flags()
 
 
 def _cpufreq_max_mhz() -> float:

@@ -42,16 +42,6 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--seed", type=int, default=None)
     sample.add_argument("--version-dir", type=Path, default=None,
                         help="load this full checkpoint directory before sampling")
-
-    tiny = commands.add_parser(
-        "tiny-model",
-        help="write a tiny random Qwen2 model with a chat template (tests, smoke runs)",
-    )
-    tiny.add_argument("out", type=Path, help="directory to write")
-    tiny.add_argument("--hidden-size", type=int, default=128)
-    tiny.add_argument("--layers", type=int, default=2)
-    tiny.add_argument("--heads", type=int, default=2)
-    tiny.add_argument("--seed", type=int, default=0)
     return parser
 
 
@@ -115,13 +105,6 @@ def main(argv: list[str] | None = None) -> int:
         return serve(args.config)
     if args.command == "sample":
         return sample(args)
-    if args.command == "tiny-model":
-        from hpcrl_generator.tiny import build_tiny_model
-
-        path = build_tiny_model(args.out, hidden_size=args.hidden_size,
-                                num_layers=args.layers, num_heads=args.heads, seed=args.seed)
-        print(path)
-        return 0
     return 2
 
 

@@ -10,12 +10,10 @@ the others are trained on once, in the next step.
 from __future__ import annotations
 
 import math
-import os
 import threading
 import time
-from collections.abc import Callable, Sequence
-from pathlib import Path
-from typing import Any, Literal, Protocol
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import structlog
@@ -25,50 +23,12 @@ from hpcrl_common.checkpoints import CheckpointInfo, CheckpointStore
 from hpcrl_common.messages import RolloutBatch
 from hpcrl_common.topology import WEIGHT_UPDATES
 from hpcrl_learner import metrics as m
-from hpcrl_learner.batches import BadBatch, PreparedGroup, TrainSequence, prepare_group, staleness
-from hpcrl_learner.config import LearnerConfig, LearnerSettings
+from hpcrl_learner.backends import BackendFactory, backend_for
+from hpcrl_learner.batches import BadBatch, PreparedGroup, prepare_group, staleness
+from hpcrl_learner.config import LearnerConfig
 from hpcrl_learner.state import LearnerState, StateStore
 
 log = structlog.get_logger("hpcrl.learner")
-
-# Test-only fault injection: the crash test makes the learner stop dead at a point of its
-# choice ("received": a batch is held, nothing trained; "before_commit": the step is trained
-# and written but not committed; "after_commit": committed, nothing acked or announced) and
-# then kills it with SIGKILL.
-HANG_ENV = "HPCRL_LEARNER_TEST_HANG"
-HANG_MARKER_ENV = "HPCRL_LEARNER_TEST_HANG_MARKER"
-
-
-class Backend(Protocol):
-    format: Literal["full", "lora"]
-    vocab_size: int
-
-    def step(self, sequences: Sequence[TrainSequence]) -> dict[str, float]: ...
-
-    def save_version(self, directory: Path) -> None: ...
-
-    def save_optimizer(self, directory: Path) -> None: ...
-
-
-BackendFactory = Callable[[LearnerSettings, Path | None, Path | None, int], Backend]
-
-
-def torch_backend(settings: LearnerSettings, resume_from: Path | None,
-                  optimizer_dir: Path | None, seed: int) -> Backend:
-    from hpcrl_learner.trainer import TorchTrainer
-
-    return TorchTrainer(settings, resume_from=resume_from, optimizer_dir=optimizer_dir, seed=seed)
-
-
-def _hang_if_asked(point: str) -> None:
-    if os.environ.get(HANG_ENV) != point:
-        return
-    marker = os.environ.get(HANG_MARKER_ENV)
-    if marker:
-        Path(marker).write_text(point)
-    log.warning("test hang point reached; waiting to be killed", point=point)
-    while True:
-        time.sleep(60)
 
 
 def step_summary(groups: Sequence[PreparedGroup]) -> dict[str, float]:
@@ -89,7 +49,7 @@ class Learner:
         self,
         config: LearnerConfig,
         consumer: Consumer,
-        backend_factory: BackendFactory = torch_backend,
+        backend_factory: BackendFactory | None = None,
     ) -> None:
         self.settings = config.learner
         self.consumer = consumer
@@ -105,7 +65,8 @@ class Learner:
         self.state, state_dir = loaded or (LearnerState(version=self.version), None)
         self.states.tidy(self.version, self.settings.keep_state_versions)
         resume = self.store.path_of(latest) if latest else None
-        self.backend = backend_factory(self.settings, resume, state_dir, config.experiment.seed)
+        factory = backend_factory or backend_for(self.settings)
+        self.backend = factory(self.settings, resume, state_dir, config.experiment.seed)
         self.trained = set(self.state.trained_ids)
         self.pending: list[tuple[PreparedGroup, Delivery]] = []
         self.failed: str | None = None
@@ -159,7 +120,6 @@ class Learner:
                 raise Reject(str(exc)) from None
             self.pending.append((group, delivery))
             m.PENDING_GROUPS.set(len(self.pending))
-            _hang_if_asked("received")
             if len(self.pending) >= self.settings.groups_per_step:
                 self._step()
             return DEFER
@@ -192,7 +152,6 @@ class Learner:
             log.exception("step trained but not committed; stopping the learner")
             self.consumer.stop()
             raise
-        _hang_if_asked("after_commit")
         self.consumer.publish(self._announcement(info))
         for _, delivery in self.pending:
             self.consumer.settle(delivery)
@@ -208,7 +167,6 @@ class Learner:
         staging = self.store.staging_dir(version)
         self.backend.save_version(staging)
         self.states.write(state, self.backend.save_optimizer)
-        _hang_if_asked("before_commit")
         summary = step_summary(groups)
         checkpoint_metrics = {
             "groups_trained": float(state.groups_trained),
@@ -276,15 +234,7 @@ def build(config: LearnerConfig, backend_factory: BackendFactory | None = None,
 
     config = effective_broker(config)
     consumer = Consumer(config.broker, f"learner-{config.experiment.name}", concurrency=1)
-    learner = Learner(config, consumer, backend_factory or backend_for(config.learner))
+    learner = Learner(config, consumer, backend_factory)
     consumer.subscribe(ROLLOUT_BATCHES, learner.handle)
     learner.announce_latest()
     return consumer, learner
-
-
-def backend_for(settings: LearnerSettings) -> BackendFactory:
-    if settings.backend == "torch":
-        return torch_backend
-    from hpcrl_learner.swift_backend import swift_backend
-
-    return swift_backend

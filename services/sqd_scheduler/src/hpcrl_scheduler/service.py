@@ -17,13 +17,13 @@ from typing import Any
 
 import structlog
 
+from hpcrl_common.access import SCHEDULER_SUBSCRIBER
 from hpcrl_common.broker import Consumer, Delivery, Publish
 from hpcrl_common.messages import BenchResult, Message, WeightUpdate
 from hpcrl_common.topology import BENCH_RESULTS, WEIGHT_UPDATES
 from hpcrl_scheduler.scheduler import Scheduler
 
 log = structlog.get_logger("hpcrl.scheduler")
-SUBSCRIBER = "scheduler"
 METRICS_REFRESH_S = 2.0
 
 
@@ -37,7 +37,7 @@ class SchedulerService:
         self._pending: dict[int, Future] = {}
         self._refreshed_at = -METRICS_REFRESH_S
         consumer.subscribe(BENCH_RESULTS, self._on_result)
-        consumer.subscribe_fanout(WEIGHT_UPDATES, SUBSCRIBER, self._on_weight_update,
+        consumer.subscribe_fanout(WEIGHT_UPDATES, SCHEDULER_SUBSCRIBER, self._on_weight_update,
                                   durable=True)
         consumer.every(scheduler.section.tick_s, self.tick)
 

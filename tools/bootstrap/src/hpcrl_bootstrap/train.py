@@ -16,24 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
 
 from hpcrl_bootstrap.examples import Example
 from hpcrl_bootstrap.tokenizer import render_chat
 
 IGNORE = -100
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The Qwen2 shape; its defaults live in build.BootstrapSettings (the cache key)."""
-
-    hidden_size: int
-    layers: int
-    heads: int
-    kv_heads: int
-    intermediate_size: int
-    max_positions: int
 
 
 @dataclass(frozen=True)
@@ -73,27 +61,6 @@ class TrainSummary:
     final_loss: float
     seconds: float
     threads: int
-
-
-def build_model(shape: ModelShape, tokenizer: PreTrainedTokenizerFast, seed: int
-                ) -> Qwen2ForCausalLM:
-    torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=shape.hidden_size,
-        num_hidden_layers=shape.layers,
-        num_attention_heads=shape.heads,
-        num_key_value_heads=shape.kv_heads,
-        intermediate_size=shape.intermediate_size,
-        max_position_embeddings=shape.max_positions,
-        tie_word_embeddings=True,
-        rope_theta=10000.0,
-        bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        use_cache=True,
-    )
-    return Qwen2ForCausalLM(config)
 
 
 def encode_examples(examples: Sequence[Example], tokenizer: PreTrainedTokenizerFast,

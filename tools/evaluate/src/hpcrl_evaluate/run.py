@@ -146,7 +146,7 @@ def make_sampler(model: Path, options: BackendOptions, refs: list[VersionRef],
                  seed: int) -> Sampler:
     """The backend on the base model (version 0); other versions are loaded into it."""
     if options.backend == "transformers":
-        from hpcrl_generator.backends.hf import TransformersSampler
+        from hpcrl_generator.backends.transformers import TransformersSampler
 
         return TransformersSampler(model, dtype=options.dtype, device=options.device,
                                    max_model_len=options.max_model_len)

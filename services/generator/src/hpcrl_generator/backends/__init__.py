@@ -12,7 +12,7 @@ if TYPE_CHECKING:
 def make_sampler(section: GeneratorSection) -> Sampler:
     """Start the configured backend on the base model (version 0)."""
     if section.backend == "transformers":
-        from hpcrl_generator.backends.hf import TransformersSampler
+        from hpcrl_generator.backends.transformers import TransformersSampler
 
         return TransformersSampler(
             section.model_path,

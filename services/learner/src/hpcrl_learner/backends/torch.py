@@ -232,3 +232,8 @@ class TorchTrainer:
     def save_optimizer(self, directory: Path) -> None:
         torch.save({"optimizer": self.optimizer.state_dict(),
                     "scheduler": self.scheduler.state_dict()}, directory / OPTIMIZER_FILE)
+
+
+def torch_backend(settings: LearnerSettings, resume_from: Path | None,
+                  optimizer_dir: Path | None, seed: int) -> TorchTrainer:
+    return TorchTrainer(settings, resume_from=resume_from, optimizer_dir=optimizer_dir, seed=seed)

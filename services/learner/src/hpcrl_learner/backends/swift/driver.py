@@ -1,7 +1,7 @@
 """The swift backend's driver: one GRPO step over our sequences on a Megatron worker group.
 
 The driver is the learner process; the worker group is ms-swift's Ray ``WorkerGroup`` of
-:class:`hpcrl_learner.swift.worker.HpcrlMegatronWorker` (one Ray actor per GPU, Megatron
+:class:`hpcrl_learner.backends.swift.worker.HpcrlMegatronWorker` (one Ray actor per GPU, Megatron
 tensor/pipeline/data parallel among them). Per step it calls, in order:
 
 1. ``compute_logps``: the current policy's log-probs of the exact sampled tokens, to mask
@@ -24,9 +24,9 @@ from typing import Any, Literal, Protocol
 
 import structlog
 
+from hpcrl_learner.backends.swift.convert import collate_step, mask_mismatched_tokens, scatter_rows
 from hpcrl_learner.batches import TrainSequence
 from hpcrl_learner.config import LearnerSettings
-from hpcrl_learner.swift.convert import collate_step, mask_mismatched_tokens, scatter_rows
 
 log = structlog.get_logger("hpcrl.learner.swift")
 

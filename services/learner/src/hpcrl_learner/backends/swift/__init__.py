@@ -7,11 +7,10 @@ Why this route (ms-swift 4.6.0, read line by line; see services/learner/README.m
 * its Ray/Megatron worker ``swift.ray.megatron.megatron_worker.MegatronWorker`` is driven by a
   driver process through public methods (``compute_logps``, ``compute_ref_logps``,
   ``train_step``) on micro-batches the driver collates with ``collate_to_grpo_micro_batch``.
-  Our learner is that driver: :mod:`hpcrl_learner.swift.convert` builds the micro-batches from
-  the exact sampled token ids (ms-swift's templates would rebuild prompts from messages),
-  :mod:`hpcrl_learner.swift.driver` runs the step, :mod:`hpcrl_learner.swift.worker` adds a
-  Hugging Face export into our checkpoint store, :mod:`hpcrl_learner.swift.cluster` starts the
-  workers on Ray GPUs;
+  Our learner is that driver (modules of this package): ``convert`` builds the micro-batches
+  from the exact sampled token ids (ms-swift's templates would rebuild prompts from messages),
+  ``driver`` runs the step, ``worker`` adds a Hugging Face export into our checkpoint store,
+  ``cluster`` starts the workers on Ray GPUs;
 * it imports ``msgspec``, Ray and pyzmq without declaring them (our ``[swift]`` extra does) and
   pins ``transformers<5.20`` / ``peft<0.21``, so it lives in its own environment
   (``deploy/local/install-swift.sh``), plus Megatron-Core and CUDA on the GPU nodes.
@@ -19,6 +18,10 @@ Why this route (ms-swift 4.6.0, read line by line; see services/learner/README.m
 Verified on CPU (tests/learner/test_swift_backend.py, in that environment): conversion, collation
 by ms-swift's own code, and the driver's step end to end against a CPU worker group with a real
 model. The GPU route (``cluster.start`` + the Megatron worker) has not run: no GPU was lent.
+
+Importing this package needs none of ms-swift, and ``convert`` needs torch only (it imports
+ms-swift inside the functions that call it); ``driver``, ``cluster`` and ``worker`` need the
+ms-swift environment.
 """
 
 from __future__ import annotations
@@ -71,6 +74,6 @@ def swift_backend(settings: LearnerSettings, resume_from: Path | None,
             "is written but has never run on a GPU (see services/learner/README.md). "
             "Use backend = 'torch' here."
         )
-    from hpcrl_learner.swift.cluster import start
+    from hpcrl_learner.backends.swift.cluster import start
 
     return start(settings, resume_from, optimizer_dir)

@@ -19,8 +19,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from hpcrl_learner.backends.swift.driver import SwiftTrainer
 from hpcrl_learner.config import LearnerSettings
-from hpcrl_learner.swift.driver import SwiftTrainer
 
 GRPO_LOSS = "swift.ray.megatron.loss.grpo.GRPOLoss"
 # Megatron's schedule needs a length; ours is open-ended (constant LR after warm-up).
@@ -88,7 +88,7 @@ def start(settings: LearnerSettings, resume_from: Path | None, state_dir: Path |
     from swift.ray.megatron.worker_group import WorkerGroup
     from swift.template import get_template
 
-    from hpcrl_learner.swift.worker import HpcrlMegatronWorker
+    from hpcrl_learner.backends.swift.worker import HpcrlMegatronWorker
 
     ray.init(ignore_reinit_error=True)
     gpus = int(os.environ.get("HPCRL_SWIFT_GPUS") or int(ray.cluster_resources().get("GPU", 0)))
