@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import random
+import re
 import ssl
 import stat
 import threading
@@ -168,6 +169,9 @@ class TlsRefused(pika.exceptions.AMQPConnectionError):
     """
 
 
+_TLS_ALERT = re.compile(r"\[SSL: (?P<code>[A-Z0-9_]+)\] (?P<text>.+?) \(_ssl")
+
+
 def open_connection(params: pika.URLParameters) -> pika.BlockingConnection:
     try:
         return pika.BlockingConnection(params)
@@ -180,6 +184,19 @@ def open_connection(params: pika.URLParameters) -> pika.BlockingConnection:
             f"TLS handshake with the broker failed ({exc.reason or exc}); is the URL's port a "
             f"TLS listener, and does the broker require a client certificate "
             f"(broker.tls_cert_file)?") from None
+    except pika.exceptions.AMQPConnectionError as exc:
+        # TLS 1.3: the broker judges our certificate after the handshake, so its alert
+        # arrives as a lost stream, not as an SSLError.
+        alert = _TLS_ALERT.search(str(exc)) if params.ssl_options is not None else None
+        if alert is None:
+            raise
+        if alert["code"].endswith("CERTIFICATE_REQUIRED"):
+            raise TlsRefused(
+                f"TLS: the broker requires a client certificate ({alert['text']}); set "
+                f"broker.tls_cert_file and broker.tls_key_file") from None
+        raise TlsRefused(
+            f"TLS: the broker refused our client certificate ({alert['text']}); is "
+            f"broker.tls_cert_file signed by a CA the broker trusts, and valid?") from None
 
 
 class TopologyMissing(RuntimeError):
