@@ -125,8 +125,8 @@ class Loop:
         with self.version_changed:
             self.version = version
             self.version_changed.notify_all()
-        return [Publish("", info.weight_update(self.store_root),
-                        exchange=self.topology.name(WEIGHT_UPDATES))]
+        update = info.weight_update(self.store_root, run=f"overlap/{self.store.run_id}")
+        return [Publish("", update, exchange=self.topology.name(WEIGHT_UPDATES))]
 
     # --- the run --------------------------------------------------------------------------
 

@@ -54,7 +54,7 @@ def run_weight_loop(sampler, models: dict[str, Path], broker_settings, raw_chann
         assert not any(key.startswith("g1/") for key in got), "sampled below the floor"
 
         info = commit_version(store, models["v1"], 1)  # what the learner does
-        publisher.publish(Publish("", info.weight_update(store.root),
+        publisher.publish(Publish("", info.weight_update(store.root, run=f"exp/{store.run_id}"),
                                   exchange=consumer.topology.name(WEIGHT_UPDATES)))
         wait_for(lambda: take_candidates(raw_channel, out_queue, got) is not None
                  and {"g1/0", "g1/1"} <= got.keys(), what="v1 candidates")

@@ -25,9 +25,9 @@ from hpcrl_generator.sampling import Sample, trim_completion
 from hpcrl_generator.weights import (
     CheckpointError,
     ModelSignature,
+    Refused,
     Target,
     VersionTracker,
-    resolve_uri,
     validate,
 )
 
@@ -173,18 +173,26 @@ def test_lora_versions_need_an_adapter(tmp_path):
         validate(target, ModelSignature({}, {}), verify_checksum=False)
 
 
-def test_announced_uri_falls_back_to_this_replicas_view_of_the_store(tiny_models, tmp_path):
+def test_an_announcement_is_resolved_only_through_this_replicas_store(tiny_models, tmp_path):
     store = CheckpointStore(tmp_path / "store")
     info = commit_version(store, tiny_models["v1"], 1)
-    update = info.weight_update(store.root)
-    assert resolve_uri(update, store) == store.path_of(info).resolve()
-    elsewhere = WeightUpdate(**{**update.model_dump(), "uri": "/other/site/mount/v000001"})
-    assert resolve_uri(elsewhere, store) == store.path_of(info).resolve()
-    as_url = WeightUpdate(**{**update.model_dump(), "uri": f"file://{store.path_of(info)}"})
-    assert resolve_uri(as_url, None) == store.path_of(info)
-    s3 = WeightUpdate(**{**update.model_dump(), "uri": "s3://bucket/v1"})
-    with pytest.raises(CheckpointError, match="scheme 's3'"):
-        resolve_uri(s3, store)
+    update = info.weight_update(store.root, run=f"exp/{store.run_id}")
+    assert Target.from_update(update, store).path == store.path_of(info).resolve()
+    # The URI is never followed: a directory outside the store changes nothing.
+    elsewhere = WeightUpdate(**{**update.model_dump(), "uri": str(tiny_models["wide"])})
+    assert Target.from_update(elsewhere, store).path == store.path_of(info).resolve()
+    refusals = {
+        "not_in_store": {"version": 2**30, "id": "v-forged"},
+        "other_run": {"run": "exp/0123456789abcdef"},
+        "mismatch": {"checksum": "sha256:" + "1" * 64},
+    }
+    for reason, change in refusals.items():
+        forged = WeightUpdate(**{**update.model_dump(), **change})
+        with pytest.raises(Refused) as caught:
+            Target.from_update(forged, store)
+        assert caught.value.reason == reason
+    with pytest.raises(Refused, match="checkpoint_dir is not set"):
+        Target.from_update(update, None)
 
 
 # --- config -----------------------------------------------------------------------------

@@ -58,12 +58,12 @@ def test_a_bad_announcement_is_refused_and_the_policy_keeps_serving(tiny_models,
     store = CheckpointStore(tmp_path)
     info = commit_version(store, tiny_models["v1"], 1)
     generator = make(tiny_models, tmp_path, poll_manifest=False)
-    before = REGISTRY.get_sample_value("hpcrl_generator_reloads_total", {"outcome": "refused"})
-    lying = WeightUpdate(**{**info.weight_update(store.root).model_dump(),
-                            "checksum": "sha256:" + "1" * 64})
+    refused = ("hpcrl_generator_announcements_refused_total", {"reason": "mismatch"})
+    before = REGISTRY.get_sample_value(*refused)
+    genuine = info.weight_update(store.root, run=f"exp/{store.run_id}")
+    lying = WeightUpdate(**{**genuine.model_dump(), "checksum": "sha256:" + "1" * 64})
     assert generator.on_weight_update(lying, None) == []
-    after = REGISTRY.get_sample_value("hpcrl_generator_reloads_total", {"outcome": "refused"})
-    assert after == (before or 0) + 1
+    assert REGISTRY.get_sample_value(*refused) == (before or 0) + 1
     assert generator.tracker.loaded == 0
     out = generator.on_request(request("still-v0"), None)
     assert out[0].message.rollout.policy_version == 0
@@ -73,7 +73,7 @@ def test_an_announcement_is_loaded_at_once_when_the_engine_is_idle(tiny_models, 
     store = CheckpointStore(tmp_path)
     generator = make(tiny_models, tmp_path, poll_manifest=False)
     info = commit_version(store, tiny_models["v1"], 1)
-    generator.on_weight_update(info.weight_update(store.root), None)
+    generator.on_weight_update(info.weight_update(store.root, run=f"exp/{store.run_id}"), None)
     assert generator.tracker.loaded == 1
     assert REGISTRY.get_sample_value("hpcrl_generator_policy_version") == 1
 

@@ -108,7 +108,7 @@ def test_a_checkpoint_of_another_shape_is_refused_and_the_engine_lives(
     section = GeneratorSection(model_path=tiny_models["v0"], checkpoint_dir=tmp_path,
                                poll_manifest=False)
     generator = Generator(engine, section, Topology("t"), replica="r")
-    update: WeightUpdate = info.weight_update(store.root)
+    update: WeightUpdate = info.weight_update(store.root, run=f"exp/{store.run_id}")
     generator.on_weight_update(update, None)
     assert generator.tracker.loaded == 0 and engine.version == 0
     ids = render_prompt(engine.tokenizer, PROMPT)

@@ -152,7 +152,7 @@ def test_pacing_holds_requests_until_the_learner_trains(tmp_path):
     # 1 batch published, nothing trained: limit 1 x 1 group -> everything held
     assert [r.iteration for r in requests(s)] == [0]
     s.handle_weight_update(WeightUpdate(
-        id="v1", version=1, parent_version=0, uri="file:///ckpt/1", format="lora",
+        run="unit/r1", id="v1", version=1, parent_version=0, uri="file:///ckpt/1", format="lora",
         checksum="sha256:" + "0" * 64, metrics={"groups_trained": 1, "groups_per_step": 2}))
     s.step()
     new = [r for r in requests(s) if r.iteration == 1]
@@ -160,9 +160,27 @@ def test_pacing_holds_requests_until_the_learner_trains(tmp_path):
     assert all(r.min_policy_version == 1 for r in new)
     # an older announcement changes nothing
     s.handle_weight_update(WeightUpdate(
-        id="v0b", version=1, parent_version=0, uri="file:///x", format="lora",
+        run="unit/r1", id="v0b", version=1, parent_version=0, uri="file:///x", format="lora",
         checksum="sha256:" + "1" * 64, metrics={"groups_trained": 0}))
     assert s.store.get("groups_trained") == 1
+
+
+def test_only_this_runs_versions_set_the_floor(tmp_path):
+    """A version of another experiment, or of another training run (an old durable
+    subscription, a forged 2^30), would make generators wait for a version never made."""
+    s = make(tmp_path)
+
+    def announce(run: str, version: int) -> int:
+        s.handle_weight_update(WeightUpdate(
+            run=run, id=f"v{version}", version=version, parent_version=version - 1,
+            uri="file:///c", format="full", checksum="sha256:" + "0" * 64))
+        return int(s.store.get("policy_version", 0))
+
+    assert announce("other-experiment/r1", 2**30) == 0
+    assert announce("unit/r1", 1) == 1  # the first accepted run is this experiment's
+    assert announce("unit/r-old", 2**30) == 1
+    assert announce("unit/r1", 2) == 2
+    assert announce("unit/r1", 1) == 2
 
 
 def test_restart_resumes_and_a_different_experiment_is_refused(tmp_path):

@@ -67,7 +67,7 @@ def test_results_batches_version_floor_and_pacing(broker_settings, raw_channel, 
                     timeout=1.5) == []
         assert REGISTRY.get_sample_value("hpcrl_scheduler_requests_held",
                                          {"reason": "staleness"}) >= 2
-        update = WeightUpdate(id="v1", version=1, parent_version=0, uri="file:///c/1",
+        update = WeightUpdate(id="v1", run="svc/r1", version=1, parent_version=0, uri="file:///c/1",
                               format="lora", checksum="sha256:" + "a" * 64,
                               metrics={"groups_trained": 1.0, "groups_per_step": 2.0})
         publisher.publish(Publish(topology.name(WEIGHT_UPDATES), update,

@@ -2,7 +2,7 @@
 
 Layout under ``root``::
 
-    manifest.json        {"versions": [CheckpointInfo, ...]}  (replaced atomically)
+    manifest.json        {"run_id": ..., "versions": [CheckpointInfo, ...]}  (replaced atomically)
     v000001/             a Hugging Face model directory (full) or a peft adapter (lora)
     .staging-v000002-*/  being written; never read by anyone
 
@@ -10,6 +10,10 @@ A version becomes visible only when complete: its directory is written under a s
 name, renamed into place, and only then added to the manifest. Version 0 is the base model,
 which is not in the store. The learner writes; generators read (a generator that starts late
 loads ``latest()``); weight-update messages point here.
+
+The store's ``run_id`` (random, made with the first manifest) names this run of training;
+announcements carry it, so a generator loads only versions of its own store's manifest and a
+scheduler never takes a floor from another run.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import os
 import shutil
 import tempfile
 import time
+import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -40,9 +45,10 @@ class CheckpointInfo:
     created_at: float = 0.0
     metrics: dict[str, float] = field(default_factory=dict)
 
-    def weight_update(self, root: Path) -> WeightUpdate:
+    def weight_update(self, root: Path, run: str = "") -> WeightUpdate:
         return WeightUpdate(
             id=f"v{self.version}",
+            run=run,
             version=self.version,
             parent_version=self.parent_version,
             uri=str((root / self.path).resolve()),
@@ -52,6 +58,17 @@ class CheckpointInfo:
             metrics=self.metrics,
             created_at=self.created_at,
         )
+
+
+def run_label(experiment: str, store_run_id: str | None) -> str:
+    """What a weight update's ``run`` says: the experiment and its store's run id."""
+    return f"{experiment}/{store_run_id or ''}"
+
+
+def split_run(run: str) -> tuple[str, str]:
+    """(experiment, store run id) of a weight update's ``run``; empty parts when absent."""
+    experiment, _, store_run = run.rpartition("/")
+    return experiment, store_run
 
 
 def checksum_dir(path: Path) -> str:
@@ -70,12 +87,19 @@ class CheckpointStore:
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
 
-    def versions(self) -> list[CheckpointInfo]:
+    def _manifest(self) -> dict:
         try:
-            raw = json.loads((self.root / MANIFEST).read_text())
+            return json.loads((self.root / MANIFEST).read_text())
         except FileNotFoundError:
-            return []
-        return [CheckpointInfo(**entry) for entry in raw["versions"]]
+            return {"versions": []}
+
+    def versions(self) -> list[CheckpointInfo]:
+        return [CheckpointInfo(**entry) for entry in self._manifest()["versions"]]
+
+    @property
+    def run_id(self) -> str | None:
+        """This store's run, once a version has been committed (None before)."""
+        return self._manifest().get("run_id")
 
     def latest(self) -> CheckpointInfo | None:
         versions = self.versions()
@@ -123,7 +147,7 @@ class CheckpointStore:
             metrics=dict(metrics or {}),
         )
         os.replace(staging, final)
-        self._write_manifest([*existing, info])
+        self._write_manifest([*existing, info], self.run_id or uuid.uuid4().hex)
         return info
 
     def verify(self, info: CheckpointInfo) -> bool:
@@ -133,8 +157,9 @@ class CheckpointStore:
         for stale in self.root.glob(".staging-*"):
             shutil.rmtree(stale, ignore_errors=True)
 
-    def _write_manifest(self, versions: list[CheckpointInfo]) -> None:
-        body = json.dumps({"versions": [asdict(v) for v in versions]}, indent=1)
+    def _write_manifest(self, versions: list[CheckpointInfo], run_id: str) -> None:
+        body = json.dumps({"run_id": run_id, "versions": [asdict(v) for v in versions]},
+                          indent=1)
         fd, tmp = tempfile.mkstemp(prefix=".manifest-", dir=self.root)
         with os.fdopen(fd, "w") as handle:
             handle.write(body)

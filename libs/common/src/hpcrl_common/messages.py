@@ -309,7 +309,9 @@ class WeightUpdate(Message):
 
     SCHEMA_NAME: ClassVar[str] = "weight-update"
 
-    version: Annotated[int, Field(ge=1)]
+    # "<experiment>/<checkpoint store run id>": which run of training this version belongs to.
+    run: ShortText = ""
+    version: Annotated[int, Field(ge=1, lt=2**31)]
     parent_version: Version
     uri: Annotated[str, StringConstraints(min_length=1, max_length=4096)]
     format: Literal["full", "lora"]

@@ -40,6 +40,12 @@ RELOAD_SECONDS = Histogram(
     ["phase"],
     buckets=(0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
 )
+ANNOUNCEMENTS_REFUSED = Counter(
+    "hpcrl_generator_announcements_refused_total",
+    "Weight announcements refused before loading, by reason (no_store, other_run, "
+    "not_in_store, mismatch: forged, replayed or from another run)",
+    ["reason"],
+)
 VERSION_WAITS = Counter(
     "hpcrl_generator_version_waits_total",
     "Requests that had to wait because their policy-version floor was above the loaded one",

@@ -28,6 +28,7 @@ from hpcrl_generator.sampling import Sampler
 from hpcrl_generator.weights import (
     CheckpointError,
     ModelSignature,
+    Refused,
     Target,
     VersionTracker,
     validate,
@@ -133,8 +134,9 @@ class Generator:
     def on_weight_update(self, update: WeightUpdate, _delivery: Delivery) -> list[Publish]:
         try:
             target = Target.from_update(update, self.store)
-        except CheckpointError as exc:
-            log.error("unusable weight announcement", version=update.version, reason=str(exc))
+        except Refused as exc:
+            metrics.ANNOUNCEMENTS_REFUSED.labels(exc.reason).inc()
+            log.error("weight announcement refused", version=update.version, reason=str(exc))
             return []
         if self.tracker.offer(target):
             log.info("policy version announced", version=update.version, uri=update.uri)

@@ -11,9 +11,8 @@ import json
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import unquote, urlparse
 
-from hpcrl_common.checkpoints import CheckpointInfo, CheckpointStore, checksum_dir
+from hpcrl_common.checkpoints import CheckpointInfo, CheckpointStore, checksum_dir, split_run
 from hpcrl_common.messages import WeightUpdate
 from hpcrl_generator.sampling import WeightFormat
 
@@ -50,22 +49,38 @@ class Target:
 
     @classmethod
     def from_update(cls, update: WeightUpdate, store: CheckpointStore | None) -> Target:
-        return cls(update.version, resolve_uri(update, store), update.format, update.checksum)
+        """The announced version as this replica's own store lists it.
+
+        Only the version number is taken from the message: the path and checksum come from
+        the manifest of the configured store, so an announcement cannot point anywhere else,
+        and one that disagrees with the manifest (forged, replayed from another run) is
+        refused with a :class:`Refused` reason.
+        """
+        if store is None:
+            raise Refused("no_store", "generator.checkpoint_dir is not set: announcements "
+                          "cannot be checked, so none is loaded")
+        _experiment, announced_run = split_run(update.run)
+        if store.run_id is not None and announced_run != store.run_id:
+            raise Refused("other_run", f"version {update.version} belongs to run "
+                          f"{update.run!r}, this store is run {store.run_id!r}")
+        try:
+            info = store.get(update.version)
+        except KeyError:
+            raise Refused("not_in_store", f"version {update.version} is not in the manifest of "
+                          f"{store.root}") from None
+        if info.checksum != update.checksum or info.format != update.format:
+            raise Refused("mismatch", f"version {update.version}: the announcement's "
+                          f"{update.format} {update.checksum} differs from the manifest's "
+                          f"{info.format} {info.checksum}")
+        return cls.from_info(info, store)
 
 
-def resolve_uri(update: WeightUpdate, store: CheckpointStore | None) -> Path:
-    """The announced directory; where the shared filesystem is mounted elsewhere here, the
-    same version in this replica's own view of the store."""
-    parsed = urlparse(update.uri)
-    if parsed.scheme not in ("", "file"):
-        raise CheckpointError(f"unsupported weights URI scheme {parsed.scheme!r}: {update.uri}")
-    path = Path(unquote(parsed.path) if parsed.scheme else update.uri)
-    if path.is_dir() or store is None:
-        return path
-    try:
-        return store.path_of(store.get(update.version)).resolve()
-    except KeyError:
-        return path
+class Refused(CheckpointError):
+    """An announcement that does not match this replica's checkpoint store."""
+
+    def __init__(self, reason: str, text: str) -> None:
+        super().__init__(text)
+        self.reason = reason
 
 
 @dataclass(frozen=True)

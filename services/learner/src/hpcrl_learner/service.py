@@ -19,7 +19,7 @@ import numpy as np
 import structlog
 
 from hpcrl_common.broker import DEFER, Consumer, Delivery, Publish, Reject
-from hpcrl_common.checkpoints import CheckpointInfo, CheckpointStore
+from hpcrl_common.checkpoints import CheckpointInfo, CheckpointStore, run_label
 from hpcrl_common.messages import RolloutBatch
 from hpcrl_common.topology import WEIGHT_UPDATES
 from hpcrl_learner import metrics as m
@@ -52,6 +52,7 @@ class Learner:
         backend_factory: BackendFactory | None = None,
     ) -> None:
         self.settings = config.learner
+        self.experiment = config.experiment.name
         self.consumer = consumer
         self.store = CheckpointStore(self.settings.checkpoint_dir)
         self.states = StateStore(self.settings.checkpoint_dir)
@@ -89,7 +90,8 @@ class Learner:
         return Publish(
             routing_key="",
             exchange=self.consumer.topology.name(WEIGHT_UPDATES),
-            message=info.weight_update(self.store.root),
+            message=info.weight_update(self.store.root,
+                                       run=run_label(self.experiment, self.store.run_id)),
             mandatory=False,  # no generator listening yet is fine: they read the manifest
         )
 

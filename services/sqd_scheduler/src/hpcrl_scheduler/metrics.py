@@ -14,6 +14,9 @@ RESULTS = Counter("hpcrl_scheduler_results_total",
 RESULTS_IGNORED = Counter("hpcrl_scheduler_results_ignored_total",
                           "Results not filed: duplicate, late (group already closed)",
                           ["reason"])
+UPDATES_IGNORED = Counter("hpcrl_scheduler_weight_updates_ignored_total",
+                          "Weight announcements that set no floor: other_experiment, "
+                          "other_run (another training run), old (not newer)", ["reason"])
 EXCLUDED = Counter("hpcrl_scheduler_results_excluded_total",
                    "Results left out of their group because of a minority host class")
 NO_ROLLOUT = Counter("hpcrl_scheduler_samples_without_rollout_total",

@@ -18,6 +18,7 @@ from pathlib import Path
 import structlog
 
 from hpcrl_common.broker import Reject
+from hpcrl_common.checkpoints import split_run
 from hpcrl_common.messages import (
     BenchResult,
     BenchSpec,
@@ -252,9 +253,24 @@ class Scheduler:
                 self._close(group, now, "complete")
 
     def handle_weight_update(self, update: WeightUpdate) -> None:
+        experiment, learner_run = split_run(update.run)
         with self.store.tx() as s:
+            # Another experiment's or another training run's versions must never set the
+            # floor: generators would wait for a version that this run never makes.
+            if experiment != self.config.experiment.name:
+                m.UPDATES_IGNORED.labels("other_experiment").inc()
+                log.warning("weight update of another experiment ignored", run=update.run)
+                return
+            pinned = s.get("learner_run", None)
+            if pinned is not None and learner_run != pinned:
+                m.UPDATES_IGNORED.labels("other_run").inc()
+                log.warning("weight update of another training run ignored", run=update.run,
+                            this_run=pinned)
+                return
             if update.version <= int(s.get("policy_version", 0)):
+                m.UPDATES_IGNORED.labels("old").inc()
                 return  # an older or repeated announcement changes nothing
+            s.set("learner_run", learner_run)
             s.set("policy_version", update.version)
             if "groups_trained" in update.metrics:
                 s.set("groups_trained", int(update.metrics["groups_trained"]))
