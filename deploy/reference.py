@@ -47,7 +47,7 @@ METRIC_MODULES = (
 
 
 def config_sections() -> dict[str, type[BaseModel]]:
-    from hpcrl_benchmarker.service import BenchmarkerSection
+    from hpcrl_benchmarker.config import BenchmarkerSection
     from hpcrl_generator.config import GeneratorSection
     from hpcrl_learner.config import LearnerSettings
     from hpcrl_scheduler.config import SchedulerSection
@@ -80,6 +80,9 @@ def render_default(value: Any) -> str:
         return value.as_posix()
     if isinstance(value, list | tuple):
         return "[" + ", ".join(render_default(item) for item in value) + "]"
+    if isinstance(value, dict):  # an inline TOML table
+        return "{" + ", ".join(f"{key} = {render_default(item)}"
+                               for key, item in value.items()) + "}"
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, int | float):
