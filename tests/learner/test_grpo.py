@@ -181,3 +181,8 @@ def test_token_logprobs_match_log_softmax():
     targets = torch.randint(0, 7, (2, 3))
     expected = torch.log_softmax(logits / 0.7, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     assert torch.allclose(token_logprobs(logits, targets, temperature=0.7), expected, atol=1e-6)
+
+
+def test_rewards_too_large_to_normalise_are_refused_not_turned_into_nan():
+    with pytest.raises(ValueError, match="too large to normalise"):
+        group_advantages([1e308, 1e308, -1e308], eps=1e-4)

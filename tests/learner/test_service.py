@@ -217,3 +217,85 @@ def test_kill_9_loses_no_batch_and_trains_none_twice(
     assert queue_depth(raw_channel, broker_settings) == 0
     announced = [u.version for u in drain(raw_channel, updates_queue)]
     assert sorted(set(announced)) == [1, 2]  # v1 re-announced on restart is a duplicate id
+
+
+class SkipsSteps:
+    """The real torch backend, except that its first ``skips`` steps report a non-finite
+    gradient and change nothing (as the real one does when a gradient is NaN)."""
+
+    def __init__(self, real, skips: int) -> None:
+        self.real, self.skips = real, skips
+
+    def __getattr__(self, name: str):
+        return getattr(self.real, name)
+
+    def step(self, sequences):
+        if self.skips > 0:
+            self.skips -= 1
+            return {"skipped": 1.0}
+        return self.real.step(sequences)
+
+
+def skipping_factory(skips: int):
+    from hpcrl_learner.backends.torch import torch_backend
+
+    return lambda *args: SkipsSteps(torch_backend(*args), skips)
+
+
+def test_a_skipped_step_consumes_no_batch(broker_settings, raw_channel, tiny_model, tmp_path):
+    """Skipped updates used to commit a version and ack every group of the step: the groups
+    were lost without an error. Now they are retried, then dead-lettered with the reason."""
+    topology = Topology(broker_settings.namespace, broker_settings.delivery_limit)
+    store_dir = tmp_path / "store"
+    config = LearnerConfig(broker=broker_settings, learner=LearnerSettings(
+        model_path=tiny_model, checkpoint_dir=store_dir, groups_per_step=2, metrics_port=0))
+    lp = base_logprobs(tiny_model)
+    publish(broker_settings, good_bad_batch("s0", lp), good_bad_batch("s1", lp))
+    skipped_before = metric("hpcrl_learner_skipped_updates_total")
+    consumer, learner = build(config, backend_factory=skipping_factory(1))
+    store = CheckpointStore(store_dir)
+    with RunningConsumer(consumer):
+        wait_for(lambda: len(store.versions()) == 1, 120, "the retried step to commit")
+        wait_for(lambda: queue_depth(raw_channel, broker_settings) == 0, 60, "an empty queue")
+    assert metric("hpcrl_learner_skipped_updates_total") == skipped_before + 1
+    assert store.versions()[0].metrics["groups_trained"] == 2.0  # both groups, trained once
+    assert raw_channel.queue_declare(topology.dlq(ROLLOUT_BATCHES),
+                                     passive=True).method.message_count == 0
+
+    # A step that can never be taken: the groups end in the DLQ with the reason, no version.
+    publish(broker_settings, good_bad_batch("n0", lp), good_bad_batch("n1", lp))
+    consumer, learner = build(config, backend_factory=skipping_factory(100))
+    with RunningConsumer(consumer):
+        wait_for(lambda: raw_channel.queue_declare(topology.dlq(ROLLOUT_BATCHES), passive=True)
+                 .method.message_count == 2, 120, "both groups dead-lettered")
+    assert len(store.versions()) == 1 and learner.failed is None
+    _method, props, _body = raw_channel.basic_get(topology.dlq(ROLLOUT_BATCHES), auto_ack=True)
+    assert "update skipped: non-finite gradients" in props.headers["x-hpcrl-reason"]
+
+
+def test_absurd_rewards_never_reach_training(broker_settings, raw_channel, tiny_model,
+                                             tmp_path):
+    """A reward of 1e200 made advantages NaN: it is refused at the boundary (dead-lettered),
+    and the valid groups around it are trained."""
+    import msgpack
+
+    from hpcrl_common.messages import encode
+
+    topology = Topology(broker_settings.namespace, broker_settings.delivery_limit)
+    lp = base_logprobs(tiny_model)
+    absurd = msgpack.unpackb(encode(good_bad_batch("absurd", lp)))
+    absurd["samples"][0]["reward"] = 1e200
+    topology.declare(raw_channel)
+    raw_channel.basic_publish(topology.work_exchange(ROLLOUT_BATCHES),
+                              topology.name(ROLLOUT_BATCHES), msgpack.packb(absurd))
+    publish(broker_settings, good_bad_batch("v0", lp), good_bad_batch("v1", lp))
+    config = LearnerConfig(broker=broker_settings, learner=LearnerSettings(
+        model_path=tiny_model, checkpoint_dir=tmp_path / "store", groups_per_step=2,
+        metrics_port=0))
+    consumer, _learner = build(config)
+    store = CheckpointStore(tmp_path / "store")
+    with RunningConsumer(consumer):
+        wait_for(lambda: len(store.versions()) == 1, 120, "a step of the valid groups")
+    assert store.versions()[0].metrics["groups_trained"] == 2.0
+    method, props, _body = raw_channel.basic_get(topology.dlq(ROLLOUT_BATCHES), auto_ack=True)
+    assert method is not None and "reward" in props.headers["x-hpcrl-reason"]

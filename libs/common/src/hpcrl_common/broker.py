@@ -433,6 +433,12 @@ class Consumer:
         """Finish a deferred delivery: publish ``outputs``, then ack it (any thread)."""
         self._actions.put(partial(self._finish, delivery, list(outputs)))
 
+    def fail(self, delivery: Delivery, error: Exception) -> None:
+        """Hand a deferred delivery back as failed (any thread): it is tried again, and
+        dead-lettered with ``error`` once it has failed ``delivery_limit`` times."""
+        sub = next(s for s in self._subscriptions if s.queue == delivery.queue)
+        self._actions.put(partial(self._finish_failed, sub, delivery, error))
+
     def stop(self) -> None:
         self._stop.set()
 

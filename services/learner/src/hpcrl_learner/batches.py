@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from hpcrl_common.messages import RolloutBatch
+from hpcrl_common.rewards import MAX_ABS_REWARD
 from hpcrl_learner.grpo import group_advantages
 
 
@@ -60,6 +61,8 @@ def prepare_group(
     if len(prompt) == 0:
         raise BadBatch("empty prompt: the first completion token has nothing to condition on")
     rewards = [sample.reward for sample in batch.samples]
+    if any(abs(reward) > MAX_ABS_REWARD for reward in rewards):
+        raise BadBatch(f"rewards outside +-{MAX_ABS_REWARD:g}: {rewards}")
     try:
         advantages = group_advantages(rewards, eps=adv_eps).tolist()
     except ValueError as exc:

@@ -53,7 +53,10 @@ def group_advantages(rewards: Sequence[float] | torch.Tensor, eps: float = 1e-4)
     denominator = std + eps
     if float(denominator) == 0.0:
         return torch.zeros_like(values)
-    return centred / denominator
+    advantages = centred / denominator
+    if not bool(torch.isfinite(advantages).all()):  # e.g. 1e308: the mean overflows
+        raise ValueError(f"rewards too large to normalise: {values.tolist()}")
+    return advantages
 
 
 @dataclass(frozen=True)

@@ -145,6 +145,9 @@ class Learner:
             self.pending.pop()
             m.PENDING_GROUPS.set(len(self.pending))
             raise
+        if train.get("skipped"):
+            self._hand_back("update skipped: non-finite gradients (the model is unchanged)")
+            return
         try:
             info = self._commit(groups, train)
         except Exception as exc:
@@ -161,6 +164,17 @@ class Learner:
         self.states.tidy(self.version, self.settings.keep_state_versions)
         elapsed = time.perf_counter() - started
         self._observe(groups, train, info, elapsed)
+
+    def _hand_back(self, reason: str) -> None:
+        """A step that changed nothing consumes nothing: no version, every group retried
+        (and dead-lettered with ``reason`` if it keeps failing)."""
+        m.SKIPPED_STEPS.inc()
+        log.error("step not taken; groups handed back", reason=reason,
+                  groups=[group.batch_id for group, _ in self.pending])
+        for _, delivery in self.pending:
+            self.consumer.fail(delivery, RuntimeError(reason))
+        self.pending = []
+        m.PENDING_GROUPS.set(0)
 
     def _commit(self, groups: list[PreparedGroup], train: dict[str, float]) -> CheckpointInfo:
         version = self.version + 1
@@ -210,8 +224,6 @@ class Learner:
         m.GROUPS_TRAINED.set(self.state.groups_trained)
         m.PENDING_GROUPS.set(0)
         m.STEPS.inc()
-        if train.get("skipped"):
-            m.SKIPPED_STEPS.inc()
         m.STEP_SECONDS.observe(elapsed)
         log.info("step committed", version=self.version, groups=len(groups),
                  seconds=round(elapsed, 3),
