@@ -79,3 +79,34 @@ def test_results_batches_version_floor_and_pacing(broker_settings, raw_channel, 
         assert service.health()[1]["iteration"] == 1
     assert scheduler.store.count_results(request.id) == 2
     assert scheduler.store.count_unsent() == 0
+
+
+def test_results_without_source_do_not_wedge_the_scheduler(broker_settings, raw_channel,
+                                                           tmp_path):
+    """benchmarker.include_source = false: successes arrive without their code. Selecting one
+    as a parent made every tick raise while /healthz said 200; now the run goes on (from the
+    seed) and stays healthy."""
+    topology = Topology(broker_settings.namespace, broker_settings.delivery_limit)
+    config = SchedulerConfig(
+        broker=broker_settings, experiment={"name": "nosrc", "seed": 1},
+        scheduler=SchedulerSection(iterations=3, group_size=2, node_budget=2, max_staleness=0,
+                                   metrics_port=0, tick_s=0.1, exit_when_done=False),
+    )
+    scheduler = Scheduler(config, Store(tmp_path / "nosrc.sqlite"))
+    consumer = Consumer(broker_settings, "scheduler-nosrc", concurrency=2)
+    consumer.periodic_failure_grace_s = 1.0
+    service = SchedulerService(scheduler, consumer)
+    with RunningConsumer(consumer), Publisher(broker_settings) as publisher:
+        for iteration in range(3):
+            requests = take(raw_channel, topology.name(GENERATE_REQUESTS), GenerateRequest)
+            assert [r.iteration for r in requests] == [iteration]
+            answers = [result(requests[0].id, i, gflops=5.0 + i, source=None) for i in range(2)]
+            publisher.publish(*(Publish(topology.name(BENCH_RESULTS), r) for r in answers))
+        deadline = time.monotonic() + 20
+        while not scheduler.done() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert scheduler.done()
+        time.sleep(1.5)  # longer than the grace: a failing tick would show by now
+        healthy, detail = consumer.healthy()
+        assert healthy and "failing_periodic_tasks" not in detail, detail
+        assert service.health()[1]["iteration"] == 2
