@@ -24,9 +24,10 @@ import time
 from pathlib import Path
 
 from hpcrl_benchmarker import gemm
+from hpcrl_benchmarker.config import BenchmarkerSection
 from hpcrl_benchmarker.host import detect
-from hpcrl_benchmarker.pipeline import Benchmarker, Settings
-from hpcrl_benchmarker.service import BenchHandler, BenchmarkerSection
+from hpcrl_benchmarker.pipeline import Benchmarker
+from hpcrl_benchmarker.service import BenchHandler
 from hpcrl_common.messages import BenchSpec, Candidate
 from hpcrl_common.task import load_task
 
@@ -63,7 +64,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="hpcrl-overhead-"))
-    bench = Benchmarker(Settings(work_dir=root / "work", lock_path=root / "lock"), detect())
+    settings = BenchmarkerSection(work_dir=root / "work", lock_path=root / "lock")
+    bench = Benchmarker(settings, detect())
     handler = BenchHandler(bench, BenchmarkerSection(), "bench-results", "overhead")
     ratios = []
     for k, name in enumerate(("naive.c", "ikj_omp.c", "avx2_prefetch.c")):

@@ -23,8 +23,9 @@ import statistics
 import tempfile
 from pathlib import Path
 
+from hpcrl_benchmarker.config import BenchmarkerSection
 from hpcrl_benchmarker.host import detect
-from hpcrl_benchmarker.pipeline import Benchmarker, Settings
+from hpcrl_benchmarker.pipeline import Benchmarker
 from hpcrl_common.task import load_task
 
 KERNELS = Path(__file__).resolve().parent.parent / "tests" / "benchmarker" / "kernels"
@@ -50,8 +51,8 @@ def main() -> None:
                         help="override the task's timed runs per measurement (paper: 3)")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="hpcrl-noise-"))
-    settings = Settings(work_dir=root / "work", lock_path=root / "lock",
-                        pin_threads=not args.no_pin)
+    settings = BenchmarkerSection(work_dir=root / "work", lock_path=root / "lock",
+                                  pin_threads=not args.no_pin)
     bench = Benchmarker(settings, detect())
     task = load_task("matmul")
     if args.timed_runs is not None:

@@ -39,7 +39,7 @@ RELATION_TEXT = {"equal": "=", "at_most": "≤", "implies": "true ⇒ true"}
 METRIC_MODULES = (
     "hpcrl_common.broker",
     "hpcrl_common.metrics",
-    "hpcrl_benchmarker.service",
+    "hpcrl_benchmarker.metrics",
     "hpcrl_scheduler.metrics",
     "hpcrl_learner.metrics",
     "hpcrl_generator.metrics",

@@ -509,7 +509,8 @@ def main(argv: list[str] | None = None) -> int:
 def benchmark_corpus_best(config: SchedulerConfig, model_dir: Path) -> dict[str, Any] | None:
     """The fastest kernel of each stage of the policy's measured catalogue, timed again by
     the same benchmarker in this run (so the comparison with the run's best is fair)."""
-    from hpcrl_benchmarker.pipeline import Benchmarker, Settings
+    from hpcrl_benchmarker.config import BenchmarkerSection
+    from hpcrl_benchmarker.pipeline import Benchmarker
     from hpcrl_common.task import load_task
 
     path = model_dir / "corpus.json"
@@ -517,7 +518,7 @@ def benchmark_corpus_best(config: SchedulerConfig, model_dir: Path) -> dict[str,
         return None
     rows = [row for row in json.loads(path.read_text()) if row["status"] == "success"]
     task = load_task(config.experiment.task)
-    benchmarker = Benchmarker(Settings(pin_threads=False))
+    benchmarker = Benchmarker(BenchmarkerSection(pin_threads=False))
     best = None
     for number in sorted({row["stage"] for row in rows}):
         top = max((row for row in rows if row["stage"] == number), key=lambda r: r["gflops"])

@@ -7,14 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from hpcrl_benchmarker.host import detect
-from hpcrl_benchmarker.pipeline import Benchmarker, Settings
+from hpcrl_benchmarker.config import BenchmarkerSection
+from hpcrl_benchmarker.host import detect, has_avx512
+from hpcrl_benchmarker.pipeline import Benchmarker
 from hpcrl_benchmarker.verdict import Verdict
 from hpcrl_common.task import TaskSpec, load_task
 
 KERNELS = Path(__file__).parent / "kernels"
 HOST = detect()
-HAS_AVX512 = "avx512f" in HOST.flags
+HAS_AVX512 = has_avx512()
 # The allowance is used only where AVX-512 is missing (CI/development hosts with AVX2).
 ALLOW_ISA: list[str] = [] if HAS_AVX512 else ["avx2"]
 needs_avx512 = pytest.mark.skipif(
@@ -34,7 +35,8 @@ def task() -> TaskSpec:
 @pytest.fixture(scope="session")
 def bench(tmp_path_factory: pytest.TempPathFactory) -> Benchmarker:
     root = tmp_path_factory.mktemp("bench")
-    return Benchmarker(Settings(work_dir=root / "work", lock_path=root / "timing.lock"), HOST)
+    return Benchmarker(BenchmarkerSection(work_dir=root / "work", lock_path=root / "timing.lock"),
+                       HOST)
 
 
 @pytest.fixture(scope="session")

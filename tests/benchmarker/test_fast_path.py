@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from hpcrl_benchmarker import checks, cscan, gemm, sandbox
-from hpcrl_benchmarker.pipeline import Benchmarker, Events, Settings
+from hpcrl_benchmarker.pipeline import Benchmarker, Events
 from hpcrl_benchmarker.verdict import Verdict
 from hpcrl_common.task import TaskSpec
 
@@ -271,8 +271,7 @@ void matmul_optimized(double *A, double *B, double *C, int M, int N, int K) {
 
 def test_each_phase_has_its_own_wall_limit(bench: Benchmarker, task: TaskSpec,
                                            scratch: Path) -> None:
-    (scratch / "kernel.c").write_text(SLEEPER)
-    assert bench._compile(scratch, task, task.compile_flags("O1"), Events()).error == ""
+    assert bench.compile(scratch, SLEEPER, task, task.compile_flags("O1"), Events()).error == ""
     short = task.model_copy(update={"timing": task.timing.model_copy(
         update={"time_limit_s": 1.6})})
     slow, quick = {"M": 64, "N": 8, "K": 4}, {"M": 2, "N": 3, "K": 4}
@@ -285,14 +284,15 @@ def test_each_phase_has_its_own_wall_limit(bench: Benchmarker, task: TaskSpec,
     # 1 s of sleep per phase: each fits 1.6 s, both together do not.
     jobs = [gemm.Job("v", slow, 1), gemm.Job("v", quick, 2), gemm.Job("v", slow, 3),
             gemm.Job("t", slow, 4), gemm.Job("t", slow, 5)]
-    run = bench._run(scratch, short, jobs, Events(), verify_runs=3, watch=watch)
-    assert run.status is None, run.text
+    run = bench.run(scratch, short, jobs, Events(), verify_runs=3, watch=watch)
+    assert run.failure is None, run.failure
     assert len(run.frames) == 5 and seen == [0, 1, 2] and run.phase_started is not None
     assert run.wall_s > 1.6
     # A second phase over its own limit is a timeout, reported within that phase.
     jobs = jobs[:3] + [gemm.Job("t", slow, 6 + i) for i in range(4)]
-    run = bench._run(scratch, short, jobs, Events(), verify_runs=3)
-    assert run.status == "timeout" and "of 4 (64x8x4)" in run.text
+    run = bench.run(scratch, short, jobs, Events(), verify_runs=3)
+    assert run.failure is not None and run.failure.status == "timeout"
+    assert "of 4 (64x8x4)" in run.failure.error
 
 
 @pytest.fixture
@@ -306,8 +306,7 @@ def scratch(tmp_path: Path) -> Path:
 def test_threads_pinned_and_restricted_to_their_cpus(bench: Benchmarker, task: TaskSpec,
                                                     tmp_path: Path, scratch: Path) -> None:
     def make(**kwargs: object) -> Benchmarker:
-        return Benchmarker(Settings(work_dir=bench.settings.work_dir,
-                                    lock_path=bench.settings.lock_path, **kwargs), HOST)
+        return Benchmarker(bench.settings.model_copy(update=kwargs), HOST)
 
     env = make(threads=1).harness_env()
     assert env["OMP_NUM_THREADS"] == "1" and env["OMP_PROC_BIND"] == "close"
@@ -315,22 +314,21 @@ def test_threads_pinned_and_restricted_to_their_cpus(bench: Benchmarker, task: T
     assert make().harness_env()["OMP_PLACES"].count("{") == HOST.cores
     assert "OMP_PROC_BIND" not in make(pin_threads=False).harness_env()
     # Unpinned, the kernel's thread sees the sandbox's CPU set: `threads` CPUs of them.
-    (scratch / "kernel.c").write_text(AFFINITY)
     one = make(threads=1, pin_threads=False)
-    assert one._compile(scratch, task, task.compile_flags("O1"), Events()).error == ""
+    flags = task.compile_flags("O1")
+    assert one.compile(scratch, AFFINITY, task, flags, Events()).error == ""
     jobs = [gemm.Job("v", {"M": 1, "N": 2, "K": 1}, secrets.randbits(63))]
-    frames, status, text = one._run_jobs(scratch, task, jobs, Events())
-    assert status is None, text
-    assert frames[0].c[0, 0] == 1
-    frames, status, text = make(pin_threads=False)._run_jobs(scratch, task, jobs, Events())
-    assert status is None and frames[0].c[0, 0] == HOST.cores
+    run = one.run(scratch, task, jobs, Events())
+    assert run.failure is None, run.failure
+    assert run.frames[0].c[0, 0] == 1
+    run = make(pin_threads=False).run(scratch, task, jobs, Events())
+    assert run.failure is None and run.frames[0].c[0, 0] == HOST.cores
     # However many threads a team asks for, it gets at most `threads`.
     assert make(threads=1).harness_env()["OMP_THREAD_LIMIT"] == "1"
-    (scratch / "kernel.c").write_text(GREEDY_TEAM)
-    assert one._compile(scratch, task, task.compile_flags("O1"), Events()).error == ""
-    frames, status, text = one._run_jobs(scratch, task, jobs, Events())
-    assert status is None, text
-    assert frames[0].c[0, 0] == 1
+    assert one.compile(scratch, GREEDY_TEAM, task, flags, Events()).error == ""
+    run = one.run(scratch, task, jobs, Events())
+    assert run.failure is None, run.failure
+    assert run.frames[0].c[0, 0] == 1
 
 
 # Compiled straight into the harness (no checks): counts the CPUs of its affinity mask.
@@ -376,8 +374,9 @@ def test_a_watcher_can_stop_a_run_start_a_second_phase_and_feed_input(tmp_path: 
                 b"c": sandbox.Reply(stop=True)}[payload]
 
     started_ns = time.monotonic_ns()
-    outcome = sandbox.run(["/usr/bin/python3", "-c", script, "{fd}", "{marks}"], tmp_path,
-                          sandbox.Limits(wall_s=2.5, cpu_s=5), extra_pipe=True, marks=True,
+    spec = sandbox.Spec(tmp_path, sandbox.Limits(wall_s=2.5, cpu_s=5), extra_pipe=True,
+                        marks=True)
+    outcome = sandbox.run(["/usr/bin/python3", "-c", script, "{fd}", "{marks}"], spec,
                           watch=watch)
     # 3 s in all: past one wall limit of 2.5 s, but within the second phase's.
     assert sorted(seen) == sorted([("data", b"a"), ("mark", b"m"), ("data", b"b"),
@@ -402,9 +401,10 @@ def test_marks_after_data_keeps_this_process_asleep_until_the_data(tmp_path: Pat
         return None
 
     started = time.monotonic_ns()
-    outcome = sandbox.run(["/usr/bin/python3", "-c", script, "{fd}", "{marks}"], tmp_path,
-                          sandbox.Limits(wall_s=5, cpu_s=5), extra_pipe=True, marks=True,
-                          watch=watch, marks_after_data=True)
+    spec = sandbox.Spec(tmp_path, sandbox.Limits(wall_s=5, cpu_s=5), extra_pipe=True,
+                        marks=True, marks_after_data=True)
+    outcome = sandbox.run(["/usr/bin/python3", "-c", script, "{fd}", "{marks}"], spec,
+                          watch=watch)
     assert outcome.returncode == 0 and not outcome.timed_out
     assert [(c, p) for c, p, _, _ in seen] == [("mark", b"begin"), ("mark", b"result"),
                                               ("data", b"C"), ("mark", b"check")]

@@ -11,9 +11,10 @@ import pytest
 
 from hpcrl_benchmarker import checks
 from hpcrl_benchmarker.host import HostProfile
-from hpcrl_benchmarker.pipeline import Benchmarker, Settings
-from hpcrl_benchmarker.verdict import REWARDS, Verdict
+from hpcrl_benchmarker.pipeline import Benchmarker
+from hpcrl_benchmarker.verdict import Verdict
 from hpcrl_common.messages import STATUSES
+from hpcrl_common.rewards import FAILURE_REWARDS as REWARDS
 from hpcrl_common.task import TaskSpec
 
 from .conftest import HAS_AVX512, HOST, KERNELS, kernel, needs_avx512
@@ -162,8 +163,7 @@ def test_early_exit_is_a_runtime_error(judge: Judge) -> None:
 
 
 def test_memory_bomb_is_contained(bench: Benchmarker, task: TaskSpec) -> None:
-    small = Benchmarker(Settings(work_dir=bench.settings.work_dir,
-                                 lock_path=bench.settings.lock_path, address_space_mb=1024),
+    small = Benchmarker(bench.settings.model_copy(update={"address_space_mb": 1024}),
                         bench.host)
     verdict = small.evaluate(kernel("memory_bomb.c"), stage=6, opt_level="O1", task=task)
     assert_status(verdict, "runtime_error")

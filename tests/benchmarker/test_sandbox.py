@@ -28,7 +28,7 @@ def test_host_files_are_invisible_and_untouchable(scratch: Path, tmp_path: Path)
     marker.parent.mkdir()
     script = (f"echo pwned > {marker}; echo pwned > /usr/bin/pwned; cat /etc/passwd; "
               "ls /home /root /work /proc/1 2>&1; echo done > /scratch/inside")
-    outcome = sandbox.run(["/bin/sh", "-c", script], scratch, LIMITS, writable=True)
+    outcome = sandbox.run(["/bin/sh", "-c", script], sandbox.Spec(scratch, LIMITS, writable=True))
     assert not marker.exists() and not Path("/usr/bin/pwned").exists()
     assert b"root:" not in outcome.stdout
     assert (scratch / "inside").read_text() == "done\n"  # the scratch dir is the way out
@@ -36,7 +36,7 @@ def test_host_files_are_invisible_and_untouchable(scratch: Path, tmp_path: Path)
 
 def test_scratch_is_read_only_when_running(scratch: Path) -> None:
     outcome = sandbox.run(["/bin/sh", "-c", "echo x > /scratch/f; echo y > /tmp/f && cat /tmp/f"],
-                          scratch, LIMITS)
+                          sandbox.Spec(scratch, LIMITS))
     assert not (scratch / "f").exists()
     assert outcome.stdout == b"y\n"
 
@@ -44,21 +44,21 @@ def test_scratch_is_read_only_when_running(scratch: Path) -> None:
 def test_no_network(scratch: Path) -> None:
     code = ("import socket\ntry:\n socket.create_connection(('127.0.0.1', 5672), timeout=2)\n"
             " print('connected')\nexcept OSError as e:\n print('refused', e)")
-    outcome = sandbox.run(["/usr/bin/python3", "-c", code], scratch, LIMITS)
+    outcome = sandbox.run(["/usr/bin/python3", "-c", code], sandbox.Spec(scratch, LIMITS))
     assert b"refused" in outcome.stdout, outcome.stderr
 
 
 def test_wall_limit_kills_the_whole_group(scratch: Path) -> None:
     started = time.monotonic()
-    outcome = sandbox.run(["/bin/sh", "-c", "sleep 100 & sleep 100 & wait"], scratch,
-                          sandbox.Limits(wall_s=1, cpu_s=5))
+    outcome = sandbox.run(["/bin/sh", "-c", "sleep 100 & sleep 100 & wait"],
+                          sandbox.Spec(scratch, sandbox.Limits(wall_s=1, cpu_s=5)))
     assert outcome.timed_out and time.monotonic() - started < 10
 
 
 def test_file_size_limit(scratch: Path) -> None:
     limits = sandbox.Limits(wall_s=20, cpu_s=20, file_size_mb=1)
-    sandbox.run(["/bin/sh", "-c", "head -c 5000000 /dev/zero > /scratch/big"], scratch, limits,
-                writable=True)
+    sandbox.run(["/bin/sh", "-c", "head -c 5000000 /dev/zero > /scratch/big"],
+                sandbox.Spec(scratch, limits, writable=True))
     assert (scratch / "big").stat().st_size <= 1024 * 1024
 
 
@@ -101,11 +101,10 @@ void matmul_optimized(double *A, double *B, double *C, int M, int N, int K) {
 def test_harness_seccomp_blocks_processes_files_and_executable_memory(
     bench: Benchmarker, task: TaskSpec, scratch: Path
 ) -> None:
-    (scratch / "kernel.c").write_text(ESCAPES)
-    compiled = bench._compile(scratch, task, task.compile_flags("O1"), Events())
+    compiled = bench.compile(scratch, ESCAPES, task, task.compile_flags("O1"), Events())
     assert compiled.error == ""
     jobs = [gemm.Job("v", {"M": 16, "N": 8, "K": 4}, secrets.randbits(63))]
-    frames, status, text = bench._run_jobs(scratch, task, jobs, Events())
-    assert status is None, text
+    run = bench.run(scratch, task, jobs, Events())
+    assert run.failure is None, run.failure
     a, b = gemm.inputs(jobs[0].sizes, jobs[0].seed)
-    assert gemm.check(frames[0].c, gemm.reference(a, b), a, b, [(0, 0), (15, 7)], 1e-9) == ""
+    assert gemm.check(run.frames[0].c, gemm.reference(a, b), a, b, [(0, 0), (15, 7)], 1e-9) == ""

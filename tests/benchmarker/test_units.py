@@ -9,10 +9,13 @@ import numpy as np
 import pytest
 
 from hpcrl_benchmarker import checks, gemm
-from hpcrl_benchmarker.cscan import main_file_lines, strip_comments_and_strings
+from hpcrl_benchmarker.cscan import main_file_lines
 from hpcrl_benchmarker.extract import ExtractError, extract
 from hpcrl_benchmarker.host import HostProfile, IsaRefused, parse_cpuinfo
-from hpcrl_benchmarker.verdict import REWARDS, reward, timing_stats
+from hpcrl_benchmarker.verdict import timing_stats
+from hpcrl_common.csource import blank_comments_and_literals
+from hpcrl_common.rewards import FAILURE_REWARDS as REWARDS
+from hpcrl_common.rewards import reward_for_status as reward
 
 SIG = "void matmul_optimized(double *A, double *B, double *C, int M, int N, int K)"
 BODY = "{ C[0] = A[0] * B[0] + M + N + K; }"
@@ -49,7 +52,7 @@ def test_extract_rejects(text: str) -> None:
 
 def test_strip_keeps_length_and_blanks_comments_and_strings() -> None:
     src = 'a /* _mm512 */ b // omp\n"#pragma omp" \'x\''
-    out = strip_comments_and_strings(src)
+    out = blank_comments_and_literals(src)
     assert len(out) == len(src) and "_mm512" not in out and "omp" not in out
 
 

@@ -186,7 +186,7 @@ def test_the_readme_lists_every_panel():
 
 
 def default_ports() -> dict[str, int]:
-    from hpcrl_benchmarker.service import BenchmarkerSection
+    from hpcrl_benchmarker.config import BenchmarkerSection
     from hpcrl_generator.config import GeneratorSection
     from hpcrl_learner.config import LearnerSettings
     from hpcrl_scheduler.config import SchedulerSection

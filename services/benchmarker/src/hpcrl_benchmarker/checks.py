@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from dataclasses import dataclass
 
-from hpcrl_benchmarker.cscan import attributes, pragma_text, strip_comments_and_strings
+from hpcrl_benchmarker.cscan import attributes, pragma_text
+from hpcrl_common.csource import blank_comments_and_literals
 from hpcrl_common.stages import CACHE_BLOCKING, OPENMP, PREFETCH, REGISTER_BLOCKING, SIMD
 
 _SIMD_CODE = re.compile(
@@ -49,8 +51,8 @@ def detect_techniques(source: str, preprocessed_main: str = "") -> set[str]:
     for text in (source, preprocessed_main):
         if not text:
             continue
-        code = strip_comments_and_strings(text)
-        pragmas = pragma_text(strip_comments_and_strings(text)) + _pragma_operators(text)
+        code = blank_comments_and_literals(text)
+        pragmas = pragma_text(code) + _pragma_operators(text)
         attrs = attributes(code)
         # OpenMP directives as attributes ([[omp::directive(...)]]) read like pragmas.
         pragmas += [f"omp {args}" for namespace, _, args in attrs if namespace == "omp"]
@@ -75,7 +77,7 @@ def object_techniques(undefined: Iterable[str]) -> set[str]:
 def _pragma_operators(text: str) -> list[str]:
     # _Pragma's operand is a string literal, which stripping blanks; read it from the raw text
     # but only where the _Pragma keyword itself is code.
-    clean = strip_comments_and_strings(text)
+    clean = blank_comments_and_literals(text)
     return [
         " ".join(m.group(1).split())
         for m in re.finditer(r"_Pragma\s*\(\s*\"((?:\\.|[^\"\\])*)\"", text)
@@ -141,7 +143,7 @@ def source_violations(source: str, preprocessed_main: str = "") -> list[str]:
     for text in (source, preprocessed_main):
         if not text:
             continue
-        code = strip_comments_and_strings(text)
+        code = blank_comments_and_literals(text)
         for match in _INCLUDE.finditer(code if text is source else ""):
             if _FORBIDDEN_HEADER.search(match.group(1)):
                 reasons.append(f"includes <{match.group(1)[:200]}>: numeric libraries are not "
@@ -276,6 +278,20 @@ def parse_readelf_symbols(readelf: str) -> tuple[list[str], list[tuple[str, str]
         else:
             defined.append(("t" if bind == "LOCAL" else "T", name))
     return undefined, defined, unreadable
+
+
+@dataclass(frozen=True)
+class ObjectListing:
+    """The kernel's object as one ``readelf -S -s -W`` listing shows it, read once."""
+
+    readelf: str
+    undefined: list[str]
+    defined: list[tuple[str, str]]
+    unreadable: list[str]  # symbol rows that could not be read: the check fails closed
+
+    @classmethod
+    def parse(cls, readelf: str) -> ObjectListing:
+        return cls(readelf, *parse_readelf_symbols(readelf))
 
 
 _SECTION_ROW = re.compile(r"^\s*\[\s*(\d+)\]")

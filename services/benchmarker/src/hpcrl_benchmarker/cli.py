@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 from hpcrl_benchmarker.host import IsaRefused, detect
@@ -49,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from hpcrl_benchmarker.pipeline import Benchmarker, Settings
+    from hpcrl_benchmarker.config import BenchmarkerSection
+    from hpcrl_benchmarker.pipeline import Benchmarker
     from hpcrl_common.task import TaskError, load_task
 
     host = detect()
@@ -70,8 +72,9 @@ def _check(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"error: cannot read {args.file}: {exc.strerror or exc}", file=sys.stderr)
         return 2
-    settings = Settings() if args.work_dir is None else Settings(work_dir=args.work_dir)
-    verdict = Benchmarker(settings, host).evaluate(
+    # One-shot use: scratch under the user's temporary directory unless told otherwise.
+    work_dir = args.work_dir or Path(tempfile.gettempdir()) / "hpcrl-bench"
+    verdict = Benchmarker(BenchmarkerSection(work_dir=work_dir), host).evaluate(
         text, stage=args.stage, opt_level=args.opt_level, task=task)
     if args.json:
         print(json.dumps(verdict.to_json()))
@@ -92,8 +95,10 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from hpcrl_benchmarker.config import BenchmarkerConfig
     from hpcrl_benchmarker.pipeline import Benchmarker
-    from hpcrl_benchmarker.service import BenchmarkerConfig, build_consumer, settings_of
+    from hpcrl_benchmarker.service import build_consumer
+    from hpcrl_benchmarker.steps import InternalError
     from hpcrl_common.logs import configure_logging
     from hpcrl_common.service import load_or_exit, run_consumer
 
@@ -107,12 +112,17 @@ def _serve(args: argparse.Namespace) -> int:
         log.error("refusing to start", reason=str(exc))
         print(f"error: {exc}", file=sys.stderr)
         return 3
-    benchmarker = Benchmarker(settings_of(section), host)
+    try:
+        benchmarker = Benchmarker(section, host)
+    except InternalError as exc:
+        log.error("refusing to start", reason=str(exc))
+        print(f"error: {exc}", file=sys.stderr)
+        return 3
     consumer = build_consumer(config, benchmarker)
     log.info("benchmarker starting", host_class=host.host_class,
              peak_gflops=round(host.peak_gflops, 1), concurrency=section.concurrency,
              namespace=config.broker.namespace)
-    run_consumer(consumer, "benchmarker", section)
+    run_consumer(consumer, "benchmarker", section, extra_health=benchmarker.health)
     return 0
 
 

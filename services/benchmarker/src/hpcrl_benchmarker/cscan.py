@@ -1,32 +1,14 @@
-"""Lexical helpers on C source: blank out comments and literals, read preprocessor output.
+"""Lexical helpers on C source: pragmas, attributes, the main file's preprocessor output.
 
-Everything here is pure and works on text; the checks that use it must not be fooled by a
-technique mentioned in a comment or a string, so those are replaced by spaces (newlines kept,
-so line numbers and ``#`` directives survive).
+Everything here is pure and works on text. The checks that use it read code with comments and
+literals blanked (``hpcrl_common.csource.blank_comments_and_literals``), so a technique
+mentioned in a comment or a string does not count; newlines are kept, so line numbers and
+``#`` directives survive.
 """
 
 from __future__ import annotations
 
 import re
-
-_TOKEN = re.compile(
-    r"""//[^\n]*|/\*.*?(\*/|\Z)|"(\\.|[^"\\\n])*"?|'(\\.|[^'\\\n])*'?""", re.DOTALL
-)
-
-
-def strip_comments_and_strings(source: str) -> str:
-    """Comments become spaces; string and char literals keep their quotes, lose contents."""
-    # Line splices join lines (translation phase 2); keep the length by moving the newline.
-    source = re.sub(r"\\\n([^\n\\]*)", lambda m: m.group(1) + "  ", source)
-
-    def blank(match: re.Match[str]) -> str:
-        text = match.group(0)
-        if text.startswith(("//", "/*")):
-            return re.sub(r"[^\n]", " ", text)  # same length: offsets stay valid
-        quote = text[0]
-        return quote + " " * max(len(text) - 2, 0) + quote
-
-    return _TOKEN.sub(blank, source)
 
 
 def pragma_text(code: str) -> list[str]:

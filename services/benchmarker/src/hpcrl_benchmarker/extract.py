@@ -11,7 +11,7 @@ import bisect
 import re
 from dataclasses import dataclass
 
-from hpcrl_benchmarker.cscan import strip_comments_and_strings
+from hpcrl_common.csource import blank_comments_and_literals
 
 _OPENING_FENCE = re.compile(r"[ \t]*(```+|~~~+)[ \t]*([\w+#.-]*)")
 _CLOSING_FENCE = re.compile(r"[ \t]*(```+|~~~+)[ \t]*")
@@ -116,7 +116,7 @@ def _fenced_blocks(text: str) -> list[tuple[str, str]]:
 
 def _definitions(code: str, name: str) -> list[tuple[int, str, str]]:
     """(offset, return type text, parameter text) of each definition of ``name``."""
-    clean = strip_comments_and_strings(code)
+    clean = blank_comments_and_literals(code)
     found = []
     pattern = re.compile(
         r"(^|[;}\n])([ \t\w*]*?)\b" + re.escape(name) + r"\s*\(([^()]*)\)\s*\{", re.MULTILINE
@@ -167,7 +167,7 @@ def extract(completion: str, signature_text: str) -> Extracted:
 def _code_span(text: str, offset: int) -> str:
     """Without fences: the code around the function, up to the nearest prose line on either
     side (helpers before and after the kernel are kept, sentences are dropped)."""
-    clean = strip_comments_and_strings(text)
+    clean = blank_comments_and_literals(text)
     depth, end, seen = 0, len(text), False
     for i in range(offset, len(clean)):
         if clean[i] == "{":

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpcrl_common.messages import HostInfo
+from hpcrl_common.rewards import MAX_GFLOPS
 
 # The ISA flags that decide which kernels compile and how fast they can be.
 ISA_FLAGS = ("avx512f", "avx512dq", "avx512bw", "avx512vl", "avx2", "fma", "avx", "sse4_2")
@@ -86,6 +87,7 @@ class HostProfile:
             cores=self.cores,
             compiler=self.compiler[:256],
             host_class=self.host_class,
+            peak_gflops=min(self.peak_gflops, MAX_GFLOPS),
         )
 
     def check_isa(self, allow: list[str] | tuple[str, ...] = ()) -> None:

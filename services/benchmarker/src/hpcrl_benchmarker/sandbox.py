@@ -21,7 +21,7 @@ import socket
 import struct
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,6 +39,25 @@ class Limits:
     file_size_mb: int = 64
     open_files: int = 64
     tmp_mb: int = 64
+
+
+@dataclass(frozen=True)
+class Spec:
+    """Everything about one sandboxed run but its command: what it sees, what it may use,
+    and the channels it reports on."""
+
+    scratch: Path  # mounted at /scratch, the working directory
+    limits: Limits
+    writable: bool = False  # the scratch dir: writable while compiling, read-only while running
+    ro_binds: tuple[tuple[Path, str], ...] = ()  # more read-only binds: (host path, target)
+    env: Mapping[str, str] = field(default_factory=dict)  # on top of PATH, LC_ALL, TMPDIR
+    cpus: tuple[int, ...] | None = None  # confine the whole sandbox to these CPUs
+    # ``{fd}`` in argv becomes a descriptor whose output is collected apart (Outcome.extra).
+    extra_pipe: bool = False
+    # ``{marks}`` in argv becomes a message socket; the host's kernel stamps each message.
+    marks: bool = False
+    # As the watcher's Reply field, from the start.
+    marks_after_data: bool = False
 
 
 @dataclass
@@ -67,26 +86,6 @@ def available() -> bool:
     return all(shutil.which(tool) for tool in ("bwrap", "prlimit", "taskset"))
 
 
-def _command(argv: Sequence[str], scratch: Path, *, writable: bool,
-             ro_binds: Sequence[tuple[Path, str]], env: dict[str, str], tmp_mb: int) -> list[str]:
-    cmd = ["bwrap", "--unshare-all", "--unshare-user", "--uid", "65534", "--gid", "65534",
-           "--cap-drop", "ALL", "--die-with-parent", "--new-session", "--hostname", "sandbox"]
-    for path in _SYSTEM_RO:
-        if os.path.exists(path):
-            cmd += ["--ro-bind", path, path]
-    cmd += ["--symlink", "usr/lib", "/lib", "--symlink", "usr/lib64", "/lib64",
-            "--symlink", "usr/bin", "/bin", "--dev", "/dev",
-            "--size", str(tmp_mb * 1024 * 1024), "--tmpfs", "/tmp"]
-    for source, target in ro_binds:
-        cmd += ["--ro-bind", str(source), target]
-    cmd += ["--bind" if writable else "--ro-bind", str(scratch), "/scratch", "--chdir", "/scratch",
-            "--clearenv", "--setenv", "PATH", "/usr/bin", "--setenv", "LC_ALL", "C",
-            "--setenv", "TMPDIR", "/tmp"]
-    for key, value in env.items():
-        cmd += ["--setenv", key, value]
-    return [*cmd, "--", *argv]
-
-
 @dataclass(frozen=True)
 class Reply:
     """What a watcher answers for each event it is shown."""
@@ -109,7 +108,34 @@ _SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)
 _MARK_SIZE = 4096
 
 
-def _prlimit(limits: Limits) -> list[str]:
+def run(argv: Sequence[str], spec: Spec, *, stdin: bytes = b"",
+        watch: Watcher | None = None) -> Outcome:
+    """Run ``argv`` in the sandbox that ``spec`` describes. ``watch`` is shown every chunk of
+    the extra pipe and every mark as they arrive, and may send more input (stdin then stays
+    open until the run ends), restart the wall clock once (a run of two phases, each with
+    the full wall limit) or end the run."""
+    channels = _Channels(spec)
+    started = time.monotonic()
+    proc = subprocess.Popen(
+        command(channels.argv(argv), spec), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, start_new_session=True, pass_fds=channels.pass_fds,
+    )
+    channels.close_child_ends()
+    session = _Session(proc, channels, spec, watch, started)
+    session.start(stdin)
+    session.pump()
+    return session.finish()
+
+
+def command(argv: Sequence[str], spec: Spec) -> list[str]:
+    """The whole command line: CPU set, rlimits, then bubblewrap around ``argv``."""
+    cmd = prlimit_argv(spec.limits) + bwrap_argv(argv, spec)
+    if spec.cpus is not None:
+        cmd = ["taskset", "--cpu-list", ",".join(str(c) for c in spec.cpus), *cmd]
+    return cmd
+
+
+def prlimit_argv(limits: Limits) -> list[str]:
     # util-linux prlimit rather than a preexec_fn: the service forks from several threads,
     # where preexec_fn is unsafe.
     mb = 1024 * 1024
@@ -118,180 +144,209 @@ def _prlimit(limits: Limits) -> list[str]:
             f"--nofile={limits.open_files}", "--core=0", "--"]
 
 
-def run(
-    argv: Sequence[str],
-    scratch: Path,
-    limits: Limits,
-    *,
-    writable: bool = False,
-    ro_binds: Sequence[tuple[Path, str]] = (),
-    env: dict[str, str] | None = None,
-    stdin: bytes = b"",
-    extra_pipe: bool = False,
-    marks: bool = False,
-    watch: Watcher | None = None,
-    cpus: Sequence[int] | None = None,
-    marks_after_data: bool = False,
-) -> Outcome:
-    """Run ``argv`` in the sandbox. With ``extra_pipe``, ``{fd}`` in argv becomes the number
-    of a descriptor whose output is collected separately (Outcome.extra); with ``marks``,
-    ``{marks}`` becomes a message socket whose messages are timestamped by the host's kernel.
-    ``watch`` is shown every chunk of the extra pipe and every mark as they arrive, and may
-    send more input (stdin then stays open until the run ends), restart the wall clock once
-    (a run of two phases, each with the full wall limit) or end the run. ``cpus`` restricts
-    the whole sandbox to those CPUs. ``marks_after_data``: as the watcher's Reply field, from the
-    start."""
-    pass_fds: list[int] = []
-    read_end = write_end = -1
-    if extra_pipe:
-        read_end, write_end = os.pipe()
-        # A result (a whole matrix) fits at once: the writer need not wait for this process
-        # to be scheduled and drain the pipe 64 KiB at a time.
-        with contextlib.suppress(OSError):
-            fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, PIPE_SIZE)
-        pass_fds.append(write_end)
-        argv = [arg.replace("{fd}", str(write_end)) for arg in argv]
-    mark_parent: socket.socket | None = None
-    mark_child: socket.socket | None = None
-    if marks:
-        mark_parent, mark_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        mark_parent.setsockopt(socket.SOL_SOCKET, _SO_TIMESTAMPNS, 1)
-        mark_parent.setblocking(False)
-        pass_fds.append(mark_child.fileno())
-        argv = [arg.replace("{marks}", str(mark_child.fileno())) for arg in argv]
-    cmd = _prlimit(limits) + _command(argv, scratch, writable=writable, ro_binds=ro_binds,
-                                      env=env or {}, tmp_mb=limits.tmp_mb)
-    if cpus is not None:
-        cmd = ["taskset", "--cpu-list", ",".join(str(c) for c in cpus), *cmd]
+def bwrap_argv(argv: Sequence[str], spec: Spec) -> list[str]:
+    cmd = ["bwrap", "--unshare-all", "--unshare-user", "--uid", "65534", "--gid", "65534",
+           "--cap-drop", "ALL", "--die-with-parent", "--new-session", "--hostname", "sandbox"]
+    for path in _SYSTEM_RO:
+        if os.path.exists(path):
+            cmd += ["--ro-bind", path, path]
+    cmd += ["--symlink", "usr/lib", "/lib", "--symlink", "usr/lib64", "/lib64",
+            "--symlink", "usr/bin", "/bin", "--dev", "/dev",
+            "--size", str(spec.limits.tmp_mb * 1024 * 1024), "--tmpfs", "/tmp"]
+    for source, target in spec.ro_binds:
+        cmd += ["--ro-bind", str(source), target]
+    cmd += ["--bind" if spec.writable else "--ro-bind", str(spec.scratch), "/scratch",
+            "--chdir", "/scratch", "--clearenv", "--setenv", "PATH", "/usr/bin",
+            "--setenv", "LC_ALL", "C", "--setenv", "TMPDIR", "/tmp"]
+    for key, value in spec.env.items():
+        cmd += ["--setenv", key, value]
+    return [*cmd, "--", *argv]
 
-    started = time.monotonic()
-    proc = subprocess.Popen(
-        cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        start_new_session=True, pass_fds=tuple(pass_fds),
-    )
-    if extra_pipe:
-        os.close(write_end)
-    if mark_child is not None:
-        mark_child.close()
-    assert proc.stdin and proc.stdout and proc.stderr
-    out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
-    stdin_open = _send(proc, stdin)
-    if watch is None:
-        _close_stdin(proc)
-    buffers: dict[int, bytearray] = {out_fd: bytearray(), err_fd: bytearray()}
-    extra = bytearray()
-    extra_times: list[tuple[int, float]] = []
-    selector = selectors.DefaultSelector()
-    selector.register(proc.stdout, selectors.EVENT_READ)
-    selector.register(proc.stderr, selectors.EVENT_READ)
-    if extra_pipe:
-        selector.register(read_end, selectors.EVENT_READ)
-    if mark_parent is not None:
-        selector.register(mark_parent, selectors.EVENT_READ)
-    deadline = started + limits.wall_s
-    timed_out = stopped = False
-    phase_started: float | None = None
-    marks_open = mark_parent is not None
-    marks_paused = False
 
-    def pause_marks(pause: bool) -> None:
-        nonlocal marks_paused
-        if mark_parent is None or not marks_open or pause == marks_paused:
+class _Channels:
+    """The extra pipe and the mark socket of a run, when its spec asks for them."""
+
+    def __init__(self, spec: Spec) -> None:
+        self.read_end = self.write_end = -1
+        self.marks: socket.socket | None = None
+        self._mark_child: socket.socket | None = None
+        if spec.extra_pipe:
+            self.read_end, self.write_end = os.pipe()
+            # A result (a whole matrix) fits at once: the writer need not wait for this
+            # process to be scheduled and drain the pipe 64 KiB at a time.
+            with contextlib.suppress(OSError):
+                fcntl.fcntl(self.write_end, fcntl.F_SETPIPE_SZ, PIPE_SIZE)
+        if spec.marks:
+            self.marks, self._mark_child = socket.socketpair(socket.AF_UNIX,
+                                                             socket.SOCK_SEQPACKET)
+            self.marks.setsockopt(socket.SOL_SOCKET, _SO_TIMESTAMPNS, 1)
+            self.marks.setblocking(False)
+
+    @property
+    def pass_fds(self) -> tuple[int, ...]:
+        fds = [self.write_end] if self.write_end >= 0 else []
+        return (*fds, *([self._mark_child.fileno()] if self._mark_child else []))
+
+    def argv(self, argv: Sequence[str]) -> list[str]:
+        argv = list(argv)
+        if self.write_end >= 0:
+            argv = [arg.replace("{fd}", str(self.write_end)) for arg in argv]
+        if self._mark_child is not None:
+            argv = [arg.replace("{marks}", str(self._mark_child.fileno())) for arg in argv]
+        return argv
+
+    def close_child_ends(self) -> None:
+        """The child has its copies now; ours would keep the pipe from ever ending."""
+        if self.write_end >= 0:
+            os.close(self.write_end)
+        if self._mark_child is not None:
+            self._mark_child.close()
+
+    def close(self) -> None:
+        if self.read_end >= 0:
+            os.close(self.read_end)
+        if self.marks is not None:
+            self.marks.close()
+
+
+class _Session:
+    """One running sandbox: reads its output within the wall limit, shows the watcher each
+    event and does what it replies, and collects the outcome."""
+
+    def __init__(self, proc: subprocess.Popen, channels: _Channels, spec: Spec,
+                 watch: Watcher | None, started: float) -> None:
+        assert proc.stdin and proc.stdout and proc.stderr
+        self.proc, self.channels, self.spec, self.watch = proc, channels, spec, watch
+        self.started = started
+        self.deadline = started + spec.limits.wall_s
+        self.out_fd, self.err_fd = proc.stdout.fileno(), proc.stderr.fileno()
+        self.buffers: dict[int, bytearray] = {self.out_fd: bytearray(), self.err_fd: bytearray()}
+        self.extra = bytearray()
+        self.extra_times: list[tuple[int, float]] = []
+        self.selector = selectors.DefaultSelector()
+        self.timed_out = self.stopped = False
+        self.phase_started: float | None = None
+        self.stdin_open = False
+        self.marks_open = channels.marks is not None
+        self.marks_paused = False
+        self.open_pipes = 0
+
+    def start(self, stdin: bytes) -> None:
+        self.stdin_open = _send(self.proc, stdin)
+        if self.watch is None:
+            _close_stdin(self.proc)
+        assert self.proc.stdout and self.proc.stderr
+        self.selector.register(self.proc.stdout, selectors.EVENT_READ)
+        self.selector.register(self.proc.stderr, selectors.EVENT_READ)
+        if self.channels.read_end >= 0:
+            self.selector.register(self.channels.read_end, selectors.EVENT_READ)
+        if self.channels.marks is not None:
+            self.selector.register(self.channels.marks, selectors.EVENT_READ)
+        self.pause_marks(self.spec.marks_after_data and self.stdin_open)
+        self.open_pipes = len(self.selector.get_map()) - (self.marks_open and not self.marks_paused)
+
+    def pump(self) -> None:
+        """Read until every channel is closed, the watcher stops the run or time is up."""
+        while (self.open_pipes or self.marks_open) and not self.stopped:
+            remaining = self.deadline - time.monotonic()
+            if remaining <= 0:
+                self.timed_out = True
+                return
+            if not self.open_pipes:
+                self.pause_marks(False)  # the process has closed every pipe: only marks left
+            for key, _ in self.selector.select(timeout=min(remaining, 0.5)):
+                if self.stopped:
+                    break
+                if key.fileobj is self.channels.marks:
+                    self.read_marks()
+                    continue
+                # Whatever the process writes, the marks it sent first are read first.
+                self.pause_marks(False)
+                self.read_marks()
+                if self.stopped:
+                    break
+                self.read_pipe(key)
+
+    def read_pipe(self, key: selectors.SelectorKey) -> None:
+        fd = key.fd if isinstance(key.fileobj, int) else key.fileobj.fileno()
+        chunk = os.read(fd, 1 << 20)
+        if not chunk:
+            self.selector.unregister(key.fileobj)
+            self.open_pipes -= 1
+            return
+        if fd == self.channels.read_end:
+            self.extra += chunk
+            self.extra_times.append((len(self.extra), time.monotonic()))
+            if self.watch is not None:
+                self.show(DATA, chunk, time.monotonic_ns())
+        elif len(self.buffers[fd]) < OUTPUT_LIMIT:
+            self.buffers[fd] += chunk[: OUTPUT_LIMIT - len(self.buffers[fd])]
+
+    def pause_marks(self, pause: bool) -> None:
+        marks = self.channels.marks
+        if marks is None or not self.marks_open or pause == self.marks_paused:
             return
         if pause:
-            selector.unregister(mark_parent)
+            self.selector.unregister(marks)
         else:
-            selector.register(mark_parent, selectors.EVENT_READ)
-        marks_paused = pause
+            self.selector.register(marks, selectors.EVENT_READ)
+        self.marks_paused = pause
 
-    def read_marks() -> None:
-        nonlocal marks_open
-        if mark_parent is None or not marks_open:
+    def read_marks(self) -> None:
+        marks = self.channels.marks
+        if marks is None or not self.marks_open:
             return
-        messages = _receive_marks(mark_parent)
+        messages = _receive_marks(marks)
         if messages is None:
-            pause_marks(False)
-            selector.unregister(mark_parent)
-            marks_open = False
+            self.pause_marks(False)
+            self.selector.unregister(marks)
+            self.marks_open = False
         for payload, at_ns in messages or ():
-            if watch is not None and not stopped:
-                show(MARK, payload, at_ns)
+            if self.watch is not None and not self.stopped:
+                self.show(MARK, payload, at_ns)
 
-    def react(reply: Reply | None) -> None:
-        nonlocal stopped, phase_started, deadline, stdin_open
-        if reply is None:
-            return
-        if reply.stop:
-            stopped = True
-            return
-        if reply.new_phase and phase_started is None:
-            phase_started = time.monotonic()
-            deadline = phase_started + limits.wall_s
-        if reply.send and stdin_open:
-            stdin_open = _send(proc, reply.send)
-            pause_marks(reply.marks_after_data)
-
-    def show(channel: str, payload: bytes, at_ns: int) -> None:
-        assert watch is not None
+    def show(self, channel: str, payload: bytes, at_ns: int) -> None:
+        assert self.watch is not None
         try:
-            reply = watch(channel, payload, at_ns)
+            reply = self.watch(channel, payload, at_ns)
         except BaseException:
-            kill_group(proc)
+            kill_group(self.proc)
             raise
-        react(reply)
+        if reply is not None:
+            self.react(reply)
 
-    pause_marks(marks_after_data and stdin_open)
-    open_pipes = len(selector.get_map()) - (marks_open and not marks_paused)
-    while (open_pipes or marks_open) and not stopped:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            timed_out = True
-            break
-        if not open_pipes:
-            pause_marks(False)  # the process has closed every pipe: only marks are left
-        for key, _ in selector.select(timeout=min(remaining, 0.5)):
-            if stopped:
-                break
-            if key.fileobj is mark_parent:
-                read_marks()
-                continue
-            # Whatever the process writes, the marks it sent first are read first.
-            pause_marks(False)
-            read_marks()
-            if stopped:
-                break
-            fd = key.fd if isinstance(key.fileobj, int) else key.fileobj.fileno()
-            chunk = os.read(fd, 1 << 20)
-            if not chunk:
-                selector.unregister(key.fileobj)
-                open_pipes -= 1
-                continue
-            if fd == read_end:
-                extra += chunk
-                extra_times.append((len(extra), time.monotonic()))
-                if watch is not None:
-                    show(DATA, chunk, time.monotonic_ns())
-            elif len(buffers[fd]) < OUTPUT_LIMIT:
-                buffers[fd] += chunk[: OUTPUT_LIMIT - len(buffers[fd])]
-    if timed_out or stopped:
-        kill_group(proc)
-    _close_stdin(proc)
-    try:
-        returncode = proc.wait(timeout=max(0.1, deadline - time.monotonic()) + 2)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        kill_group(proc)
-        returncode = proc.wait()
-    selector.close()
-    proc.stdout.close()
-    proc.stderr.close()
-    if extra_pipe:
-        os.close(read_end)
-    if mark_parent is not None:
-        mark_parent.close()
-    return Outcome(returncode, bytes(buffers[out_fd]), bytes(buffers[err_fd]), timed_out,
-                   time.monotonic() - started, bytes(extra), extra_times, phase_started,
-                   stopped)
+    def react(self, reply: Reply) -> None:
+        if reply.stop:
+            self.stopped = True
+            return
+        if reply.new_phase and self.phase_started is None:
+            self.phase_started = time.monotonic()
+            self.deadline = self.phase_started + self.spec.limits.wall_s
+        if reply.send and self.stdin_open:
+            self.stdin_open = _send(self.proc, reply.send)
+            self.pause_marks(reply.marks_after_data)
+
+    def finish(self) -> Outcome:
+        """Kill what must not go on, reap the process, close every channel."""
+        proc = self.proc
+        if self.timed_out or self.stopped:
+            kill_group(proc)
+        _close_stdin(proc)
+        try:
+            returncode = proc.wait(timeout=max(0.1, self.deadline - time.monotonic()) + 2)
+        except subprocess.TimeoutExpired:
+            self.timed_out = True
+            kill_group(proc)
+            returncode = proc.wait()
+        self.selector.close()
+        assert proc.stdout and proc.stderr
+        proc.stdout.close()
+        proc.stderr.close()
+        self.channels.close()
+        return Outcome(returncode, bytes(self.buffers[self.out_fd]),
+                       bytes(self.buffers[self.err_fd]), self.timed_out,
+                       time.monotonic() - self.started, bytes(self.extra), self.extra_times,
+                       self.phase_started, self.stopped)
 
 
 def _send(proc: subprocess.Popen, data: bytes) -> bool:

@@ -12,59 +12,28 @@ from __future__ import annotations
 import os
 import socket
 import threading
-from pathlib import Path
 
 import structlog
-from prometheus_client import Counter, Gauge, Histogram, Info
-from pydantic import Field
 
-from hpcrl_benchmarker.pipeline import Benchmarker, Events, InternalError, Settings
+from hpcrl_benchmarker.config import BenchmarkerConfig, BenchmarkerSection
+from hpcrl_benchmarker.metrics import (
+    GFLOPS,
+    HOST,
+    INFLIGHT,
+    RESULTS,
+    SANDBOX_KILLS,
+    STEP_SECONDS,
+)
+from hpcrl_benchmarker.pipeline import Benchmarker, Events
+from hpcrl_benchmarker.steps import InternalError
 from hpcrl_benchmarker.verdict import Verdict
 from hpcrl_common.broker import Consumer, Delivery, Publish, Reject
-from hpcrl_common.config import ServiceConfig
 from hpcrl_common.messages import BenchResult, Candidate, Message
-from hpcrl_common.service import ServiceSection
 from hpcrl_common.task import TaskError, TaskSpec, builtin_tasks, load_task
 from hpcrl_common.topology import BENCH_RESULTS, CODE_TO_BENCH
 
 log = structlog.get_logger("hpcrl.benchmarker")
 
-RESULTS = Counter("hpcrl_benchmarker_results_total", "Verdicts published, by status", ["status"])
-GFLOPS = Histogram(
-    "hpcrl_benchmarker_gflops", "GFLOPS of successful candidates", ["stage", "opt_level"],
-    buckets=(0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000),
-)
-STEP_SECONDS = Histogram(
-    "hpcrl_benchmarker_step_seconds", "Duration of each pipeline step", ["step"],
-    buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32),
-)
-INFLIGHT = Gauge("hpcrl_benchmarker_inflight", "Candidates being benchmarked now")
-SANDBOX_KILLS = Counter("hpcrl_benchmarker_sandbox_kills_total",
-                        "Sandboxed processes killed at their wall-clock limit", ["reason"])
-HOST = Info("hpcrl_benchmarker_host", "The host this replica measures on")
-
-
-class BenchmarkerSection(ServiceSection):
-    metrics_port: int = Field(9102, ge=0, le=65535, description="0 picks a free port")
-    allow_isa: list[str] = Field(
-        default_factory=list,
-        description="ISAs accepted besides avx512f (e.g. ['avx2'] on development hosts)",
-    )
-    concurrency: int = Field(2, ge=1, le=64, description="candidates compiled/verified at once")
-    threads: int = Field(0, ge=0, description="OpenMP threads per kernel; 0 = all usable cores")
-    work_dir: Path = Field(Path("/tmp/hpcrl-bench"), description="scratch and harness cache")
-    lock_path: Path = Field(Path("/tmp/hpcrl-benchmarker-timing.lock"),
-                            description="per-node lock file that makes timings exclusive")
-    address_space_mb: int = Field(4096, ge=256, description="RLIMIT_AS of a kernel run")
-    pin_threads: bool = Field(True, description="bind each OpenMP thread of a kernel to one "
-                              "CPU (OMP_PROC_BIND/OMP_PLACES) for steadier timings")
-    tasks: list[str] = Field(default_factory=list,
-                             description="task TOML paths accepted besides the built-in tasks")
-    include_source: bool = Field(True, description="put the extracted code into each result")
-
-
-class BenchmarkerConfig(ServiceConfig):
-    benchmarker: BenchmarkerSection = BenchmarkerSection()
 
 
 class TaskCatalogue:
@@ -87,12 +56,6 @@ class TaskCatalogue:
                 except (TaskError, OSError) as exc:
                     raise Reject(f"task {name!r} cannot be loaded: {exc}") from None
             return self._cache[name]
-
-
-def settings_of(section: BenchmarkerSection) -> Settings:
-    return Settings(work_dir=section.work_dir, lock_path=section.lock_path,
-                    threads=section.threads, address_space_mb=section.address_space_mb,
-                    pin_threads=section.pin_threads)
 
 
 class BenchHandler:

@@ -1,4 +1,4 @@
-"""The verdict on one candidate and the reward table (SPEC section 4, exactly)."""
+"""The verdict on one candidate; its reward follows the table in hpcrl_common.rewards."""
 
 from __future__ import annotations
 
@@ -7,23 +7,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from hpcrl_common.messages import HostInfo, Timing
-
-REWARDS: dict[str, float] = {
-    "format_violation": -100.0,
-    "library_violation": -100.0,
-    "stage_violation": -100.0,  # treated like a library violation: the rules were broken
-    "compile_error": -40.0,
-    "timeout": -30.0,
-    "runtime_error": -20.0,
-    "verification_error": -10.0,
-}
-
-
-def reward(status: str, gflops: float | None) -> float:
-    if status == "success":
-        assert gflops is not None
-        return gflops
-    return REWARDS[status]
+from hpcrl_common.rewards import reward_for_status
 
 
 def timing_stats(runs_s: list[float]) -> Timing:
@@ -48,7 +32,7 @@ class Verdict:
 
     @property
     def reward(self) -> float:
-        return reward(self.status, self.gflops)
+        return reward_for_status(self.status, self.gflops)
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)

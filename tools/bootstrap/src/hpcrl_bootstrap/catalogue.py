@@ -106,10 +106,11 @@ def verdict_key(kernel: Kernel) -> str:
 def measure(kernels: Sequence[Kernel], task: TaskSpec, opt_level: str, cache_dir: Path,
             progress: Progress | None = None, workers: int = 2) -> tuple[list[Measured], Path]:
     """Every kernel judged by the benchmarker (cached per host class); and the cache file."""
-    from hpcrl_benchmarker.pipeline import Benchmarker, Settings
+    from hpcrl_benchmarker.config import BenchmarkerSection
+    from hpcrl_benchmarker.pipeline import Benchmarker
 
     # Not pinned: the build shares its cores with whatever else runs here.
-    benchmarker = Benchmarker(Settings(pin_threads=False))
+    benchmarker = Benchmarker(BenchmarkerSection(pin_threads=False))
     key = cache_key(benchmarker.host.host_class, opt_level, task, kernels)
     path = Path(cache_dir) / f"catalogue-{key}.json"
     cached = _read_cache(path)

@@ -123,13 +123,14 @@ def sample_completions(model_dir: Path, prompts: Sequence[Prompt], temperature: 
 def evaluate(model_dir: Path, per_bucket: int = 8, temperature: float = 0.8, seed: int = 1234,
              task_name: str = "matmul", opt_level: str = "O3",
              progress: Callable[[int, int], None] | None = None) -> EvalReport:
-    from hpcrl_benchmarker.pipeline import Benchmarker, Settings
+    from hpcrl_benchmarker.config import BenchmarkerSection
+    from hpcrl_benchmarker.pipeline import Benchmarker
 
     corpus = json.loads((Path(model_dir) / CORPUS_FILE).read_text())
     prompts = eval_prompts(corpus, per_bucket, host_isa(), seed, task_name)
     completions = sample_completions(Path(model_dir), prompts, temperature, seed=seed)
     task = load_task(task_name)
-    benchmarker = Benchmarker(Settings(pin_threads=False))
+    benchmarker = Benchmarker(BenchmarkerSection(pin_threads=False))
     judged = []
     for done, (prompt, completion) in enumerate(zip(prompts, completions, strict=True), 1):
         verdict = benchmarker.evaluate(completion, stage=prompt.stage, opt_level=opt_level,

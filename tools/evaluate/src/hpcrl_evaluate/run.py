@@ -192,13 +192,14 @@ class Judge:
 
 
 def make_judge(task_name: str, opt_level: str) -> Judge:
-    from hpcrl_benchmarker.pipeline import Benchmarker, Settings
+    from hpcrl_benchmarker.config import BenchmarkerSection
+    from hpcrl_benchmarker.pipeline import Benchmarker
     from hpcrl_common.task import load_task
 
     task = load_task(task_name)
     task.compile_flags(opt_level)  # an unknown level fails here, before any sampling
     # Unpinned: threads bound to cores that other processes use would time those processes.
-    return Judge(Benchmarker(Settings(pin_threads=False)), task, opt_level)
+    return Judge(Benchmarker(BenchmarkerSection(pin_threads=False)), task, opt_level)
 
 
 def sample_prompt(sampler: Sampler, prompt: EvalPrompt, options: SamplingOptions

@@ -58,6 +58,12 @@ void KERNEL_NAME(double *A, double *B, double *C, int M, int N, int K);
 #define MARK_CHECK 3u
 #define MARK_END 0x80000000u
 #define MAX_DIM 8192
+/* Exit statuses: defined once, in hpcrl_benchmarker/exitcodes.py (HarnessExit), which the
+ * benchmarker passes in as -D flags when it compiles this file. */
+#if !defined(HARNESS_EXIT_WRITE_FAILED) || !defined(HARNESS_EXIT_SECCOMP_FAILED) || \
+    !defined(HARNESS_EXIT_OUT_OF_MEMORY) || !defined(HARNESS_EXIT_BAD_INPUT)
+#error "compile with hpcrl_benchmarker.exitcodes.harness_defines()"
+#endif
 /* Below the sandbox's open-files limit (64); constants, so the kernel cannot redirect them. */
 #define DATA_FD 60
 #define MARK_FD 61
@@ -123,7 +129,7 @@ static void *must_alloc(size_t count) {
     void *p = aligned_alloc(64, bytes ? bytes : 64);
     if (!p) {
         fprintf(stderr, "harness: out of memory\n");
-        _exit(97);
+        _exit(HARNESS_EXIT_OUT_OF_MEMORY);
     }
     return p;
 }
@@ -211,16 +217,17 @@ static int lock_down(void) {
 }
 
 int main(int argc, char **argv) {
-    if (argc < 2 || argc > 3) return 98;
+    if (argc < 2 || argc > 3) return HARNESS_EXIT_BAD_INPUT;
     int data = atoi(argv[1]), marks = argc == 3 ? atoi(argv[2]) : data;
     if (data < 3 || marks < 3 || dup2(data, DATA_FD) != DATA_FD ||
         dup2(marks, MARK_FD) != MARK_FD)
-        return 98;
+        return HARNESS_EXIT_BAD_INPUT;
     if (data != DATA_FD && data != MARK_FD) close(data);
     if (marks != DATA_FD && marks != MARK_FD && marks != data) close(marks);
     char line[128];
     uint64_t nonce;
-    if (read_line(line, sizeof line) < 0 || sscanf(line, "%lu", &nonce) != 1) return 98;
+    if (read_line(line, sizeof line) < 0 || sscanf(line, "%lu", &nonce) != 1)
+        return HARNESS_EXIT_BAD_INPUT;
     /* Start the OpenMP thread pool before the lock-down so that TSYNC covers its threads. */
     volatile int warm = 0;
 #pragma omp parallel
@@ -230,18 +237,18 @@ int main(int argc, char **argv) {
     }
     if (lock_down() != 0) {
         fprintf(stderr, "harness: seccomp failed\n");
-        return 96;
+        return HARNESS_EXIT_SECCOMP_FAILED;
     }
     uint32_t j = 0;
     for (;; j++) {
         char kind;
         int m, n, k;
         uint64_t seed;
-        if (read_line(line, sizeof line) < 0) return 98;
+        if (read_line(line, sizeof line) < 0) return HARNESS_EXIT_BAD_INPUT;
         if (line[0] == 'e') break;
         if (sscanf(line, " %c %d %d %d %lu", &kind, &m, &n, &k, &seed) != 5 || m < 1 || n < 1 ||
             k < 1 || m > MAX_DIM || n > MAX_DIM || k > MAX_DIM)
-            return 98;
+            return HARNESS_EXIT_BAD_INPUT;
         size_t na = (size_t)m * k, nb = (size_t)k * n, nc = (size_t)m * n;
         /* Fresh buffers and fresh inputs for every call: nothing can be reused by pointer,
          * content or position, and C starts as NaN so nothing can be accumulated into it. */
@@ -256,7 +263,8 @@ int main(int argc, char **argv) {
          * whatever an earlier call left behind. */
         fesetenv(FE_DFL_ENV);
         uint64_t t0 = mono_ns();
-        if (send_mark(MARK_FD, nonce, j, MARK_BEGIN, t0, 0)) return 95;
+        if (send_mark(MARK_FD, nonce, j, MARK_BEGIN, t0, 0))
+            return HARNESS_EXIT_WRITE_FAILED;
         KERNEL_NAME(A, B, C, m, n, k);
         uint64_t t1 = mono_ns();
         uint32_t flags = 0;
@@ -264,18 +272,21 @@ int main(int argc, char **argv) {
         if (omp_get_level() != 0 || omp_in_parallel()) flags |= FLAG_PARALLEL_LEFT_OPEN;
         /* The mark first (its stamp bounds t1 tightly); C is copied after it, and a C that
          * still changes after the copy is caught below. */
-        if (send_mark(MARK_FD, nonce, j, MARK_RESULT, t1, nc)) return 95;
+        if (send_mark(MARK_FD, nonce, j, MARK_RESULT, t1, nc))
+            return HARNESS_EXIT_WRITE_FAILED;
         memcpy(out, C, nc * sizeof(double));
-        if (write_all(DATA_FD, out, nc * sizeof(double))) return 95;
+        if (write_all(DATA_FD, out, nc * sizeof(double)))
+            return HARNESS_EXIT_WRITE_FAILED;
         if (memcmp(A, A0, na * sizeof(double)) || memcmp(B, B0, nb * sizeof(double)))
             flags |= FLAG_INPUTS_MODIFIED;
         /* Work still running after return (a detached thread) shows up as a late change. */
         struct timespec pause = {0, 2000000};
         nanosleep(&pause, NULL);
         if (memcmp(out, C, nc * sizeof(double))) flags |= FLAG_CHANGED_AFTER_RETURN;
-        if (send_mark(MARK_FD, nonce, j, MARK_CHECK, flags, 0)) return 95;
+        if (send_mark(MARK_FD, nonce, j, MARK_CHECK, flags, 0))
+            return HARNESS_EXIT_WRITE_FAILED;
         free(A), free(B), free(C), free(A0), free(B0), free(out);
     }
-    if (send_mark(MARK_FD, nonce, j, MARK_END, 0, 0)) return 95;
+    if (send_mark(MARK_FD, nonce, j, MARK_END, 0, 0)) return HARNESS_EXIT_WRITE_FAILED;
     return 0;
 }

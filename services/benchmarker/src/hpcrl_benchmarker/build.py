@@ -1,0 +1,179 @@
+"""The compile step's pieces: the script run in the sandbox, what it left behind, and the
+trusted objects it links against (the harness, compiled once; the runtime's symbol names).
+
+One sandbox runs the whole step. The preprocessor's output, which the checks read, comes
+from ``gcc -E`` with the same flags on the same file, run alongside the compilation on
+another core (preprocessing is deterministic, so it is what cc1 compiled; -save-temps gave
+the same file but serialised it, ~70 ms more). Then sections and symbols from one readelf
+(nm costs ~10x more: it loads the LTO plugin), then the link with the harness.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import shlex
+import subprocess
+import threading
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import structlog
+
+from hpcrl_benchmarker import checks, cscan, sandbox
+from hpcrl_benchmarker.exitcodes import CompileExit, harness_defines
+from hpcrl_benchmarker.steps import InternalError
+from hpcrl_common.task import TaskSpec
+
+log = structlog.get_logger("hpcrl.benchmarker")
+
+KERNEL_FILE = "kernel.c"
+DIAGNOSTIC_LINES = 40
+DIAGNOSTIC_CHARS = 4000
+# gcc opens many headers and needs more memory than a kernel run may have.
+OPEN_FILES = 256
+MIN_ADDRESS_SPACE_MB = 2048
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """What the compile step left behind. The checks read it before its error counts."""
+
+    error: str  # '' when the kernel compiled and linked
+    preprocessed: str  # the kernel's own lines of gcc -E's output ('' if there is none)
+    listing: checks.ObjectListing | None  # None when there is no object to list
+
+
+def script(compiler: str, flags: list[str], harness: Path) -> str:
+    quoted = " ".join(shlex.quote(f) for f in flags)
+    return (
+        f"{compiler} {quoted} -fdiagnostics-color=never -E {KERNEL_FILE} -o kernel.i "
+        "2> cpp.txt & cpp=$!\n"
+        f"{compiler} {quoted} -fdiagnostics-color=never -c {KERNEL_FILE} -o kernel.o "
+        f"2> cc.txt || {{ wait $cpp; exit {CompileExit.COMPILE_FAILED:d}; }}\n"
+        f"wait $cpp || {{ cat cpp.txt >> cc.txt; exit {CompileExit.COMPILE_FAILED:d}; }}\n"
+        f"readelf -S -s -W kernel.o > elf.txt || exit {CompileExit.OBJECT_UNREADABLE:d}\n"
+        # Full RELRO: the harness's GOT is read-only before the kernel first runs (and the
+        # harness's seccomp filter refuses to remap it). The stack is never executable,
+        # whatever the object asks for (the checks refuse such objects).
+        f"{compiler} {quoted} kernel.o /harness/{harness.name} -Wl,-z,relro,-z,now "
+        "-Wl,-z,noexecstack -o run -lm "
+        f"2> ld.txt || exit {CompileExit.LINK_FAILED:d}\n"
+    )
+
+
+def spec(scratch: Path, task: TaskSpec, harness: Path, address_space_mb: int) -> sandbox.Spec:
+    limits = sandbox.Limits(
+        wall_s=task.compile.time_limit_s, cpu_s=int(task.compile.time_limit_s) + 5,
+        address_space_mb=max(address_space_mb, MIN_ADDRESS_SPACE_MB), open_files=OPEN_FILES,
+    )
+    # The scratch dir is writable only here: the objects are written into it.
+    return sandbox.Spec(scratch, limits, writable=True, ro_binds=((harness.parent, "/harness"),))
+
+
+def result(outcome: sandbox.Outcome, scratch: Path, task: TaskSpec) -> Compiled:
+    """The step's outcome read from the script's exit status and the files it wrote."""
+    error, has_object = _verdict(outcome, scratch, task)
+    preprocessed = ""
+    if (scratch / "kernel.i").is_file():
+        preprocessed = cscan.main_file_lines(
+            (scratch / "kernel.i").read_text(errors="replace"), KERNEL_FILE)
+    listing = checks.ObjectListing.parse(_read(scratch / "elf.txt")) if has_object else None
+    return Compiled(error, preprocessed, listing)
+
+
+def _verdict(outcome: sandbox.Outcome, scratch: Path, task: TaskSpec) -> tuple[str, bool]:
+    """(the compile error, '' if none; whether there is an object to check)."""
+    if outcome.timed_out:
+        return f"compilation did not finish within {task.compile.time_limit_s:g} s", False
+    if outcome.returncode == 0:
+        return "", True
+    if outcome.returncode == CompileExit.COMPILE_FAILED:
+        return _diagnostics(_read(scratch / "cc.txt")), False
+    if outcome.returncode == CompileExit.LINK_FAILED:
+        return "link failed:\n" + _diagnostics(_read(scratch / "ld.txt")), True
+    if outcome.returncode == CompileExit.OBJECT_UNREADABLE:
+        return "the object file could not be read", False
+    raise InternalError(f"compile sandbox failed (rc {outcome.returncode}): "
+                        f"{outcome.stderr[-2000:].decode(errors='replace')}")
+
+
+# sha256 of each harness object this process compiled: a cached object is used only while
+# its bytes are still the ones compiled here (one from an earlier run, or changed on disk, is
+# compiled again), so nothing written into the work directory can stand in for the harness.
+_COMPILED: dict[Path, str] = {}
+
+
+def _digest(path: Path) -> str | None:
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
+def harness_object(task: TaskSpec, work_dir: Path, compiler_version: str,
+                   lock: threading.Lock) -> Path:
+    """The harness template compiled once per (template, task function, compiler) and
+    process, and checked against what was compiled before every use."""
+    template = resources.files("hpcrl_benchmarker.harness") / f"{task.harness}.c"
+    if not template.is_file():
+        raise InternalError(f"no harness template {task.harness!r} for task {task.name!r}")
+    text = template.read_bytes()
+    flags = ["-O2", "-march=native", "-fopenmp", f"-DKERNEL_NAME={task.function}",
+             *harness_defines()]
+    key = hashlib.sha256(text + repr((flags, compiler_version)).encode()).hexdigest()[:16]
+    directory = work_dir / f"harness-{key}"
+    obj = directory / f"{task.harness}.o"
+    with lock:
+        compiled = _COMPILED.get(obj)
+        if compiled is not None and _digest(obj) == compiled:
+            return obj
+        if compiled is not None:
+            log.warning("the cached harness changed on disk; compiling it again", path=str(obj))
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        source = directory / f"{task.harness}.c"
+        source.write_bytes(text)
+        partial = directory / f".{task.harness}.o.{os.getpid()}"
+        subprocess.run([task.compile.compiler, *flags, "-c", str(source), "-o",
+                        str(partial)], check=True, capture_output=True)
+        partial.replace(obj)
+        _COMPILED[obj] = _digest(obj) or ""
+    return obj
+
+
+@functools.cache
+def runtime_symbols() -> frozenset[str]:
+    """Names exported by libc, libm and libgomp: a kernel may not define (interpose) them."""
+    names: set[str] = set()
+    for lib in ("libc.so.6", "libm.so.6", "libgomp.so.1"):
+        path = _find_library(lib)
+        if path is None:
+            continue
+        out = subprocess.run(["nm", "-D", "--defined-only", path], capture_output=True,
+                             text=True).stdout
+        names |= {line.split()[-1].split("@")[0] for line in out.splitlines()
+                  if len(line.split()) == 3}
+    return frozenset(names)
+
+
+def _find_library(name: str) -> str | None:
+    for directory in ("/usr/lib/x86_64-linux-gnu", "/lib/x86_64-linux-gnu", "/usr/lib64",
+                      "/usr/lib"):
+        candidate = Path(directory) / name
+        if candidate.exists():
+            return str(candidate)
+    return None
+
+
+def _diagnostics(text: str) -> str:
+    lines = [line.replace("/scratch/", "") for line in text.splitlines()]
+    return "\n".join(lines[:DIAGNOSTIC_LINES])[:DIAGNOSTIC_CHARS] or "compilation failed"
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""

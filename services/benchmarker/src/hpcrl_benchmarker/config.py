@@ -1,0 +1,43 @@
+"""The benchmarker's config section (`[benchmarker]` in the experiment TOML).
+
+It is also what the pipeline reads (``pipeline.Benchmarker`` takes the section itself), so
+the CLI, the tools and the service configure one declaration: every key is defined here once.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+
+from hpcrl_common.config import ServiceConfig
+from hpcrl_common.service import ServiceSection
+
+
+class BenchmarkerSection(ServiceSection):
+    metrics_port: int = Field(9102, ge=0, le=65535, description="0 picks a free port")
+    allow_isa: list[str] = Field(
+        default_factory=list,
+        description="ISAs accepted besides avx512f (e.g. ['avx2'] on development hosts)",
+    )
+    concurrency: int = Field(2, ge=1, le=64, description="candidates compiled/verified at once")
+    threads: int = Field(0, ge=0, description="OpenMP threads per kernel; 0 = all usable cores")
+    work_dir: Path = Field(Path("/tmp/hpcrl-bench"),
+                           description="scratch and harness cache; made private (mode 700) "
+                           "and refused if another user owns it")
+    lock_path: Path = Field(Path("/tmp/hpcrl-benchmarker-timing.lock"),
+                            description="per-node lock file that makes timings exclusive "
+                            "(mode 600; refused if another user owns it)")
+    timing_lock_timeout_s: float = Field(
+        300.0, gt=0, description="longest wait for the timing lock: the candidate is then "
+        "retried and /healthz reports the stall")
+    address_space_mb: int = Field(4096, ge=256, description="RLIMIT_AS of a kernel run")
+    pin_threads: bool = Field(True, description="bind each OpenMP thread of a kernel to one "
+                              "CPU (OMP_PROC_BIND/OMP_PLACES) for steadier timings")
+    tasks: list[str] = Field(default_factory=list,
+                             description="task TOML paths accepted besides the built-in tasks")
+    include_source: bool = Field(True, description="put the extracted code into each result")
+
+
+class BenchmarkerConfig(ServiceConfig):
+    benchmarker: BenchmarkerSection = BenchmarkerSection()

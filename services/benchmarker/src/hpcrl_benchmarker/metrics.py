@@ -1,0 +1,27 @@
+"""The benchmarker's Prometheus metrics (README lists them all)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram, Info
+
+RESULTS = Counter("hpcrl_benchmarker_results_total", "Verdicts published, by status", ["status"])
+GFLOPS = Histogram(
+    "hpcrl_benchmarker_gflops", "GFLOPS of successful candidates", ["stage", "opt_level"],
+    buckets=(0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000),
+)
+STEP_SECONDS = Histogram(
+    "hpcrl_benchmarker_step_seconds", "Duration of each pipeline step", ["step"],
+    buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32),
+)
+INFLIGHT = Gauge("hpcrl_benchmarker_inflight", "Candidates being benchmarked now")
+SANDBOX_KILLS = Counter("hpcrl_benchmarker_sandbox_kills_total",
+                        "Sandboxed processes killed at their wall-clock limit", ["reason"])
+HOST = Info("hpcrl_benchmarker_host", "The host this replica measures on")
+LOCK_WAIT = Histogram(
+    "hpcrl_benchmarker_timing_lock_wait_seconds", "Wait for the node's timing lock",
+    buckets=(0.001, 0.01, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 300),
+)
+LOCK_TIMEOUTS = Counter(
+    "hpcrl_benchmarker_timing_lock_timeouts_total",
+    "Candidates handed back because the timing lock stayed held past timing_lock_timeout_s",
+)

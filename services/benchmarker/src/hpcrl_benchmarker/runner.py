@@ -1,0 +1,153 @@
+"""The parent's side of one harness run: jobs sent one at a time, the protocol followed
+message by message, and how the process ended, read as the verdict it would be.
+
+A job's line is written only when the previous call is complete, so future inputs never
+exist in the process; anything out of protocol (a forged, repeated or misordered message)
+ends the run as tampering. Nothing here judges results: that is ``steps``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from hpcrl_benchmarker import gemm, sandbox
+from hpcrl_benchmarker.exitcodes import HARNESS_REFUSALS, HarnessExit
+from hpcrl_benchmarker.steps import InternalError, Phase, StepFailure, sizes_text
+
+FrameWatch = Callable[[gemm.Frame], bool]
+
+
+@dataclass(frozen=True)
+class HarnessRun:
+    """The calls that completed, in order, and how the process ended before the last job,
+    if it did (timeout, crash, early exit, tampering), as the verdict that would be."""
+
+    frames: list[gemm.Frame]
+    failure: StepFailure | None
+    started: float  # monotonic
+    wall_s: float
+    phase_started: float | None  # monotonic time the second phase began
+
+    @property
+    def phase_one_s(self) -> float:
+        return self._boundary - self.started
+
+    @property
+    def phase_two_s(self) -> float:
+        return self.started + self.wall_s - self._boundary
+
+    @property
+    def _boundary(self) -> float:
+        if self.phase_started is None:
+            return self.started + self.wall_s
+        return self.phase_started
+
+    def whole(self) -> Phase:
+        """The run as one phase."""
+        return Phase(self.frames, self.failure)
+
+    def phases(self, verify_runs: int) -> tuple[Phase, Phase | None]:
+        """The first ``verify_runs`` calls and the rest; no second phase when the process
+        ended before the first was complete."""
+        verify = [f for f in self.frames if f.job < verify_runs]
+        if len(verify) < verify_runs:
+            return Phase(verify, self.failure), None
+        rest = [dataclasses.replace(f, job=f.job - verify_runs) for f in self.frames
+                if f.job >= verify_runs]
+        return Phase(verify, None), Phase(rest, self.failure)
+
+
+class Conversation:
+    """Feeds the harness its jobs one at a time and reads its marks and results; ``watch``
+    sees each call of the first ``verify_runs`` as it completes and may end the run."""
+
+    def __init__(self, jobs: list[gemm.Job], verify_runs: int,
+                 watch: FrameWatch | None) -> None:
+        self.jobs = jobs
+        self.verify_runs = verify_runs
+        self.two_phases = 0 < verify_runs < len(jobs)
+        self.watch = watch
+        self.nonce = secrets.randbits(64)
+        self.reader = gemm.RunReader(self.nonce, jobs)
+        self.tampered = ""
+
+    @property
+    def frames(self) -> list[gemm.Frame]:
+        """The completed calls; none once the output was tampered with (none can be trusted)."""
+        return [] if self.tampered else self.reader.frames
+
+    def opening(self) -> bytes:
+        return gemm.header(self.nonce) + self.dispatch(0)
+
+    def dispatch(self, job: int) -> bytes:
+        """The next line for the harness: a job (its inputs exist from now on) or the end."""
+        if job == len(self.jobs):
+            return gemm.END_LINE
+        self.reader.sent(job, time.monotonic_ns())
+        return gemm.job_line(self.jobs[job])
+
+    def on_event(self, channel: str, payload: bytes, at_ns: int) -> sandbox.Reply | None:
+        try:
+            if channel == sandbox.MARK:
+                frames = self.reader.mark(payload, at_ns)
+            else:
+                frames = self.reader.data(payload)
+        except gemm.ProtocolError as exc:
+            self.tampered = self.tampered or str(exc)
+            return sandbox.Reply(stop=True)
+        for frame in frames:
+            if frame.job < self.verify_runs and self.watch is not None and self.watch(frame):
+                return sandbox.Reply(stop=True)
+            new_phase = self.two_phases and frame.job == self.verify_runs - 1
+            return sandbox.Reply(new_phase=new_phase, send=self.dispatch(frame.job + 1),
+                                 marks_after_data=frame.job + 1 < len(self.jobs))
+        return None
+
+
+def ending(outcome: sandbox.Outcome, talk: Conversation,
+           time_limit_s: float) -> StepFailure | None:
+    """None when the run ended as planned (all jobs done, or stopped by the watcher), else
+    why it did not. A harness that refuses to start is the benchmarker's failure."""
+    if talk.tampered:
+        return StepFailure("runtime_error",
+                           f"the harness's output was tampered with: {talk.tampered}")
+    reader = talk.reader
+    if outcome.stopped or (reader.finished and outcome.returncode == 0
+                           and not outcome.timed_out):
+        return None
+    where = _where(talk)
+    if outcome.timed_out:
+        return StepFailure("timeout", f"did not finish within {time_limit_s:g} s {where}; "
+                           "the process group was killed")
+    if (sig := outcome.signal) is not None:
+        hint = " (CPU time limit)" if sig == signal.SIGXCPU else ""
+        return StepFailure("runtime_error", f"killed by {_signal_name(sig)}{hint} {where}")
+    if outcome.returncode == HarnessExit.OUT_OF_MEMORY:
+        return StepFailure("runtime_error", f"out of memory {where}")
+    if outcome.returncode in HARNESS_REFUSALS:
+        raise InternalError(f"harness refused to start (rc {outcome.returncode}): "
+                            f"{outcome.stderr[-1000:].decode(errors='replace')}")
+    return StepFailure("runtime_error", f"the process exited early with status "
+                       f"{outcome.returncode} {where} (exit() in the kernel?)")
+
+
+def _where(talk: Conversation) -> str:
+    """Which call of which phase the process was in when it ended."""
+    jobs, done = talk.jobs, len(talk.reader.frames)
+    first, total = ((0, talk.verify_runs) if done < talk.verify_runs
+                    else (talk.verify_runs, len(jobs)))
+    current = min(done, len(jobs) - 1)
+    return (f"during run {current - first + 1} of {total - first} "
+            f"({sizes_text(jobs[current].sizes)})")
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"

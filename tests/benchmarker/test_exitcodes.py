@@ -1,0 +1,77 @@
+"""The exit statuses of the compile script and the C harness: exitcodes.py is their only
+definition, and the shell, the C and the Python that reads them agree on it."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from importlib import resources
+from pathlib import Path
+
+import pytest
+
+from hpcrl_benchmarker import build, gemm, runner, sandbox
+from hpcrl_benchmarker.exitcodes import HARNESS_REFUSALS, CompileExit, HarnessExit
+from hpcrl_benchmarker.pipeline import Benchmarker
+from hpcrl_benchmarker.steps import InternalError
+from hpcrl_common.task import TaskSpec
+
+GEMM_C = (resources.files("hpcrl_benchmarker.harness") / "gemm.c").read_text()
+
+
+def test_the_compile_script_exits_only_with_the_named_statuses() -> None:
+    text = build.script("gcc", ["-O3", "-march=native"], Path("/x/gemm.o"))
+    assert {int(n) for n in re.findall(r"\bexit (\d+)", text)} == set(CompileExit)
+
+
+def test_the_harness_names_every_status_and_spells_none_as_a_number() -> None:
+    used = set(re.findall(r"\bHARNESS_EXIT_(\w+)\b", GEMM_C))
+    assert used == {status.name for status in HarnessExit}
+    guarded = set(re.findall(r"defined\(HARNESS_EXIT_(\w+)\)", GEMM_C))
+    assert guarded == used  # it refuses to compile without any one of them
+    assert not re.search(r"#\s*define\s+HARNESS_EXIT_", GEMM_C)  # no second definition
+    numeric = re.findall(r"\b(?:return|_?exit\s*\()\s*\(?\s*(\d+)", GEMM_C)
+    assert set(numeric) <= {"0"}, numeric
+
+
+def test_the_harness_does_not_compile_without_the_definitions(tmp_path: Path) -> None:
+    source = tmp_path / "gemm.c"
+    source.write_text(GEMM_C)
+    done = subprocess.run(["gcc", "-fopenmp", "-c", str(source), "-o", str(tmp_path / "g.o")],
+                          capture_output=True, text=True)
+    assert done.returncode != 0 and "harness_defines" in done.stderr
+
+
+KERNEL = """void matmul_optimized(double *A, double *B, double *C, int M, int N, int K) {
+    for (int i = 0; i < M * N; i++) C[i] = 0;
+}
+"""
+
+
+@pytest.mark.parametrize(("argv", "stdin"), [([], b""), (["3"], b"not a nonce\n")])
+def test_the_compiled_harness_exits_with_the_python_value(
+    bench: Benchmarker, task: TaskSpec, tmp_path: Path, argv: list[str], stdin: bytes
+) -> None:
+    kernel = tmp_path / "kernel.c"
+    kernel.write_text(KERNEL)
+    binary = tmp_path / "run"
+    subprocess.run(["gcc", "-fopenmp", str(kernel), str(bench.harness_object(task)), "-o",
+                    str(binary), "-lm"], check=True, capture_output=True)
+    done = subprocess.run([str(binary), *argv], input=stdin, capture_output=True)
+    assert done.returncode == HarnessExit.BAD_INPUT
+
+
+def _ended(returncode: int) -> sandbox.Outcome:
+    return sandbox.Outcome(returncode, b"", b"harness: why", False, 0.1)
+
+
+def test_python_reads_the_statuses_as_named() -> None:
+    talk = runner.Conversation([gemm.Job("v", {"M": 2, "N": 2, "K": 2}, 1)], 0, None)
+    failure = runner.ending(_ended(HarnessExit.OUT_OF_MEMORY), talk, 8)
+    assert failure is not None and failure.status == "runtime_error"
+    assert failure.error.startswith("out of memory")
+    for refusal in HARNESS_REFUSALS:
+        with pytest.raises(InternalError, match=f"rc {int(refusal)}"):
+            runner.ending(_ended(refusal), talk, 8)
+    failure = runner.ending(_ended(HarnessExit.WRITE_FAILED), talk, 8)
+    assert failure is not None and "exited early with status 95" in failure.error
