@@ -165,6 +165,16 @@ def test_pacing_holds_requests_until_the_learner_trains(tmp_path):
     assert s.store.get("groups_trained") == 1
 
 
+def test_groups_the_learner_dropped_as_stale_count_as_done(tmp_path):
+    """A dropped group never comes back: counting it as outstanding narrowed the window for
+    the rest of the run, one group per drop."""
+    s = make(tmp_path)
+    s.handle_weight_update(WeightUpdate(
+        run="unit/r1", id="v1", version=1, parent_version=0, uri="file:///c", format="full",
+        checksum="sha256:" + "0" * 64, metrics={"groups_trained": 4, "groups_dropped": 3}))
+    assert s.pacing_state().groups_trained == 7
+
+
 def test_only_this_runs_versions_set_the_floor(tmp_path):
     """A version of another experiment, or of another training run (an old durable
     subscription, a forged 2^30), would make generators wait for a version never made."""

@@ -53,6 +53,7 @@ class Learner:
     ) -> None:
         self.settings = config.learner
         self.experiment = config.experiment.name
+        self.dropped_since_commit = 0
         self.consumer = consumer
         self.store = CheckpointStore(self.settings.checkpoint_dir)
         self.states = StateStore(self.settings.checkpoint_dir)
@@ -109,6 +110,7 @@ class Learner:
             m.STALENESS.observe(lag)
             if lag > self.settings.max_staleness:
                 m.STALE_DROPPED.inc()
+                self.dropped_since_commit += 1
                 log.info("stale group dropped", batch=batch.id, staleness=lag,
                          max_staleness=self.settings.max_staleness)
                 return []
@@ -179,13 +181,17 @@ class Learner:
     def _commit(self, groups: list[PreparedGroup], train: dict[str, float]) -> CheckpointInfo:
         version = self.version + 1
         batch_ids = [group.batch_id for group in groups]
-        state = self.state.advanced(version, batch_ids, self.settings.trained_ids_memory)
+        # Drops since the last commit become durable with this one (a crash before it loses
+        # their count, which only narrows the scheduler's window by as many groups).
+        state = self.state.advanced(version, batch_ids, self.settings.trained_ids_memory,
+                                    dropped=self.dropped_since_commit)
         staging = self.store.staging_dir(version)
         self.backend.save_version(staging)
         self.states.write(state, self.backend.save_optimizer)
         summary = step_summary(groups)
         checkpoint_metrics = {
             "groups_trained": float(state.groups_trained),
+            "groups_dropped": float(state.groups_dropped),
             "groups_per_step": float(self.settings.groups_per_step),
             **{k: float(train[k]) for k in ("loss", "kl", "clip_fraction", "grad_norm",
                                              "learning_rate", "sampler_kl", "tokens")},
@@ -200,6 +206,7 @@ class Learner:
             base_model=str(self.settings.model_path.resolve()), metrics=finite,
         )
         self.version, self.state = version, state
+        self.dropped_since_commit = 0
         self.trained.update(batch_ids)
         if len(self.trained) > self.settings.trained_ids_memory:
             self.trained = set(state.trained_ids)

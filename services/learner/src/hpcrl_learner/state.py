@@ -28,10 +28,15 @@ class LearnerState:
     version: int = 0
     groups_trained: int = 0
     trained_ids: list[str] = field(default_factory=list)  # oldest first
+    # Groups dropped as stale (acked untrained) up to this version: the scheduler's pacing
+    # counts them as done, or each drop would narrow its window for good.
+    groups_dropped: int = 0
 
-    def advanced(self, version: int, batch_ids: list[str], memory: int) -> LearnerState:
+    def advanced(self, version: int, batch_ids: list[str], memory: int,
+                 dropped: int = 0) -> LearnerState:
         ids = [*self.trained_ids, *batch_ids]
-        return LearnerState(version, self.groups_trained + len(batch_ids), ids[-memory:])
+        return LearnerState(version, self.groups_trained + len(batch_ids), ids[-memory:],
+                            self.groups_dropped + dropped)
 
 
 def _version_name(version: int) -> str:

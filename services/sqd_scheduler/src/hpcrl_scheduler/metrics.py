@@ -69,5 +69,6 @@ ITERATION = Gauge("hpcrl_scheduler_iteration", "Current SQD iteration (0-based)"
 ITERATIONS = Gauge("hpcrl_scheduler_iterations", "T: iterations this run will do")
 ITERATIONS_DONE = Gauge("hpcrl_scheduler_iterations_done", "Iterations completed")
 POLICY_VERSION = Gauge("hpcrl_scheduler_policy_version", "Latest policy version announced")
-GROUPS_TRAINED = Gauge("hpcrl_scheduler_groups_trained", "Groups the learner reports trained")
+GROUPS_TRAINED = Gauge("hpcrl_scheduler_groups_trained",
+                       "Groups the learner reports done: trained, or dropped as stale")
 UNSENT = Gauge("hpcrl_scheduler_outbox_unsent", "Messages written but not yet confirmed")

@@ -273,7 +273,9 @@ class Scheduler:
             s.set("learner_run", learner_run)
             s.set("policy_version", update.version)
             if "groups_trained" in update.metrics:
-                s.set("groups_trained", int(update.metrics["groups_trained"]))
+                # Groups the learner dropped as stale are done too: they never come back.
+                done = update.metrics["groups_trained"] + update.metrics.get("groups_dropped", 0)
+                s.set("groups_trained", int(done))
             if "groups_per_step" in update.metrics:
                 s.set("groups_per_step", max(1, int(update.metrics["groups_per_step"])))
         log.info("policy version seen", version=update.version, metrics=update.metrics)
