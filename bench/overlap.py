@@ -53,7 +53,7 @@ from hpcrl_common.topology import (
 )
 
 HOST = HostInfo(hostname="sleeper", cpu_model="none", isa=["avx2"], cores=1, compiler="none",
-                host_class="sleeper")
+                host_class="sleeper", peak_gflops=100.0)
 PROMPT = [ChatMessage(role="user", content="Write a faster matrix multiplication kernel in C.")]
 
 

@@ -20,7 +20,7 @@ from hpcrl_scheduler.scheduler import Scheduler
 from hpcrl_scheduler.store import Store
 
 HOST = HostInfo(hostname="bench", cpu_model="cpu", isa=["avx512f"], cores=8, compiler="gcc",
-                host_class="bench-class")
+                host_class="bench-class", peak_gflops=1000.0)
 STATUSES = ("success", "compile_error", "verification_error", "success", "stage_violation")
 PENALTY = {"compile_error": -40.0, "verification_error": -10.0, "stage_violation": -100.0}
 

@@ -29,7 +29,7 @@ needs_contract = pytest.mark.skipif(
 
 def host(host_class: str = "x86-avx512") -> HostInfo:
     return HostInfo(hostname="node1", cpu_model="Test CPU", isa=["avx512f"], cores=4,
-                    compiler="gcc 12", host_class=host_class)
+                    compiler="gcc 12", host_class=host_class, peak_gflops=1e6)
 
 
 def rollout(index: int, n_tokens: int = 3, version: int = 0) -> RolloutData:

@@ -211,7 +211,7 @@ class HostInfo(Strict):
     compiler: ShortText
     host_class: ShortText
     # Theoretical double-precision peak (an upper bound); a result above it cannot be genuine.
-    peak_gflops: Annotated[float, Field(gt=0, le=MAX_GFLOPS)] | None = None
+    peak_gflops: Annotated[float, Field(gt=0, le=MAX_GFLOPS)]
 
 
 class Timing(Strict):
@@ -257,7 +257,7 @@ class BenchResult(Message):
             raise ValueError(f"reward {self.reward!r} does not follow from status "
                              f"{self.status!r} (the reward table gives {expected!r})")
         peak = self.host.peak_gflops
-        if self.gflops is not None and peak is not None and self.gflops > peak:
+        if self.gflops is not None and self.gflops > peak:
             raise ValueError(f"gflops {self.gflops!r} is above the host's theoretical peak "
                              f"{peak!r}")
         return self
