@@ -22,7 +22,9 @@ C = TypeVar("C", bound=ServiceConfig)
 class ServiceSection(Section):
     """Fields every service section has; each service sets its own default port."""
 
-    metrics_host: str = Field("0.0.0.0", description="address of /metrics and /healthz")
+    metrics_host: str = Field(
+        "127.0.0.1", description="address of /metrics and /healthz: 127.0.0.1 keeps them on "
+        "this host; 0.0.0.0 (or the node's address) lets a Prometheus elsewhere scrape them")
     metrics_port: int = Field(0, ge=0, le=65535, description="0 picks a free port")
 
 
