@@ -1,4 +1,8 @@
-"""README.md stays true: its reference tables are what the code prints, defaults included."""
+"""The READMEs stay true: their reference tables are what the code prints, defaults included.
+
+README.md has every settings and metrics table; each service's README has its own section's
+(between <!-- settings:SERVICE:begin/end --> and <!-- metrics:SERVICE:begin/end -->).
+"""
 
 from __future__ import annotations
 
@@ -7,9 +11,20 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = ROOT / "deploy" / "reference.py"
 SECTIONS = ("broker", "logging", "experiment", "scheduler", "generator", "learner", "benchmarker")
+# README (relative to the root) -> the config section whose tables it carries (None: all).
+READMES = {
+    "README.md": None,
+    "services/benchmarker/README.md": "benchmarker",
+    "services/generator/README.md": "generator",
+    "services/learner/README.md": "learner",
+    "services/sqd_scheduler/README.md": "scheduler",
+}
+REGENERATE = "`.venv/bin/python deploy/reference.py readme`"
 
 
 def _reference(*args: str) -> subprocess.CompletedProcess[str]:
@@ -19,35 +34,61 @@ def _reference(*args: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, timeout=120)
 
 
-def test_readme_tables_are_what_the_code_prints():
-    check = _reference("check")
+@pytest.fixture(scope="module")
+def check() -> subprocess.CompletedProcess[str]:
+    return _reference("check")
+
+
+@pytest.fixture(scope="module")
+def settings() -> subprocess.CompletedProcess[str]:
+    return _reference("settings")
+
+
+@pytest.mark.parametrize("readme", READMES)
+def test_readme_tables_are_what_the_code_prints(check, readme):
+    assert check.returncode in (0, 1), check.stdout + check.stderr
+    stale = re.search(rf"^{re.escape(readme)}: ", check.stdout, flags=re.M)
+    assert stale is None, (
+        f"{readme}'s settings/metrics tables differ from the code; run {REGENERATE} and "
+        "commit the result:\n" + check.stdout + check.stderr
+    )
+
+
+def test_check_passes(check):
     assert check.returncode == 0, (
-        "README.md's settings/metrics tables differ from the code; run "
-        "`.venv/bin/python deploy/reference.py readme` and commit the result:\n"
+        f"reference tables differ from the code; run {REGENERATE}:\n"
         + check.stdout + check.stderr
     )
 
 
-def test_reference_output_is_stable_and_complete():
-    first, second = _reference("settings"), _reference("settings")
-    assert first.returncode == 0, first.stderr
-    assert first.stdout == second.stdout
-    assert " at 0x" not in first.stdout
-    rows = re.findall(r"^\| `(\w+)\.", first.stdout, flags=re.M)
+def test_reference_output_is_stable_and_complete(settings):
+    second = _reference("settings")
+    assert settings.returncode == 0, settings.stderr
+    assert settings.stdout == second.stdout
+    assert " at 0x" not in settings.stdout
+    rows = re.findall(r"^\| `(\w+)\.", settings.stdout, flags=re.M)
     assert set(rows) == set(SECTIONS) and len(rows) > 50
     metrics = _reference("metrics")
     assert metrics.returncode == 0, metrics.stderr
     assert len(re.findall(r"^\| `hpcrl_", metrics.stdout, flags=re.M)) > 30
 
 
-def test_no_reference_table_outside_the_generated_blocks():
+@pytest.mark.parametrize("readme", READMES)
+def test_no_reference_table_outside_the_generated_blocks(settings, readme):
     # A hand-written row elsewhere would not be regenerated, and would drift.
-    readme = (ROOT / "README.md").read_text()
-    outside = re.sub(r"<!-- (settings|metrics):begin -->.*?<!-- \1:end -->", "", readme,
-                     flags=re.S)
-    key_row = re.compile(rf"^\| `({'|'.join(SECTIONS)})\.\w|^\| `hpcrl_\w+`", re.M)
+    text = (ROOT / readme).read_text()
+    outside = re.sub(r"<!-- ((?:settings|metrics)(?::\w+)?):begin -->.*?<!-- \1:end -->", "",
+                     text, flags=re.S)
+    patterns = [rf"^\| `({'|'.join(SECTIONS)})\.\w", r"^\| `hpcrl_\w+`"]
+    section = READMES[readme]
+    if section is not None:
+        # A service's README may name its keys without the section, as its old tables did.
+        keys = re.findall(rf"^\| `{section}\.([\w.]+)` \|", settings.stdout, flags=re.M)
+        assert keys, f"no keys of [{section}] in the settings output"
+        patterns.append(rf"^\| `({'|'.join(map(re.escape, keys))})`")
+    key_row = re.compile("|".join(patterns), re.M)
     stray = [line for line in outside.splitlines() if key_row.match(line)]
-    assert not stray, f"reference rows outside the generated blocks of README.md: {stray}"
+    assert not stray, f"reference rows outside the generated blocks of {readme}: {stray}"
 
 
 def test_readme_starts_with_the_two_commands():

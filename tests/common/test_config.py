@@ -142,7 +142,7 @@ def test_what_is_not_compared(tmp_path):
     # A required key left out is its own service's error, not a disagreement.
     load_config(DemoConfig, write(tmp_path, '[learner]\nmodel_path = "/m"\n[generator]\n'),
                 env={})
-    # An unset generator.checkpoint_dir reads announced absolute URIs: nothing to compare.
+    # An unset generator.checkpoint_dir serves version 0 only: nothing to compare.
     load_config(DemoConfig, write(tmp_path, '[learner]\ncheckpoint_dir = "/ck"\n'
                                             '[generator]\nmodel_path = "models/base"\n'), env={})
     # A value of the wrong type is reported by the service that owns it.

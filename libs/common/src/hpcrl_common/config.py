@@ -51,8 +51,8 @@ RELATIONS: tuple[Relation, ...] = (
     Relation("learner.model_path", "equal", "generator.model_path", Path,
              "version 0 of the policy the learner trains and the generators sample"),
     Relation("learner.checkpoint_dir", "equal", "generator.checkpoint_dir", Path | None,
-             "the generators load new versions from the learner's store (an unset "
-             "generator.checkpoint_dir uses announced absolute URIs and is not compared)"),
+             "the generators load new versions only from the learner's store (an unset "
+             "generator.checkpoint_dir serves version 0 only and is not compared)"),
     Relation("scheduler.initial_groups_per_step", "equal", "learner.groups_per_step", int,
              "the scheduler paces by it until the learner's first update: if max_staleness "
              "x it is below a step's worth the first step never fills, if above, generation "

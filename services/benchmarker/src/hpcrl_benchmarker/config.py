@@ -18,25 +18,35 @@ class BenchmarkerSection(ServiceSection):
     metrics_port: int = Field(9102, ge=0, le=65535, description="0 picks a free port")
     allow_isa: list[str] = Field(
         default_factory=list,
-        description="ISAs accepted besides avx512f (e.g. ['avx2'] on development hosts)",
+        description="ISAs accepted besides avx512f (e.g. ['avx2'] on development hosts); "
+        "every result records its host class",
     )
-    concurrency: int = Field(2, ge=1, le=64, description="candidates compiled/verified at once")
-    threads: int = Field(0, ge=0, description="OpenMP threads per kernel; 0 = all usable cores")
+    concurrency: int = Field(2, ge=1, le=64, description="candidates checked and compiled at "
+                             "once by this replica (harness runs, verification and timing, "
+                             "are one at a time per node)")
+    threads: int = Field(0, ge=0, description="OpenMP threads per kernel, also its "
+                         "OMP_THREAD_LIMIT (no team, nested ones included, gets more); "
+                         "0 = every core this process may use")
     work_dir: Path = Field(Path("/tmp/hpcrl-bench"),
-                           description="scratch and harness cache; made private (mode 700) "
-                           "and refused if another user owns it")
+                           description="scratch dirs (one per candidate, removed after) and "
+                           "the compiled harness cache; made private (mode 700), refused if "
+                           "another user owns it")
     lock_path: Path = Field(Path("/tmp/hpcrl-benchmarker-timing.lock"),
-                            description="per-node lock file that makes timings exclusive "
+                            description="per-node lock file that makes harness runs "
+                            "exclusive: every replica on a node must use the same path "
                             "(mode 600; refused if another user owns it)")
     timing_lock_timeout_s: float = Field(
         300.0, gt=0, description="longest wait for the timing lock: the candidate is then "
         "retried and /healthz reports the stall")
     address_space_mb: int = Field(4096, ge=256, description="RLIMIT_AS of a kernel run")
     pin_threads: bool = Field(True, description="bind each OpenMP thread of a kernel to one "
-                              "CPU (OMP_PROC_BIND/OMP_PLACES) for steadier timings")
+                              "CPU (OMP_PROC_BIND/OMP_PLACES) for steadier timings; false "
+                              "suits a shared, loaded node")
     tasks: list[str] = Field(default_factory=list,
-                             description="task TOML paths accepted besides the built-in tasks")
-    include_source: bool = Field(True, description="put the extracted code into each result")
+                             description="task TOML paths accepted besides the built-in "
+                             "tasks (a message can never make the service read another path)")
+    include_source: bool = Field(True, description="put the extracted code into each result "
+                                 "(the scheduler's pool needs it)")
 
 
 class BenchmarkerConfig(ServiceConfig):

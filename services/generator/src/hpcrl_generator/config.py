@@ -17,12 +17,14 @@ class GeneratorSection(ServiceSection):
         "vllm", description="vllm: production engine; transformers: tiny models, no vLLM"
     )
     model_path: Path = Field(
-        description="Hugging Face model directory of the base policy (version 0); required"
+        description="Hugging Face model directory of the base policy (version 0); required; "
+        "its tokenizer must have a chat template"
     )
     checkpoint_dir: Path | None = Field(
         related_default("generator.checkpoint_dir"),
-        description="root of the learner's checkpoint store (manifest.json); "
-        "unset: only the base model and announced absolute URIs are used"
+        description="root of the learner's checkpoint store (manifest.json): new versions "
+        "are found only through its manifest; unset: the base model only, every "
+        "announcement refused"
     )
     replica: str = Field(
         "", description="name of this replica (default: hostname-pid); names its "
@@ -34,7 +36,8 @@ class GeneratorSection(ServiceSection):
     )
     max_model_len: int = Field(related_default("generator.max_model_len"), ge=16,
                                description="prompt + completion tokens, at most")
-    max_num_seqs: int = Field(64, ge=1, description="vLLM: sequences decoded together")
+    max_num_seqs: int = Field(64, ge=1, description="vLLM: sequences decoded together "
+                              "(at least G decodes a group in one pass)")
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM: GPUs per engine")
     gpu_memory_utilization: float = Field(
         0.9, gt=0, le=1, description="vLLM on GPU: share of GPU memory the engine may use"
@@ -43,16 +46,19 @@ class GeneratorSection(ServiceSection):
         4, ge=1, description="vLLM on CPU: KV cache size (sets VLLM_CPU_KVCACHE_SPACE)"
     )
     enforce_eager: bool = Field(
-        True, description="vLLM: no CUDA graphs / torch.compile (fast start, slower decode)"
+        True, description="vLLM: no CUDA graphs / torch.compile (fast start, slower "
+        "decode; false on GPUs for faster decode)"
     )
     enable_lora: bool = Field(
         related_default("generator.enable_lora"),
         description="vLLM: accept LoRA-format policy versions (LoRARequest)"
     )
     max_lora_rank: int = Field(64, ge=1, description="vLLM: largest LoRA rank accepted")
-    device: str = Field("cpu", description="transformers backend: torch device")
+    device: str = Field("cpu", description="transformers backend: torch device (cpu, cuda, "
+                        "cuda:1, ...)")
     verify_checksum: bool = Field(
-        True, description="check a version's sha256 against its announcement before loading"
+        True, description="check a version directory's sha256 against the store's manifest "
+        "(which must match the announcement) before loading"
     )
     poll_manifest: bool = Field(
         True, description="read the checkpoint manifest before every request, so a new "

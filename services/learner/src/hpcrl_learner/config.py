@@ -27,7 +27,8 @@ class LoraSettings(Section):
 class LearnerSettings(ServiceSection):
     metrics_port: int = Field(9103, ge=0, le=65535, description="0 picks a free port")
     backend: Literal["torch", "swift"] = Field(
-        "torch", description="torch: single process; swift: ms-swift Megatron (see README)"
+        "torch", description="torch: one process, CPU or one GPU; swift: ms-swift Megatron "
+        "workers on GPUs (own environment; refuses to start, naming what is missing)"
     )
     model_path: Path = Field(related_default("learner.model_path"),
                              description="base model directory (version 0)")
@@ -36,7 +37,8 @@ class LearnerSettings(ServiceSection):
         description="checkpoint store on a filesystem shared with the generators"
     )
     groups_per_step: int = Field(related_default("learner.groups_per_step"), ge=1, le=4096,
-                                 description="rollout batches per step")
+                                 description="rollout batches (groups) per step; "
+                                 "broker.prefetch is raised to at least this")
     learning_rate: float = Field(
         5e-7, ge=0, description="AdamW learning rate (0: the no-update baseline)"
     )
@@ -44,7 +46,8 @@ class LearnerSettings(ServiceSection):
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     adam_betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
     max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping (global L2 norm)")
-    beta: float = Field(0.0, ge=0, description="KL coefficient; 0 loads no reference model")
+    beta: float = Field(0.0, ge=0, description="KL coefficient against the base model (k3 "
+                        "estimator); 0 loads no reference model")
     clip_eps: float = Field(0.2, gt=0, lt=1, description="delta of the clipped objective")
     adv_eps: float = Field(1e-4, ge=0, description="epsilon of A = (R - mean) / (std + eps)")
     aggregation: Literal["token", "sequence"] = Field(
@@ -55,22 +58,28 @@ class LearnerSettings(ServiceSection):
     )
     max_staleness: int = Field(
         related_default("learner.max_staleness"), ge=0,
-        description="a group sampled more versions behind than this is dropped"
+        description="a group whose oldest sample is more versions behind than this on "
+        "arrival is dropped (acked, counted)"
     )
     logprob_temperature: float = Field(
-        1.0, gt=0, description="temperature the sampling log-probs were computed at"
+        1.0, gt=0, description="temperature the sampling log-probs were computed at (the "
+        "trainer's log-probs use the same)"
     )
     micro_batch_size: int = Field(8, ge=1, description="sequences per forward/backward pass")
     max_sequence_tokens: int = Field(
         related_default("learner.max_sequence_tokens"), ge=2,
-        description="longer prompt+completion sequences are refused"
+        description="longer prompt+completion sequences are refused (the batch is "
+        "dead-lettered)"
     )
     lora: LoraSettings = LoraSettings()
     device: str = Field("auto", description="auto (cuda if available), cpu, cuda, cuda:N")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="weights dtype; auto: bfloat16 on GPU, float32 on CPU"
+        "auto", description="weights dtype; auto: bfloat16 for LoRA on GPU, float32 otherwise "
+        "(a bf16 full fine-tune rounds away updates of lr 5e-7)"
     )
-    gradient_checkpointing: bool = Field(False, description="trade compute for activation memory")
+    gradient_checkpointing: bool = Field(False, description="recompute activations in "
+                                         "backward: less memory for long sequences, more "
+                                         "compute")
     keep_state_versions: int = Field(
         2, ge=1, description="optimizer-state snapshots kept in <checkpoint_dir>/learner-state"
     )

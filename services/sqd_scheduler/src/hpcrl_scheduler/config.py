@@ -15,13 +15,17 @@ from hpcrl_scheduler.groups import RewardMode
 class SchedulerSection(ServiceSection):
     metrics_port: int = Field(9104, ge=0, le=65535, description="0 picks a free port")
     iterations: int = Field(9, ge=1, le=10_000, description="T: SQD iterations to run")
-    group_size: int = Field(16, ge=1, le=1024, description="G: completions per node")
+    group_size: int = Field(16, ge=1, le=1024, description="G: completions per node (the "
+                            "paper: 64)")
     node_budget: int = Field(
         32, ge=0, description="nodes expanded per iteration besides the seed (0 = unbounded)"
     )
-    ratio_deepen: float = Field(0.4, ge=0, description="share of top successes deepened")
-    ratio_improve: float = Field(0.3, ge=0, description="share of middle successes improved")
-    ratio_repair: float = Field(0.3, ge=0, description="budget share of repairs")
+    ratio_deepen: float = Field(0.4, ge=0, description="share of a stage's successes (top) "
+                                "deepened; weight of deepen in the budget")
+    ratio_improve: float = Field(0.3, ge=0, description="share of successes (next) improved; "
+                                 "weight of improve in the budget")
+    ratio_repair: float = Field(0.3, ge=0, description="weight of repair in the budget (0 = "
+                                "no repairs)")
     reward_mode: RewardMode = Field(
         "group_normalized",
         description="success reward: raw = GFLOPS (Experiment 1); group_normalized = GFLOPS / "
@@ -39,7 +43,8 @@ class SchedulerSection(ServiceSection):
         None, description="C file of the seed program (default: the built-in one of the task)"
     )
     prompt_templates: Path | None = Field(
-        None, description="TOML with the prompt templates (default: built-in)"
+        None, description="TOML with the prompt templates: keys system, user, "
+        "modes.{seed,deepen,improve,repair} (default: built-in)"
     )
     temperature: float = Field(1.0, ge=0, le=10, description="sampling temperature")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling")
@@ -61,7 +66,8 @@ class SchedulerSection(ServiceSection):
     group_deadline_s: float = Field(
         1800.0, gt=0, description="a group with no new result for this long is closed short"
     )
-    tick_s: float = Field(0.5, gt=0, le=60, description="period of the scheduling loop")
+    tick_s: float = Field(0.5, gt=0, le=60, description="period of the scheduling loop "
+                          "(plan, admit, deadlines, outbox)")
     exit_when_done: bool = Field(True, description="serve exits 0 once all T iterations end")
 
     @model_validator(mode="after")
