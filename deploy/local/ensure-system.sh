@@ -3,7 +3,7 @@
 # sure RabbitMQ answers on 127.0.0.1:5672. Safe to run again: it only acts on what is missing.
 set -euo pipefail
 
-packages=(gcc make binutils libopenblas-dev bubblewrap rabbitmq-server prometheus)
+packages=(gcc make binutils libopenblas-dev bubblewrap rabbitmq-server prometheus shellcheck python3-seccomp)
 missing=()
 for pkg in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
