@@ -299,3 +299,22 @@ def test_absurd_rewards_never_reach_training(broker_settings, raw_channel, tiny_
     assert store.versions()[0].metrics["groups_trained"] == 2.0
     method, props, _body = raw_channel.basic_get(topology.dlq(ROLLOUT_BATCHES), auto_ack=True)
     assert method is not None and "reward" in props.headers["x-hpcrl-reason"]
+
+
+def test_a_second_learner_on_the_same_store_refuses_to_start(broker_settings, tiny_model,
+                                                            tmp_path):
+    """Two learners on one store would each commit "the next version" and announce weights
+    the other never trained."""
+    config = write_config(tmp_path / "exp.toml", broker_settings, tiny_model, tmp_path / "store")
+    first_log, second_log = tmp_path / "first.log", tmp_path / "second.log"
+    first = start_learner(config, first_log)
+    try:
+        wait_for(lambda: "learner ready" in first_log.read_text(errors="replace")
+                 if first_log.exists() else False, 120, "the first learner", first_log)
+        second = start_learner(config, second_log)
+        assert second.wait(120) == 2
+        assert "another learner is writing the checkpoint store" in second_log.read_text()
+        assert first.poll() is None  # the first one is untouched
+    finally:
+        first.terminate()
+        first.wait(30)

@@ -37,10 +37,15 @@ def serve(args: argparse.Namespace) -> int:
     from hpcrl_learner.service import build
 
     hf_logging.disable_progress_bar()
+    from hpcrl_learner.service import StoreBusy
+
     try:
         consumer, learner = build(config)
     except ImportError as exc:
         log.error("backend unavailable", backend=config.learner.backend, error=str(exc))
+        return 2
+    except StoreBusy as exc:
+        log.error("refusing to start", reason=str(exc))
         return 2
     run_consumer(consumer, "learner", config.learner, extra_health=learner.health)
     if learner.failed:

@@ -9,10 +9,13 @@ the others are trained on once, in the next step.
 
 from __future__ import annotations
 
+import fcntl
 import math
+import os
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -55,6 +58,7 @@ class Learner:
         self.experiment = config.experiment.name
         self.dropped_since_commit = 0
         self.consumer = consumer
+        hold_store(self.settings.checkpoint_dir)
         self.store = CheckpointStore(self.settings.checkpoint_dir)
         self.states = StateStore(self.settings.checkpoint_dir)
         self.store.remove_stale_staging()
@@ -235,6 +239,34 @@ class Learner:
         log.info("step committed", version=self.version, groups=len(groups),
                  seconds=round(elapsed, 3),
                  **{k: round(v, 6) for k, v in info.metrics.items()})
+
+
+class StoreBusy(RuntimeError):
+    """Another learner process writes this checkpoint store."""
+
+
+_HELD_STORES: dict[Path, int] = {}
+
+
+def hold_store(checkpoint_dir: Path) -> None:
+    """Take the store's writer lock for the life of this process, or raise StoreBusy.
+
+    Two learners on one store would both commit "the next version" and each announce weights
+    the other never trained. The lock is an flock, released by the kernel when the process
+    dies (kill -9 included), so a restarted learner always gets it back.
+    """
+    root = Path(checkpoint_dir).resolve()
+    if root in _HELD_STORES:
+        return  # this process already writes it (tests build learners one after another)
+    root.mkdir(parents=True, exist_ok=True)
+    fd = os.open(root / ".learner.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise StoreBusy(f"another learner is writing the checkpoint store {root}: one "
+                        f"learner per store") from None
+    _HELD_STORES[root] = fd
 
 
 def effective_broker(config: LearnerConfig) -> LearnerConfig:
