@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -167,3 +168,59 @@ def test_killed_replica_candidate_is_benchmarked_by_another(
             if proc is not None and proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+def test_sigterm_to_the_whole_replica_publishes_no_false_verdict(
+    broker_settings: BrokerSettings, tmp_path: Path
+) -> None:
+    """Slurm's scancel and systemd signal every process of a replica, the sandboxed kernel
+    too. The kernel then dies by that signal and used to be published as a runtime_error (-20)
+    although it was fine; now the candidate goes back to the queue."""
+    config = write_config(tmp_path / "bench.toml", broker_settings, tmp_path)
+    args = [sys.executable, "-m", "hpcrl_benchmarker.cli", "serve", "--config", str(config),
+            *(arg for isa in ALLOW_ISA for arg in ("--allow-isa", isa))]
+    replica = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                               start_new_session=True)
+    try:
+        with Publisher(broker_settings, "test-producer") as publisher:
+            publisher.publish(Publish(publisher.topology.name(CODE_TO_BENCH),
+                                      candidate("g3", 0, kernel("infinite.c"))))
+        time.sleep(4)  # inside the candidate's 8 s run
+        assert replica.poll() is None
+        # What scancel and systemd's cgroup kill do: every process, the sandbox's included
+        # (bwrap starts its own session, so a process-group signal would miss it).
+        family = descendants(replica.pid)
+        assert len(family) > 1
+        for pid in family:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        replica.wait(60)
+    finally:
+        if replica.poll() is None:
+            os.killpg(replica.pid, signal.SIGKILL)
+            replica.wait()
+    assert collect(broker_settings, 1, timeout=3) == []
+    topology = Topology(broker_settings.namespace, broker_settings.delivery_limit)
+    connection = pika.BlockingConnection(pika.URLParameters(broker_settings.url))
+    try:
+        queue = connection.channel().queue_declare(topology.name(CODE_TO_BENCH), passive=True)
+        assert queue.method.message_count == 1  # handed back for another replica
+    finally:
+        connection.close()
+
+
+def descendants(root: int) -> list[int]:
+    """``root`` and every process below it, from /proc."""
+    children: dict[int, list[int]] = {}
+    for stat_file in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat_file.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat_file.parent.name))
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo.extend(children.get(pid, []))
+    return found

@@ -442,6 +442,12 @@ class Consumer:
     def stop(self) -> None:
         self._stop.set()
 
+    @property
+    def stopping(self) -> bool:
+        """True once :meth:`stop` was called (e.g. on SIGTERM): work now ending may have been
+        cut short by the same signal."""
+        return self._stop.is_set()
+
     def healthy(self) -> tuple[bool, dict[str, Any]]:
         now = time.monotonic()
         loop_age = now - self._last_tick

@@ -221,6 +221,11 @@ class Timing(Strict):
     min_s: Annotated[float, Field(gt=0)]
     max_s: Annotated[float, Field(gt=0)]
     cv: Annotated[float, Field(ge=0)]
+    # Timing attempts made (each a warm-up and the timed runs; the steadiest is the one
+    # above), and whether even that one stayed above the benchmarker's max_timing_cv.
+    # Optional, so results from before they existed still decode.
+    attempts: Annotated[int, Field(ge=1, le=100)] = 1
+    noisy: bool = False
 
 
 class BenchResult(Message):

@@ -64,13 +64,16 @@ def script(compiler: str, flags: list[str], harness: Path) -> str:
     )
 
 
-def spec(scratch: Path, task: TaskSpec, harness: Path, address_space_mb: int) -> sandbox.Spec:
+def spec(scratch: Path, task: TaskSpec, harness: Path, address_space_mb: int,
+         cpus: tuple[int, ...] | None = None) -> sandbox.Spec:
+    """The compile step's sandbox; ``cpus``: the replica's CPU set, if it has one."""
     limits = sandbox.Limits(
         wall_s=task.compile.time_limit_s, cpu_s=int(task.compile.time_limit_s) + 5,
         address_space_mb=max(address_space_mb, MIN_ADDRESS_SPACE_MB), open_files=OPEN_FILES,
     )
     # The scratch dir is writable only here: the objects are written into it.
-    return sandbox.Spec(scratch, limits, writable=True, ro_binds=((harness.parent, "/harness"),))
+    return sandbox.Spec(scratch, limits, writable=True, ro_binds=((harness.parent, "/harness"),),
+                        cpus=cpus)
 
 
 def result(outcome: sandbox.Outcome, scratch: Path, task: TaskSpec) -> Compiled:

@@ -85,7 +85,7 @@ def _check(args: argparse.Namespace) -> int:
             t = verdict.timing
             print(f"gflops:      {verdict.gflops:.2f} (mean {t.mean_s * 1e3:.3f} ms, median "
                   f"{t.median_s * 1e3:.3f}, min {t.min_s * 1e3:.3f}, max {t.max_s * 1e3:.3f}, "
-                  f"cv {t.cv:.2%})")
+                  f"cv {t.cv:.2%}, attempts {t.attempts}{', noisy' if t.noisy else ''})")
         print(f"techniques:  {', '.join(verdict.techniques) or '-'}")
         print(f"generalizes: {verdict.generalizes}")
         print(f"host:        {verdict.host.host_class}")
@@ -118,10 +118,11 @@ def _serve(args: argparse.Namespace) -> int:
         log.error("refusing to start", reason=str(exc))
         print(f"error: {exc}", file=sys.stderr)
         return 3
+    benchmarker.confine()  # a replica with a CPU set runs only there (threads inherit it)
     consumer = build_consumer(config, benchmarker)
     log.info("benchmarker starting", host_class=host.host_class,
              peak_gflops=round(host.peak_gflops, 1), concurrency=section.concurrency,
-             namespace=config.broker.namespace)
+             cpus=section.cpus or "all", namespace=config.broker.namespace)
     run_consumer(consumer, "benchmarker", section, extra_health=benchmarker.health)
     return 0
 

@@ -18,10 +18,19 @@ SANDBOX_KILLS = Counter("hpcrl_benchmarker_sandbox_kills_total",
                         "Sandboxed processes killed at their wall-clock limit", ["reason"])
 HOST = Info("hpcrl_benchmarker_host", "The host this replica measures on")
 LOCK_WAIT = Histogram(
-    "hpcrl_benchmarker_timing_lock_wait_seconds", "Wait for the node's timing lock",
+    "hpcrl_benchmarker_timing_lock_wait_seconds",
+    "Wait for the timing lock (the node's, or every lock of the replica's CPU set)",
     buckets=(0.001, 0.01, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 300),
 )
 LOCK_TIMEOUTS = Counter(
     "hpcrl_benchmarker_timing_lock_timeouts_total",
     "Candidates handed back because the timing lock stayed held past timing_lock_timeout_s",
+)
+RETIMED = Counter(
+    "hpcrl_benchmarker_retimed_total",
+    "Timing attempts beyond the first: a measurement's runs varied more than max_timing_cv",
+)
+NOISY = Counter(
+    "hpcrl_benchmarker_noisy_results_total",
+    "Successful results whose steadiest timing attempt still varied more than max_timing_cv",
 )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+from collections.abc import Callable
 
 import structlog
 
@@ -20,6 +21,7 @@ from hpcrl_benchmarker.metrics import (
     GFLOPS,
     HOST,
     INFLIGHT,
+    NOISY,
     RESULTS,
     SANDBOX_KILLS,
     STEP_SECONDS,
@@ -60,12 +62,14 @@ class TaskCatalogue:
 
 class BenchHandler:
     def __init__(self, benchmarker: Benchmarker, section: BenchmarkerSection,
-                 results_queue: str, name: str) -> None:
+                 results_queue: str, name: str,
+                 stopping: Callable[[], bool] = lambda: False) -> None:
         self.benchmarker = benchmarker
         self.section = section
         self.results_queue = results_queue
         self.name = name
         self.tasks = TaskCatalogue(section.tasks)
+        self.stopping = stopping
 
     def __call__(self, message: Message, delivery: Delivery) -> list[Publish]:
         assert isinstance(message, Candidate)
@@ -85,6 +89,10 @@ class BenchHandler:
             INFLIGHT.dec()
         for reason in events.sandbox_kills:
             SANDBOX_KILLS.labels(reason).inc()
+        if verdict.status != "success" and self.stopping():
+            # Slurm and systemd signal every process of the replica, the sandboxed kernel
+            # included: a failure that ends during shutdown may be ours, not the kernel's.
+            raise InternalError(f"shutting down: {verdict.status} not trusted; handed back")
         self._observe(message, verdict)
         return [Publish(self.results_queue, result_message(message, verdict, self.name,
                                                            self.section.include_source))]
@@ -92,13 +100,18 @@ class BenchHandler:
     @staticmethod
     def _observe(message: Candidate, verdict: Verdict) -> None:
         RESULTS.labels(verdict.status).inc()
+        if verdict.timing is not None and verdict.timing.noisy:
+            NOISY.inc()
         if verdict.gflops is not None:
             GFLOPS.labels(str(message.bench.stage), message.bench.opt_level).observe(
                 verdict.gflops)
         for step, seconds in verdict.durations_s.items():
             STEP_SECONDS.labels(step).observe(seconds)
+        timing = verdict.timing
         log.info("benchmarked", candidate=message.id, status=verdict.status,
-                 gflops=verdict.gflops, techniques=verdict.techniques)
+                 gflops=verdict.gflops, techniques=verdict.techniques,
+                 cv=None if timing is None else round(timing.cv, 4),
+                 attempts=None if timing is None else timing.attempts)
 
 
 def result_message(candidate: Candidate, verdict: Verdict, benchmarker: str,
@@ -122,7 +135,8 @@ def build_consumer(config: BenchmarkerConfig, benchmarker: Benchmarker) -> Consu
     section = config.benchmarker
     name = replica_name()
     consumer = Consumer(config.broker, name, concurrency=section.concurrency)
-    handler = BenchHandler(benchmarker, section, consumer.topology.name(BENCH_RESULTS), name)
+    handler = BenchHandler(benchmarker, section, consumer.topology.name(BENCH_RESULTS), name,
+                           stopping=lambda: consumer.stopping)
     consumer.subscribe(CODE_TO_BENCH, handler)
     HOST.info({"host_class": benchmarker.host.host_class, "cpu_model": benchmarker.host.cpu_model,
                "isa": ",".join(benchmarker.host.isa), "compiler": benchmarker.host.compiler,

@@ -215,5 +215,14 @@ def measure(task: TaskSpec, jobs: list[gemm.Job], phase: Phase,
     return Measurement(timing, gflops)
 
 
+def steadiest(attempts: Sequence[Measurement], max_cv: float) -> Measurement:
+    """The timing attempt to keep: the one whose timed runs agree best (lowest CV; the
+    earliest on a tie), with the number of attempts and whether it is still noisy."""
+    best = min(attempts, key=lambda attempt: attempt.timing.cv)
+    timing = Timing(**{**best.timing.model_dump(), "attempts": len(attempts),
+                       "noisy": best.timing.cv > max_cv})
+    return Measurement(timing, best.gflops)
+
+
 def sizes_text(sizes: Mapping[str, int]) -> str:
     return "x".join(str(v) for v in sizes.values())
