@@ -445,7 +445,9 @@ def test_benchmarker_array_task_runs_one_replica_per_cpu_set(
     assert [s["env"]["HPCRL__BENCHMARKER__METRICS_PORT"] for s in started] == ["9102", "9112"]
     work_dirs = {s["env"]["HPCRL__BENCHMARKER__WORK_DIR"] for s in started}
     assert len(work_dirs) == 2
-    # One timing lock per node unless asked otherwise: the service's default applies.
+    # Each replica is told its set (its timing locks follow it); the lock path stays per node.
+    assert [s["env"]["HPCRL__BENCHMARKER__CPUS"] for s in started] == [f"{cpus[0]}-{cpus[0]}",
+                                                                       f"{cpus[1]}"]
     assert all("HPCRL__BENCHMARKER__LOCK_PATH" not in s["env"] for s in started)
     assert all(s["env"]["HPCRL__BROKER__URL"].startswith("amqps://hpcrl-benchmarker@")
                for s in started)
