@@ -688,6 +688,9 @@ def test_benchmarker_sandbox_works_under_the_units_confinement() -> None:
     groups = " ".join(value.removeprefix("~") for value in s["SystemCallFilter"])
     families = s["RestrictAddressFamilies"][0]
     site = sysconfig.get_paths()["purelib"]
+    hidden = [str(path) for path in (ROOT, Path(site)) if Path("/tmp") in path.resolve().parents]
+    if hidden:
+        pytest.skip(f"{hidden[0]} is under /tmp, which the unit's PrivateTmp= replaces here")
     kernel = ROOT / "tests" / "benchmarker" / "kernels" / "naive.c"
     check = (f"import site, sys; site.addsitedir({site!r}); "
              "from hpcrl_benchmarker.cli import main; sys.exit(main(sys.argv[1:]))")
