@@ -58,3 +58,17 @@ def test_help_shows_no_secret_from_the_environment(command, monkeypatch):
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert SECRET not in done.stdout + done.stderr
+
+
+def test_a_url_with_a_user_and_no_password_takes_the_password_file(tmp_path):
+    from hpcrl_common.broker import connection_parameters
+
+    secret = tmp_path / "benchmarker.password"
+    secret.write_text(SECRET + "\n")
+    secret.chmod(0o600)
+    settings = BrokerSettings(url="amqps://hpcrl-benchmarker@broker.example.org:5671/exp",
+                              password_file=secret)
+    [params] = connection_parameters(settings, "test")
+    assert params.credentials.username == "hpcrl-benchmarker"
+    assert params.credentials.password == SECRET
+    assert params.virtual_host == "exp" and params.port == 5671

@@ -19,12 +19,19 @@ Usage::
 
     with start_nodes(tmp_path, 3) as nodes:  # one shared cookie: ready to be clustered
         ...
+
+    with start_cluster(tmp_path, 3) as nodes:  # nodes[1:] joined nodes[0]
+        nodes[0].kill()  # lose it as a crash would; its files stay
+        nodes[0].start().wait_started()  # back, and a member again
+        nodes[1].wait_running_nodes(nodes)
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -44,6 +51,7 @@ SERVER = RABBIT_BIN / "rabbitmq-server"
 _RESERVED_PORTS = {4369, 5671, 5672, 25672, *range(35672, 35693)}
 
 Config = str | Callable[["RabbitNode"], str] | None
+_CONNECTION_NAME = re.compile(r'\{"connection_name","((?:[^"\\]|\\.)*)"\}')
 
 
 class RabbitNodeError(RuntimeError):
@@ -166,7 +174,11 @@ class RabbitNode:
     # --- life cycle ---------------------------------------------------------------------
 
     def start(self) -> RabbitNode:
-        """Launch the server in the background; :meth:`wait_started` waits for it."""
+        """Launch the server in the background; :meth:`wait_started` waits for it.
+
+        A node that was killed (or stopped, with a ``workdir``) can be started again: its
+        data directory, and so its cluster membership, is still there.
+        """
         require_rabbitmq()
         if self.process is not None:
             raise RabbitNodeError(f"{self.name} was already started")
@@ -230,6 +242,16 @@ class RabbitNode:
             if self._own_dir:
                 shutil.rmtree(self.base.parent, ignore_errors=True)
 
+    def kill(self, timeout_s: float = 30.0) -> None:
+        """Lose the node as a crash would: SIGKILL to the VM and its helpers, no goodbye to
+        its peers or clients. Its files stay: :meth:`start` brings it back. Idempotent."""
+        process, self.process = self.process, None
+        if process is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout_s)
+
     def __enter__(self) -> RabbitNode:
         self.start()
         try:
@@ -263,6 +285,63 @@ class RabbitNode:
     def diagnostics(self, *args: str, check: bool = True,
                     timeout_s: float = 90.0) -> subprocess.CompletedProcess[str]:
         return self.ctl(*args, tool="rabbitmq-diagnostics", check=check, timeout_s=timeout_s)
+
+    # --- clustering ----------------------------------------------------------------------
+
+    def join(self, seed: RabbitNode, timeout_s: float = 120.0) -> None:
+        """Make this running node a member of ``seed``'s cluster (same cookie needed):
+        ``stop_app``, ``join_cluster``, ``start_app``. What the node held alone is lost."""
+        self.ctl("stop_app", timeout_s=timeout_s)
+        self.ctl("join_cluster", seed.name, timeout_s=timeout_s)
+        self.ctl("start_app", timeout_s=timeout_s)
+
+    def cluster_status(self) -> dict:
+        """``rabbitmqctl cluster_status`` as JSON (``running_nodes``, ``disk_nodes``, ...)."""
+        return json.loads(self.ctl("-q", "cluster_status", "--formatter", "json").stdout)
+
+    def running_nodes(self) -> set[str]:
+        return set(self.cluster_status().get("running_nodes", []))
+
+    def wait_running_nodes(self, nodes: Sequence[RabbitNode | str],
+                           timeout_s: float = 60.0) -> None:
+        """Wait until this node sees exactly ``nodes`` running in its cluster."""
+        want = {node if isinstance(node, str) else node.name for node in nodes}
+        deadline = time.monotonic() + timeout_s
+        seen: set[str] | str = set()
+        while time.monotonic() < deadline:
+            try:
+                seen = self.running_nodes()
+            except (RabbitNodeError, subprocess.TimeoutExpired, ValueError) as exc:
+                seen = str(exc)[-300:]
+            if seen == want:
+                return
+            time.sleep(0.5)
+        raise RabbitNodeError(f"{self.name}: running nodes are {seen}, not {sorted(want)}, "
+                              f"after {timeout_s} s")
+
+    def connection_names(self) -> list[str]:
+        """The ``connection_name`` (client property) of every client connected to this node."""
+        out = self.ctl("-q", "list_connections", "--no-table-headers",
+                       "client_properties").stdout
+        return _CONNECTION_NAME.findall(out)
+
+    def queues(self, *items: str, vhost: str = "/") -> list[dict]:
+        """``rabbitmqctl list_queues`` of ``items`` (name, type, messages, members, leader,
+        online, ...), one dict per queue, from a single CLI call."""
+        out = self.ctl("-q", "list_queues", "--vhost", vhost, "--formatter", "json",
+                       *items).stdout
+        return json.loads(out) if out.strip() else []
+
+    def quorum_members(self, queue: str, vhost: str = "/") -> dict[str, str]:
+        """node -> Raft state (leader, follower, ...) of a quorum queue's members, by
+        ``rabbitmq-queues quorum_status``; a member whose node is down shows ``nodedown``."""
+        out = self.ctl("-q", "quorum_status", queue, "--vhost", vhost, "--formatter", "json",
+                       tool="rabbitmq-queues").stdout
+        members = {}
+        for row in json.loads(out):
+            state = row["Raft State"]  # [nodedown, Node] (or another error) when unreachable
+            members[row["Node Name"]] = state if isinstance(state, str) else str(state[0])
+        return members
 
     def url(self, user: str = "guest", password: str = "guest", *, scheme: str = "amqp",
             host: str = "127.0.0.1", port: int | None = None, vhost: str = "%2F") -> str:
@@ -303,4 +382,17 @@ def start_nodes(workdir: Path | None, configs: int | Sequence[Config],
             node.start()
         for node in nodes:
             node.wait_started()
+        yield nodes
+
+
+@contextlib.contextmanager
+def start_cluster(workdir: Path | None, configs: int | Sequence[Config],
+                  **options: object) -> Iterator[list[RabbitNode]]:
+    """:func:`start_nodes`, then every node after the first joins the first: one cluster,
+    all of whose members run when the block starts. All are stopped on exit."""
+    with start_nodes(workdir, configs, **options) as nodes:
+        for node in nodes[1:]:
+            node.join(nodes[0])
+        for node in nodes:
+            node.wait_running_nodes(nodes)
         yield nodes

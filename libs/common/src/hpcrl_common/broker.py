@@ -27,18 +27,21 @@ import random
 import re
 import ssl
 import stat
+import struct
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 import pika
+import pika.data
 import pika.exceptions
 import structlog
 from pika.adapters.blocking_connection import BlockingChannel
@@ -56,6 +59,25 @@ from hpcrl_common.topology import (
 )
 
 log = structlog.get_logger("hpcrl.broker")
+
+
+def _decode_header_value(encoded: bytes, offset: int) -> tuple[Any, int]:
+    """pika's header decoder, except that a timestamp datetime cannot hold becomes its
+    integer: pika's ValueError would drop the connection before any callback, again on every
+    redelivery, taking the messages prefetched with it into the DLQ unhandled."""
+    if encoded[offset:offset + 1] == b"T":
+        seconds = struct.unpack_from(">Q", encoded, offset + 1)[0]
+        try:
+            return datetime.fromtimestamp(seconds, UTC), offset + 9
+        except (OverflowError, ValueError, OSError):
+            return seconds, offset + 9
+    return _PIKA_DECODE_VALUE(encoded, offset)
+
+
+# pika.data.decode_table looks decode_value up by its module-global name, so nested tables
+# and arrays take this path too.
+_PIKA_DECODE_VALUE = pika.data.decode_value
+pika.data.decode_value = _decode_header_value
 
 CONSUMED = Counter(
     "hpcrl_broker_consumed_total",
@@ -89,6 +111,9 @@ RECOVERABLE = (
 )
 _COMPLETED_MEMORY = 50_000
 _LOOP_TICK_S = 0.05
+# After a nacked publish (see ChannelRefused), the least wait before a new channel: long
+# enough for the quorum queues of a lost node to have elected new leaders.
+_REFUSED_PAUSE_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -172,9 +197,17 @@ class TlsRefused(pika.exceptions.AMQPConnectionError):
 _TLS_ALERT = re.compile(r"\[SSL: (?P<code>[A-Z0-9_]+)\] (?P<text>.+?) \(_ssl")
 
 
-def open_connection(params: pika.URLParameters) -> pika.BlockingConnection:
+def open_connection(
+    params: pika.URLParameters | Sequence[pika.URLParameters],
+) -> pika.BlockingConnection:
+    """Connect to the first broker address of ``params`` that takes the connection.
+
+    ``params`` is one address or several (:func:`connection_parameters`: ``url`` and then
+    ``failover_urls``), tried in order; when none can be reached, the error is the last one's.
+    """
+    configs = [params] if isinstance(params, pika.connection.Parameters) else list(params)
     try:
-        return pika.BlockingConnection(params)
+        return pika.BlockingConnection(configs)
     except ssl.SSLCertVerificationError as exc:
         raise TlsRefused(
             f"TLS: the broker's certificate was refused ({exc.verify_message}); check "
@@ -187,7 +220,8 @@ def open_connection(params: pika.URLParameters) -> pika.BlockingConnection:
     except pika.exceptions.AMQPConnectionError as exc:
         # TLS 1.3: the broker judges our certificate after the handshake, so its alert
         # arrives as a lost stream, not as an SSLError.
-        alert = _TLS_ALERT.search(str(exc)) if params.ssl_options is not None else None
+        tls = any(config.ssl_options is not None for config in configs)
+        alert = _TLS_ALERT.search(str(exc)) if tls else None
         if alert is None:
             raise
         if alert["code"].endswith("CERTIFICATE_REQUIRED"):
@@ -199,22 +233,75 @@ def open_connection(params: pika.URLParameters) -> pika.BlockingConnection:
             f"broker.tls_cert_file signed by a CA the broker trusts, and valid?") from None
 
 
+class ChannelRefused(pika.exceptions.AMQPChannelError):
+    """The broker nacked a publish: handled as a lost connection (reconnect, publish again).
+
+    After a node is lost, RabbitMQ (3.10) nacks every publish to a quorum queue on a channel
+    whose first publish to it came while the queue was electing a new leader, for as long
+    as that channel lives; a new channel is served. Publishing again is safe: consumers
+    dedupe by message id.
+    """
+
+
 class TopologyMissing(RuntimeError):
     """The admin step has not declared what this service needs yet: retried with backoff."""
 
 
-def connection_parameters(settings: BrokerSettings, client: str) -> pika.URLParameters:
-    params = pika.URLParameters(settings.url)
-    params.heartbeat = settings.heartbeat_s
-    params.blocked_connection_timeout = 60
-    params.client_properties = {"connection_name": client, "product": "hpcrl"}
+def connection_parameters(settings: BrokerSettings, client: str) -> list[pika.URLParameters]:
+    """Parameters of every broker address, in the order to try them: ``url``, then
+    ``broker.failover_urls`` (other nodes of the same cluster).
+
+    url's user and password (or ``password_file``'s) and the TLS settings apply to each. One
+    connection attempt is one pass over the list (``connection_attempts`` 1, unless a URL's
+    query says otherwise): the callers retry with their own backoff (:class:`Consumer`,
+    :meth:`Publisher.publish`), starting again from ``url``.
+    """
+    first = pika.URLParameters(_with_password_field(settings.url))
+    credentials = first.credentials
     if settings.password_file is not None:
-        params.credentials = pika.PlainCredentials(params.credentials.username,
-                                                   read_password(settings.password_file))
-    if urlsplit(settings.url).scheme == "amqps":
-        params.ssl_options = pika.SSLOptions(
-            tls_context(settings), settings.tls_server_name or params.host)
-    return params
+        credentials = pika.PlainCredentials(credentials.username,
+                                            read_password(settings.password_file))
+    context = tls_context(settings) if urlsplit(settings.url).scheme == "amqps" else None
+    all_params = []
+    for index, url in enumerate([settings.url, *settings.failover_urls]):
+        # A failover URL's user:password (if any) is url's (config checks): leave it to
+        # pika, which cannot parse a user without a password.
+        params = pika.URLParameters(_without_userinfo(url)) if index else first
+        params.credentials = credentials
+        params.heartbeat = settings.heartbeat_s
+        params.blocked_connection_timeout = 60
+        params.client_properties = {"connection_name": client, "product": "hpcrl"}
+        query = parse_qs(urlsplit(url).query)
+        if "connection_attempts" not in query:
+            params.connection_attempts = 1
+        if "retry_delay" not in query:
+            params.retry_delay = settings.reconnect_initial_s
+        if context is not None:
+            params.ssl_options = pika.SSLOptions(
+                context, settings.tls_server_name or params.host)
+        all_params.append(params)
+    return all_params
+
+
+def _with_password_field(url: str) -> str:
+    """``user@host`` as ``user:@host``: pika cannot parse a user without a password, which is
+    how a URL reads when the password comes from ``broker.password_file``."""
+    parts = urlsplit(url)
+    if parts.username is None or parts.password is not None:
+        return url
+    userinfo, _, host = parts.netloc.rpartition("@")
+    return parts._replace(netloc=f"{userinfo}:@{host}").geturl()
+
+
+def _without_userinfo(url: str) -> str:
+    parts = urlsplit(url)
+    return parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()
+
+
+def broker_address(connection: pika.BlockingConnection) -> str:
+    """host:port of the broker node a connection is open to (for logs), or "?"."""
+    params = getattr(getattr(connection, "_impl", None), "params", None)
+    return "?" if params is None else f"{params.host}:{params.port}"
 
 
 def read_password(path: Path) -> str:
@@ -332,13 +419,15 @@ class Publisher:
             for attempt in range(1, attempts + 1):
                 try:
                     publish_on(self._ensure_channel(), item, self.settings.max_message_bytes,
-                               self._params.credentials.username)
+                               self._params[0].credentials.username)
                     break
-                except RECOVERABLE as exc:
-                    self.close()
+                except (*RECOVERABLE, pika.exceptions.NackError) as exc:
+                    self.close()  # a nacking channel stays so (see ChannelRefused): a new one
                     if attempt == attempts:
                         raise
                     delay = backoff.next()
+                    if isinstance(exc, pika.exceptions.NackError):
+                        delay = max(delay, _REFUSED_PAUSE_S)
                     log.warning("publish failed, retrying", error=repr(exc), delay_s=delay,
                                 item=index)
                     time.sleep(delay)
@@ -486,6 +575,8 @@ class Consumer:
                 except RECOVERABLE as exc:
                     self._lost_connection()
                     delay = backoff.next()
+                    if isinstance(exc, ChannelRefused):
+                        delay = max(delay, _REFUSED_PAUSE_S)
                     report = log.error if isinstance(exc, TlsRefused) else log.warning
                     report("broker connection lost, reconnecting", client=self.client,
                            error=str(exc) or repr(exc), delay_s=round(delay, 2))
@@ -510,7 +601,8 @@ class Consumer:
         self.connected.set()
         CONNECTED.labels(self.client).set(1)
         backoff.reset()
-        log.info("consuming", client=self.client, queues=[s.queue for s in self._subscriptions])
+        log.info("consuming", client=self.client, queues=[s.queue for s in self._subscriptions],
+                 broker=broker_address(self._connection))
         self._flush_unsent()
         while not self._stop.is_set():
             self._connection.process_data_events(time_limit=_LOOP_TICK_S)
@@ -628,6 +720,8 @@ class Consumer:
             log.error("outputs refused by broker; will retry the message", error=repr(exc))
             self._completed.pop(delivery.key, None)
             self._nack(delivery)
+            if isinstance(exc, pika.exceptions.NackError):
+                raise ChannelRefused(f"the broker nacked outputs: {exc!r}") from None
             return
         self._completed[delivery.key] = None
         self._ack(delivery)
@@ -655,7 +749,8 @@ class Consumer:
                 CONSUMER_HEADER: self.client}
         try:
             self._publish_dead_letter(sub, delivery, {**delivery.headers, **ours})
-        except (TypeError, ValueError, pika.exceptions.UnsupportedAMQPFieldException):
+        except (TypeError, ValueError, OverflowError, struct.error,
+                pika.exceptions.UnsupportedAMQPFieldException):
             # Headers pika decoded but cannot encode again: keep them as text instead.
             self._publish_dead_letter(sub, delivery, {**_as_text(delivery.headers), **ours})
         self._ack(delivery)
@@ -704,7 +799,7 @@ class Consumer:
         channel = self._require_channel()
         for item in outputs:
             publish_on(channel, item, self.settings.max_message_bytes,
-                       self._params.credentials.username)
+                       self._params[0].credentials.username)
 
     def _publish_request(self, items: list[Publish], done: Future | None) -> None:
         try:
@@ -712,6 +807,9 @@ class Consumer:
         except RECOVERABLE:
             self._unsent.append((items, done))
             raise
+        except pika.exceptions.NackError as exc:
+            self._unsent.append((items, done))
+            raise ChannelRefused(f"the broker nacked a publish: {exc!r}") from None
         except Exception as exc:
             if done is not None:
                 done.set_exception(exc)

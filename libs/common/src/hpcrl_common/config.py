@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
@@ -104,6 +104,11 @@ class BrokerSettings(Section):
         description="AMQP URL of RabbitMQ: amqp:// or amqps:// (TLS); put the password in "
         "password_file, not here, outside a test machine",
     )
+    failover_urls: list[str] = Field(
+        default_factory=list,
+        description="other nodes of the same cluster, tried in order after url when a "
+        "connection cannot be made; same user, vhost and TLS settings as url (their "
+        "user:password may be left out)")
     password_file: Path | None = Field(
         None, description="file holding the broker password (replaces the URL's); must not "
         "be readable by other users")
@@ -138,6 +143,8 @@ class BrokerSettings(Section):
         scheme = urlsplit(self.url).scheme
         if scheme not in ("amqp", "amqps"):
             raise ValueError(f"url must start with amqp:// or amqps://, got {scheme!r}://")
+        for index, other in enumerate(self.failover_urls):
+            _check_failover_url(f"failover_urls[{index}] ({mask_url(other)})", other, self.url)
         tls_files = (self.tls_ca_file, self.tls_cert_file, self.tls_key_file)
         if scheme == "amqp" and any(path is not None for path in tls_files):
             raise ValueError("tls_* files are set but url is amqp://, not amqps://")
@@ -150,6 +157,35 @@ class BrokerSettings(Section):
     @property
     def masked_url(self) -> str:
         return mask_url(self.url)
+
+
+def _check_failover_url(where: str, other: str, url: str) -> None:
+    """Another node of url's cluster: same scheme, user, password (if given) and vhost."""
+    mine, theirs = urlsplit(url), urlsplit(other)
+    if theirs.scheme not in ("amqp", "amqps"):
+        raise ValueError(f"{where} must start with amqp:// or amqps://, got "
+                         f"{theirs.scheme!r}://")
+    if theirs.scheme != mine.scheme:
+        raise ValueError(f"{where} is {theirs.scheme}:// but url is {mine.scheme}://: every "
+                         f"node of the cluster is reached the same way (TLS or not)")
+    if not theirs.hostname:
+        raise ValueError(f"{where} names no host")
+    if theirs.username is not None and unquote(theirs.username) != unquote(mine.username or ""):
+        theirs_user = unquote(theirs.username)
+        mine_user = "none" if mine.username is None else repr(unquote(mine.username))
+        raise ValueError(f"{where} has user {theirs_user!r}, url has {mine_user}: the nodes "
+                         f"of a cluster share users; leave user:password out of failover URLs")
+    if theirs.password is not None and theirs.password != mine.password:
+        raise ValueError(f"{where} has a password other than url's: leave user:password out "
+                         f"of failover URLs (url's, or password_file, applies to each)")
+    if _vhost(theirs.path) != _vhost(mine.path):
+        raise ValueError(f"{where} names vhost {_vhost(theirs.path)!r}, url "
+                         f"{_vhost(mine.path)!r}: failover URLs must name url's vhost")
+
+
+def _vhost(path: str) -> str:
+    """The vhost of an AMQP URL's path, as pika reads it ("/" when none is named)."""
+    return unquote(path.split("/")[1]) if len(path) > 1 else "/"
 
 
 def mask_url(url: str) -> str:
