@@ -15,7 +15,11 @@ reward and mean GFLOPS (failures count 0):
 3. across seeds: the mean of that difference and its spread (standard deviation, range).
 
     .venv/bin/python bench/learning.py                 # 3 seeds x 2 learning rates
+    .venv/bin/python bench/learning.py --reward-modes parent_relative group_normalized
     .venv/bin/python bench/learning.py --seeds 0 --iterations 2 --eval-samples 4   # quicker
+
+With several reward modes, every (mode, learning rate) arm is compared with the same lr-0
+run of its seed: at learning rate 0 the weights never move, whatever the rewards.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import os
 import statistics
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +41,7 @@ from hpcrl_common.config import load_config
 from hpcrl_evaluate.run import metric_values, records_of
 from hpcrl_evaluate.stats import Interval, gain_difference
 from hpcrl_learner.config import LearnerConfig
+from hpcrl_scheduler.config import SchedulerConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "deploy/local/demo.py"
@@ -45,8 +51,25 @@ SHOWN = {"share_correct": "share correct", "mean_reward": "mean reward (raw)",
 console = Console()
 
 
-def run_experiment(name: str, seed: int, lr: float, args: argparse.Namespace) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Arm:
+    """One way of training: a learning rate, and a reward mode (None: the demo's)."""
+
+    lr: float
+    reward_mode: str | None = None
+
+    @property
+    def label(self) -> str:
+        return f"lr {self.lr:g}" + (f", {self.reward_mode}" if self.reward_mode else "")
+
+    def run_name(self, seed: int) -> str:
+        mode = f"{self.reward_mode.replace('_', '-')}-" if self.reward_mode else ""
+        return f"learning-{mode}lr{self.lr:g}-s{seed}".replace(".", "p")
+
+
+def run_experiment(name: str, seed: int, arm: Arm, args: argparse.Namespace) -> dict[str, Any]:
     """One demo run, fresh; its evaluation.json (which must compare two versions)."""
+    lr = arm.lr
     env = {
         **os.environ,
         "HPCRL__EXPERIMENT__NAME": name,
@@ -57,11 +80,13 @@ def run_experiment(name: str, seed: int, lr: float, args: argparse.Namespace) ->
     }
     if args.iterations is not None:
         env["HPCRL__SCHEDULER__ITERATIONS"] = str(args.iterations)
+    if arm.reward_mode is not None:
+        env["HPCRL__SCHEDULER__REWARD_MODE"] = arm.reward_mode
     finished = args.runs / name / "evaluation.json"
     if args.reuse and finished.is_file():
         console.print(f"--- {name}: reusing the finished run in {finished.parent}")
         return json.loads(finished.read_text())
-    console.print(f"--- {name}: seed {seed}, learning rate {lr:g}")
+    console.print(f"--- {name}: seed {seed}, {arm.label}")
     done = subprocess.run([sys.executable, str(DEMO), "--fresh", "--runs", str(args.runs),
                            "--eval-samples", str(args.eval_samples)], env=env, cwd=ROOT)
     if done.returncode != 0:
@@ -96,26 +121,26 @@ def difference_of_gains(trained: dict[str, Any], control: dict[str, Any], metric
                            strata=strata, seed=seed)
 
 
-def per_run_table(runs: dict[float, list[dict[str, Any]]], seeds: list[int]) -> Table:
+def per_run_table(runs: dict[Arm, list[dict[str, Any]]], seeds: list[int]) -> Table:
     table = Table(title="Per run: final - v0 on the fixed set, gain [95 % CI]")
-    table.add_column("learning rate")
+    table.add_column("arm")
     table.add_column("seed")
     table.add_column("versions")
     for label in SHOWN.values():
         table.add_column(label)
-    for lr, evaluations in runs.items():
+    for arm, evaluations in runs.items():
         for seed, evaluation in zip(seeds, evaluations, strict=True):
             comparison = evaluation["comparison"]
-            table.add_row(f"{lr:g}", str(seed),
+            table.add_row(arm.label, str(seed),
                           f"v{comparison['before']} -> v{comparison['after']}",
                           *(_ci(comparison["metrics"][m]) for m in SHOWN))
     return table
 
 
-def learning_table(runs: dict[float, list[dict[str, Any]]], seeds: list[int],
-                   control: float, trained: float) -> Table:
+def learning_table(runs: dict[Arm, list[dict[str, Any]]], seeds: list[int],
+                   control: Arm, trained: Arm) -> Table:
     """Per seed, the difference of gains with its CI; then the mean and spread over seeds."""
-    table = Table(title=f"Learning gain: (lr {trained:g} gain) - (lr 0 gain), per seed "
+    table = Table(title=f"Learning gain: ({trained.label} gain) - (lr 0 gain), per seed "
                         "[95 % CI], then across seeds")
     table.add_column("seed")
     for label in SHOWN.values():
@@ -148,6 +173,10 @@ def main() -> int:
     parser.add_argument("--learning-rate", type=float, nargs="+", default=None,
                         help="the learning rate(s) compared with 0 (default: the demo's); "
                         "several make a sweep, each compared with the same lr-0 runs")
+    parser.add_argument("--reward-modes", nargs="+", default=None,
+                        choices=("parent_relative", "group_normalized", "raw"),
+                        help="train each learning rate under each of these reward modes "
+                        "(default: the demo's scheduler.reward_mode)")
     parser.add_argument("--reuse", action="store_true",
                         help="reuse runs that already finished (their evaluation.json) instead "
                         "of running them again: resume an interrupted bench, or add seeds")
@@ -157,15 +186,17 @@ def main() -> int:
     args = parser.parse_args()
 
     default_lr = load_config(LearnerConfig, CONFIG, env={}).learner.learning_rate
-    control, trained = 0.0, args.learning_rate or [default_lr]
-    runs: dict[float, list[dict[str, Any]]] = {lr: [] for lr in (control, *trained)}
+    default_mode = load_config(SchedulerConfig, CONFIG, env={}).scheduler.reward_mode
+    modes = [None if m == default_mode else m for m in args.reward_modes or [default_mode]]
+    control = Arm(0.0)
+    trained = [Arm(lr, mode) for mode in modes for lr in args.learning_rate or [default_lr]]
+    runs: dict[Arm, list[dict[str, Any]]] = {arm: [] for arm in (control, *trained)}
     for seed in args.seeds:  # seed by seed, so an interrupted bench has whole seeds
-        for lr in runs:
-            name = f"learning-lr{lr:g}-s{seed}".replace(".", "p")
-            runs[lr].append(run_experiment(name, seed, lr, args))
+        for arm in runs:
+            runs[arm].append(run_experiment(arm.run_name(seed), seed, arm, args))
     console.print(per_run_table(runs, args.seeds))
-    for lr in trained:
-        console.print(learning_table(runs, args.seeds, control, lr))
+    for arm in trained:
+        console.print(learning_table(runs, args.seeds, control, arm))
     return 0
 
 

@@ -60,7 +60,7 @@ def _per_stage(text: str) -> tuple[int, ...]:
     try:
         counts = tuple(int(part) for part in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected six counts like 20,20,18,12,8,8, got {text!r}"
+        raise argparse.ArgumentTypeError(f"expected six counts like 16,16,12,8,6,6, got {text!r}"
                                          ) from None
     if len(counts) != 6 or min(counts) < 0 or counts[0] < 1:
         raise argparse.ArgumentTypeError(

@@ -33,7 +33,7 @@ DEEPEN_FLOOR = 0.5
 SEED_STAGE_ONE = 0.7  # share of seed prompts at stage 1, where the scheduler starts
 # Target stages, weighted to where a short SQD run spends its requests (and its tokens: a
 # stage-3 answer is ~3x as long as a stage-1 one, so the SFT budget goes furthest there).
-STAGE_WEIGHTS: dict[int, float] = {1: 0.35, 2: 0.3, 3: 0.18, 4: 0.07, 5: 0.05, 6: 0.05}
+STAGE_WEIGHTS: dict[int, float] = {1: 0.36, 2: 0.36, 3: 0.14, 4: 0.06, 5: 0.04, 6: 0.04}
 
 
 @dataclass(frozen=True)
