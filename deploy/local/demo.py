@@ -29,7 +29,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from hpcrl_benchmarker.host import has_avx512
+from hpcrl_benchmarker.host import has_avx512, openblas_coretype
 from hpcrl_common.access import SCHEDULER_SUBSCRIBER
 from hpcrl_common.checkpoints import CheckpointStore
 from hpcrl_common.config import load_config
@@ -565,10 +565,10 @@ def openblas_gflops(sizes: dict[str, int], runs: int = 9) -> dict[str, Any] | No
 
     if ctypes.util.find_library("openblas") is None:
         return None
-    core = "SkylakeX" if has_avx512() else "Haswell"
+    core = openblas_coretype()
     argv = [sys.executable, "-c", _DGEMM_TIMER, *(str(sizes[d]) for d in "MNK"), str(runs)]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "OPENBLAS_CORETYPE": core})
+                          env={**os.environ, **({"OPENBLAS_CORETYPE": core} if core else {})})
     if done.returncode != 0:
         console.print(f"[yellow]OpenBLAS reference not timed:[/] {done.stderr.strip()[-300:]}")
         return None

@@ -10,11 +10,13 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import math
+import os
 import struct
 from dataclasses import dataclass
 
 import numpy as np
 
+from hpcrl_benchmarker.host import openblas_coretype
 from hpcrl_common.task import Sizes
 
 MARK = struct.Struct("<QIIQQ")  # nonce, job, type, value, count
@@ -59,6 +61,10 @@ def _openblas() -> ctypes.CDLL:
     global _BLAS
     if _BLAS is None:
         name = ctypes.util.find_library("openblas") or "libopenblas.so.0"
+        # Read once, when the library loads; an operator's own setting wins.
+        core = openblas_coretype()
+        if core is not None:
+            os.environ.setdefault("OPENBLAS_CORETYPE", core)
         lib = ctypes.CDLL(name)
         lib.cblas_dgemm.restype = None
         # One thread: as fast at these sizes, and no OpenBLAS worker threads left spinning

@@ -141,6 +141,19 @@ def has_avx512() -> bool:
     return DEFAULT_REQUIRED_ISA in cpu_flags()
 
 
+def openblas_coretype() -> str | None:
+    """The OpenBLAS kernels for this CPU's ISA (``OPENBLAS_CORETYPE``), or None to let it
+    detect. OpenBLAS 0.3.21 detects by CPU model, and falls back to old kernels where a VM
+    hides the model (Prescott on a masked Xeon, 5x slower) or it does not know the model
+    (Haswell's AVX2 kernels on an AVX-512 EPYC); the flags are what the CPU really runs."""
+    flags = cpu_flags()
+    if has_avx512():
+        return "SkylakeX"
+    if {"avx2", "fma"} <= flags:
+        return "Haswell"
+    return None
+
+
 def _cpufreq_max_mhz() -> float:
     best = 0.0
     for path in Path("/sys/devices/system/cpu").glob("cpu[0-9]*/cpufreq/cpuinfo_max_freq"):

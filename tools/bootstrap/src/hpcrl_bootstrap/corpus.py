@@ -118,9 +118,9 @@ _TILES = (16, 32, 48, 64, 128)
 # kernel is ~800 tokens under Qwen2's pre-tokenization, which the tiny policy must write).
 _VECTOR_BLOCKS = {"avx2": ((1, 1), (1, 2), (2, 1), (2, 2), (4, 1), (4, 2), (3, 2)),
                   "avx512": ((1, 1), (1, 2), (2, 1), (2, 2), (4, 1), (4, 2), (3, 2))}
-# Scalar blocks of at most 4 accumulators: measured here, none beats the ikj loop order at
-# 256³, and the 2x4 block with its remainder loops was the longest stage-1/2 answer (~1,000
-# tokens) the policy most often got wrong.
+# Scalar blocks of at most 4 accumulators: scalar blocks measure slower than the ikj loop
+# order at 256³ anyway, and a tiled 2x4 block with its remainder loops was the longest
+# stage-2 answer (about twice the average), tokens the SFT budget buys more with elsewhere.
 _SCALAR_BLOCKS = ((1, 2), (2, 1), (2, 2), (1, 4), (4, 1))
 
 
