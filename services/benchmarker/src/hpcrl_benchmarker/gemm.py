@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import dataclasses
 import math
 import os
 import struct
@@ -112,6 +113,9 @@ class Frame:
     sent_ns: int = 0  # parent: when the job was sent (its inputs did not exist before)
     begin_ns: int = 0  # host kernel: when the BEGIN mark was queued
     result_ns: int = 0  # host kernel: when the RESULT mark was queued
+    # parent: threads of the process beyond what OpenMP may leave, still alive after the
+    # call (counted from the host's /proc before the next job was sent; runner.ThreadCount)
+    stray_threads: int = 0
 
     @property
     def seconds(self) -> float:
@@ -217,6 +221,11 @@ class RunReader:
             self._current["flags"] = value
             self._expect = -1  # the C data, then the next job
         return self._complete()
+
+    def amend(self, **changes: int) -> Frame:
+        """The last completed frame with what the parent saw after it (not the harness)."""
+        frame = self.frames[-1] = dataclasses.replace(self.frames[-1], **changes)
+        return frame
 
     def data(self, chunk: bytes) -> list[Frame]:
         # The pipe and the socket are read in whatever order the selector reports them, so C

@@ -235,10 +235,13 @@ class Benchmarker:
         run has two phases, the first n jobs and the rest, each with the task's full wall
         limit and CPU budget; ``watch`` sees each frame of the first phase as it arrives and
         may end the run (its outcome is known)."""
-        talk = runner.Conversation(jobs, verify_runs, watch)
+        # No thread but the main one and OpenMP's pool may outlive a call: the run's OpenMP
+        # threads, which OMP_THREAD_LIMIT caps (harness_env).
+        threads = runner.ThreadCount(self._cpu_set()[0])
+        talk = runner.Conversation(jobs, verify_runs, watch, threads)
         started = time.monotonic()
         outcome = sandbox.run(["./run", "{fd}", "{marks}"], self._run_spec(scratch, task, talk),
-                              stdin=talk.opening(), watch=talk.on_event)
+                              stdin=talk.opening(), watch=talk.on_event, started=threads.started)
         failure = runner.ending(outcome, talk, task.timing.time_limit_s)
         if failure is not None and failure.status == "timeout":
             events.sandbox_kills.append("timeout")

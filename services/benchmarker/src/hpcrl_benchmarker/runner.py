@@ -3,7 +3,9 @@ message by message, and how the process ended, read as the verdict it would be.
 
 A job's line is written only when the previous call is complete, so future inputs never
 exist in the process; anything out of protocol (a forged, repeated or misordered message)
-ends the run as tampering. Nothing here judges results: that is ``steps``.
+ends the run as tampering. Nor is it written while the process has more threads than OpenMP
+may leave behind (``ThreadCount``): a thread the kernel started and left running ends the
+run, and its frame says so. Nothing here judges results: that is ``steps``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,12 @@ from hpcrl_benchmarker.exitcodes import HARNESS_REFUSALS, HarnessExit
 from hpcrl_benchmarker.steps import InternalError, Phase, StepFailure, sizes_text
 
 FrameWatch = Callable[[gemm.Frame], bool]
+# How long threads above the limit get to end before they count as left running. Only the
+# surplus threads that libgomp lets go when a team is smaller than its pool (told to exit
+# at the start of that team, at least the harness's 2 ms settle before this) could still be
+# ending, on a loaded node; a thread that ends within it has ended before the next job's
+# inputs exist, so waiting costs nothing but wall time, and only when the count is over.
+STRAY_GRACE_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -62,16 +70,68 @@ class HarnessRun:
         return Phase(verify, None), Phase(rest, self.failure)
 
 
+class ThreadCount:
+    """The sandboxed command's threads above ``limit``, counted from the host's /proc.
+
+    The kernel runs in the harness's process and can rewrite any of its memory, so the
+    harness could not report this figure (a thread it should count could rewrite the count);
+    the host kernel's own count, read from outside, it cannot touch. The limit is the run's
+    OpenMP threads: the main thread and libgomp's pool together never exceed
+    OMP_THREAD_LIMIT, which the run sets to that number (nested teams included). A thread
+    started any other way (a raw clone) that is still alive after the call is over it,
+    unless the kernel first shrank the pool (a smaller team) to make room: a count cannot
+    tell such a thread from libgomp's, which the README records as what remains."""
+
+    def __init__(self, limit: int, grace_s: float = STRAY_GRACE_S) -> None:
+        self.limit = limit
+        self.grace_s = grace_s
+        self._root: int | None = None
+        self._command: tuple[int, int] | None = None  # (pid, its parent)
+
+    def started(self, root: int) -> None:
+        """The sandbox's root pid (``sandbox.run``'s ``started``)."""
+        self._root = root
+
+    def stray(self) -> int:
+        """Threads above the limit that are still alive ``grace_s`` after the first look; 0
+        when there are none (or the process has ended: a dead process has no threads)."""
+        deadline = time.monotonic() + self.grace_s
+        pause = 0.0005
+        while (extra := self._count() - self.limit) > 0 and time.monotonic() < deadline:
+            time.sleep(pause)
+            pause = min(2 * pause, 0.01)
+        return max(0, extra)
+
+    def _count(self) -> int:
+        if self._command is None:
+            if self._root is None:
+                raise InternalError("the sandbox's process was never reported")
+            try:
+                found = sandbox.command_process(self._root)
+            except (RuntimeError, OSError) as exc:
+                raise InternalError(f"cannot find the harness process: {exc}") from None
+            if found is None:
+                return 0
+            self._command = found
+        try:
+            return sandbox.thread_count(*self._command)
+        except (RuntimeError, OSError) as exc:
+            raise InternalError(f"cannot count the harness's threads: {exc}") from None
+
+
 class Conversation:
     """Feeds the harness its jobs one at a time and reads its marks and results; ``watch``
-    sees each call of the first ``verify_runs`` as it completes and may end the run."""
+    sees each call of the first ``verify_runs`` as it completes and may end the run.
+    With ``threads``, each completed call is followed by a count of the process's threads
+    before the next line is sent; a thread left running stops the run."""
 
     def __init__(self, jobs: list[gemm.Job], verify_runs: int,
-                 watch: FrameWatch | None) -> None:
+                 watch: FrameWatch | None, threads: ThreadCount | None = None) -> None:
         self.jobs = jobs
         self.verify_runs = verify_runs
         self.two_phases = 0 < verify_runs < len(jobs)
         self.watch = watch
+        self.threads = threads
         self.nonce = secrets.randbits(64)
         self.reader = gemm.RunReader(self.nonce, jobs)
         self.tampered = ""
@@ -101,7 +161,13 @@ class Conversation:
             self.tampered = self.tampered or str(exc)
             return sandbox.Reply(stop=True)
         for frame in frames:
+            if self.threads is not None and (stray := self.threads.stray()):
+                frame = self.reader.amend(stray_threads=stray)
             if frame.job < self.verify_runs and self.watch is not None and self.watch(frame):
+                return sandbox.Reply(stop=True)
+            if frame.stray_threads:
+                # Its next inputs must never exist while such a thread runs: the frame's
+                # verdict is known (steps.frame_message), and the run ends here.
                 return sandbox.Reply(stop=True)
             new_phase = self.two_phases and frame.job == self.verify_runs - 1
             return sandbox.Reply(new_phase=new_phase, send=self.dispatch(frame.job + 1),

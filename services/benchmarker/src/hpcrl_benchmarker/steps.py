@@ -123,6 +123,9 @@ def frame_message(frame: gemm.Frame, expected: gemm.Expected, tolerance: float) 
     if frame.flags & gemm.FLAG_PARALLEL_LEFT_OPEN:
         return ("the kernel returned with a parallel region still open (threads left "
                 "running after the call)")
+    if frame.stray_threads:
+        return (f"{frame.stray_threads} thread(s) that the kernel started were still running "
+                "after the call returned (beyond the main thread and OpenMP's thread pool)")
     return gemm.check_expected(frame.c, expected, tolerance)
 
 

@@ -279,7 +279,9 @@ int main(int argc, char **argv) {
             return HARNESS_EXIT_WRITE_FAILED;
         if (memcmp(A, A0, na * sizeof(double)) || memcmp(B, B0, nb * sizeof(double)))
             flags |= FLAG_INPUTS_MODIFIED;
-        /* Work still running after return (a detached thread) shows up as a late change. */
+        /* Work still running after return (a detached thread) shows up as a late change;
+         * the thread itself, however it was started, in the parent's count of this
+         * process's threads (from the host's /proc, before it sends the next job). */
         struct timespec pause = {0, 2000000};
         nanosleep(&pause, NULL);
         if (memcmp(out, C, nc * sizeof(double))) flags |= FLAG_CHANGED_AFTER_RETURN;

@@ -1,0 +1,190 @@
+"""Threads that outlive a call: before it sends the next job (or the end), the parent counts
+the harness process's threads from the host's /proc, where nothing in the sandbox can change
+the figure, and a thread beyond the main one and OpenMP's pool fails the candidate.
+
+The hostile kernels start their threads with raw clone system calls (inline asm), which the
+source checks refuse; ``skip_checks`` runs the whole pipeline with the checks skipped, as if a
+kernel had fooled them, so that what is tested is the run-time defence alone."""
+
+from __future__ import annotations
+
+import platform
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hpcrl_benchmarker import gemm, runner, sandbox, steps
+from hpcrl_benchmarker.pipeline import Benchmarker
+from hpcrl_benchmarker.steps import StepFailure
+from hpcrl_benchmarker.verdict import Verdict
+from hpcrl_common.task import TaskSpec
+
+from .conftest import HOST, kernel
+
+Judge = Callable[..., Verdict]
+# Fenced: without fences the extractor takes the lines of asm strings for prose.
+FENCE = "```c\n{}```\n"
+x86_64 = pytest.mark.skipif(platform.machine() != "x86_64",
+                            reason="the raw clone kernels are x86-64 assembly")
+
+
+def skip_checks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """From here on, the real pipeline (gcc, sandbox, harness, OpenBLAS) runs without the
+    source and object checks; a compile error still ends the candidate."""
+    def compiled(preprocessed: str, listing: object, error: str, *args: object,
+                 **kwargs: object) -> None:
+        if error:
+            raise StepFailure("compile_error", error)
+
+    monkeypatch.setattr(steps, "check_source", lambda *args, **kwargs: None)
+    monkeypatch.setattr(steps, "check_compiled", compiled)
+
+
+@x86_64
+def test_a_raw_thread_left_running_after_the_call_fails(
+    judge: Judge, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    code = FENCE.format(kernel("raw_clone_thread.c"))
+    # The rules already refuse the way in...
+    checked = judge(code)
+    assert checked.status == "library_violation" and "assembly" in checked.error
+    # ...and the run refuses the thread itself. Its C is right and never changes after the
+    # call (the thread only spins), so only the thread count tells.
+    skip_checks(monkeypatch)
+    verdict = judge(code)
+    assert verdict.status == "verification_error", verdict.error
+    assert "still running after the call returned" in verdict.error
+    assert "256x256x256" in verdict.error  # the first call, at the reward size
+    assert "time" not in verdict.durations_s  # stopped before its next inputs existed
+
+
+@x86_64
+def test_a_raw_thread_joined_within_the_call_is_allowed(
+    judge: Judge, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Decided: a thread that ends before the call returns is part of the call, like an
+    # OpenMP team: its work was timed and it can touch nothing afterwards.
+    skip_checks(monkeypatch)
+    verdict = judge(FENCE.format(kernel("raw_clone_joined.c")))
+    assert verdict.status == "success", verdict.error
+    assert verdict.generalizes is True
+
+
+def test_openmp_kernels_stay_within_the_limit(judge: Judge) -> None:
+    verdict = judge(kernel("ikj_omp.c"))
+    assert verdict.status == "success", verdict.error
+
+
+# Teams of every size, every call: nested teams (started and ended within the region), a
+# smaller team than the pool (libgomp lets the surplus threads go), then the full team (it
+# starts new ones, and the call returns with the pool at the limit). None of it may leave
+# more threads than OMP_THREAD_LIMIT allows.
+VARIED_TEAMS = """#include <omp.h>
+#include <string.h>
+void matmul_optimized(double *A, double *B, double *C, int M, int N, int K) {
+    omp_set_max_active_levels(2);
+    #pragma omp parallel num_threads(2)
+    {
+        #pragma omp parallel num_threads(2)
+        {
+            volatile double spin = omp_get_thread_num();
+            (void)spin;
+        }
+    }
+    #pragma omp parallel for num_threads(2)
+    for (int i = 0; i < M; i++) memset(&C[(size_t)i * N], 0, sizeof(double) * N);
+    #pragma omp parallel for
+    for (int i = 0; i < M; i++)
+        for (int k = 0; k < K; k++) {
+            double a = A[i * K + k];
+            for (int j = 0; j < N; j++) C[i * N + j] += a * B[k * N + j];
+        }
+}
+"""
+
+
+def test_openmp_teams_that_shrink_regrow_and_nest_succeed(bench: Benchmarker,
+                                                          task: TaskSpec) -> None:
+    # Four OpenMP threads (on however many CPUs there are): a pool of three workers that the
+    # kernel shrinks and grows again in every call.
+    four = Benchmarker(bench.settings.model_copy(update={"threads": 4}), HOST)
+    assert four.harness_env()["OMP_THREAD_LIMIT"] == "4"
+    verdict = four.evaluate(VARIED_TEAMS, stage=6, opt_level="O3", task=task)
+    assert verdict.status == "success", verdict.error
+
+
+def test_the_threads_of_the_sandboxed_command_are_counted(tmp_path: Path) -> None:
+    scratch = tmp_path / "scratch"
+    scratch.mkdir(mode=0o777)
+    scratch.chmod(0o777)
+    # Three threads besides the main one, then a line on the extra pipe: the watcher counts.
+    code = ("import os, sys, threading, time\n"
+            "for _ in range(3): threading.Thread(target=time.sleep, args=(30,), daemon=True)"
+            ".start()\n"
+            "os.write(int(sys.argv[1]), b'ready')\ntime.sleep(30)\n")
+    counter = runner.ThreadCount(limit=2, grace_s=0.05)
+    seen: list[int] = []
+
+    def watch(channel: str, payload: bytes, at_ns: int) -> sandbox.Reply:
+        seen.append(counter.stray())
+        return sandbox.Reply(stop=True)
+
+    spec = sandbox.Spec(scratch, sandbox.Limits(wall_s=20, cpu_s=20), extra_pipe=True)
+    sandbox.run(["/usr/bin/python3", "-c", code, "{fd}"], spec, watch=watch,
+                started=counter.started)
+    assert seen == [2]  # four threads, two allowed
+    # A process that has ended has no threads left.
+    assert counter.stray() == 0
+
+
+class Counts(runner.ThreadCount):
+    """The process's thread counts in turn (the last one repeats), instead of /proc's."""
+
+    def __init__(self, *counts: int) -> None:
+        super().__init__(limit=2, grace_s=0.05)
+        self.counts = list(counts)
+
+    def _count(self) -> int:
+        return self.counts.pop(0) if len(self.counts) > 1 else self.counts[0]
+
+
+def test_threads_over_the_limit_get_a_grace_to_end() -> None:
+    assert Counts(2).stray() == 0
+    assert Counts(3, 3, 2).stray() == 0  # libgomp's surplus threads, ending
+    assert Counts(5).stray() == 3  # still there when the grace is over
+    assert Counts(0).stray() == 0  # the process has ended
+
+
+JOBS = [gemm.Job("v", {"M": 2, "N": 3, "K": 2}, 1), gemm.Job("t", {"M": 2, "N": 3, "K": 2}, 2)]
+
+
+def _complete(talk: runner.Conversation, job: int) -> sandbox.Reply | None:
+    """One call as the harness reports it; the parent's reply to its last message."""
+    nonce, now = talk.nonce, 1_000_000 * (job + 1)
+    c = np.zeros(6, dtype="<f8").tobytes()
+    talk.on_event(sandbox.MARK, gemm.MARK.pack(nonce, job, gemm.MARK_BEGIN, now, 0), now)
+    talk.on_event(sandbox.MARK, gemm.MARK.pack(nonce, job, gemm.MARK_RESULT, now + 9, 6),
+                  now + 10)
+    talk.on_event(sandbox.DATA, c, now + 20)
+    return talk.on_event(sandbox.MARK, gemm.MARK.pack(nonce, job, gemm.MARK_CHECK, 0, 0),
+                         now + 30)
+
+
+def test_a_thread_left_running_ends_the_run_before_the_next_job() -> None:
+    talk = runner.Conversation(JOBS, 0, None, Counts(2))
+    talk.opening()
+    reply = _complete(talk, 0)
+    assert reply is not None and reply.send == gemm.job_line(JOBS[1]) and not reply.stop
+    assert talk.frames[0].stray_threads == 0
+
+    talk = runner.Conversation(JOBS, 0, None, Counts(3))
+    talk.opening()
+    reply = _complete(talk, 0)
+    assert reply is not None and reply.stop and reply.send == b""  # job 1 is never sent
+    [frame] = talk.frames
+    assert frame.stray_threads == 1
+    expected = gemm.Expected(np.zeros(1, np.intp), np.zeros(1, np.intp), np.zeros(1),
+                             np.ones(1))
+    assert "still running after the call returned" in steps.frame_message(frame, expected, 1e-6)
