@@ -194,11 +194,24 @@ def experiment() -> DashboardSpec:
            "and 95th percentile).", *quantiles("hpcrl_scheduler_group_seconds"), unit="s",
            width=12),
     ]
+    # A process's busiest client, then the mean over a service's replicas (README, "Metrics").
+    busy = (f"avg by (job) (max by (job, instance) "
+            f"(rate(hpcrl_service_busy_seconds_total[{RATE}])))")
+    overlap = [
+        ts("Service busy fraction", "Share of wall time each service worked on at least one "
+           "item (overlapping items once; a generator request waiting for a policy version "
+           "does not count), mean over its replicas: the service near 100 % paces the loop.",
+           q(busy, "{{job}}"), unit="percentunit", width=16),
+        single("Wall / busiest service", "Wall time over the busiest service's busy time in "
+               "the window: 1.0 when the slowest service never waits for another (the demo's "
+               "overlap figure; target ≤ 1.1).", f"1 / max({busy})", width=8),
+    ]
     return DashboardSpec(
         "hpcrl-experiment", "hpcrl: experiment overview",
-        "SQD progress, reward curves, GFLOPS per stage and iteration, outcome mix.",
+        "SQD progress, reward curves, GFLOPS per stage and iteration, outcome mix, how well "
+        "the services overlap.",
         [("Progress", progress), ("Rewards", rewards), ("GFLOPS", gflops),
-         ("Outcomes and pool", outcomes)])
+         ("Outcomes and pool", outcomes), ("Overlap", overlap)])
 
 
 # --- benchmarker fleet -------------------------------------------------------------------

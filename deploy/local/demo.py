@@ -5,7 +5,8 @@ processes (the generator on vLLM's CPU build where it imports, else on transform
 SQD experiment of ``deploy/local/demo.toml``, shows progress, stops the services cleanly,
 evaluates version 0 and the final version on a fixed prompt set (``hpcrl-evaluate``, same
 seeds) and writes a run directory: best kernels, metrics as JSON/CSV, plots, the evaluation,
-and a summary table.
+and a summary table, with how well the services overlapped (wall time against the busiest
+service's busy time, scraped from their /metrics: ``overlap_report.py``).
 Ctrl-C stops everything; running it again resumes the unfinished run (``--fresh`` starts over).
 """
 
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pika
+from overlap_report import OverlapProbe, earlier_overlap, print_overlap  # beside this script
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
@@ -155,7 +157,8 @@ def latest_version(checkpoints: Path) -> int:
 
 
 def run_services(services: list[Service], env: dict[str, str], db: Path,
-                 checkpoints: Path, groups_per_step: int) -> dict[str, Any]:
+                 checkpoints: Path, groups_per_step: int,
+                 probe: OverlapProbe | None = None) -> dict[str, Any]:
     for service in services:
         service.start(env)
         console.print(f"started {service.name} (pid {service.process.pid}, log {service.log})")
@@ -168,6 +171,8 @@ def run_services(services: list[Service], env: dict[str, str], db: Path,
                     raise RuntimeError(f"{service.name} exited unexpectedly "
                                        f"(code {service.process.returncode}):\n{service.tail()}")
             live.update(progress_table(read_snapshot(db), latest_version(checkpoints), started))
+            if probe is not None:  # the scheduler exits when done: keep its latest figure
+                probe.poll()
             time.sleep(1.0)
         live.update(progress_table(read_snapshot(db), latest_version(checkpoints), started))
     if scheduler.process.returncode != 0:
@@ -176,6 +181,8 @@ def run_services(services: list[Service], env: dict[str, str], db: Path,
     data = read_snapshot(db)
     assert data is not None
     wait_for_learner(services[1], checkpoints, data, groups_per_step)
+    if probe is not None:  # every figure complete, before the services stop
+        probe.finish()
     return data
 
 
@@ -199,7 +206,8 @@ def wait_for_learner(learner: Service, checkpoints: Path, data: dict[str, Any],
 
 
 def write_report(run_dir: Path, data: dict[str, Any], db: Path, checkpoints: Path,
-                 corpus_best: dict[str, Any] | None) -> None:
+                 corpus_best: dict[str, Any] | None,
+                 overlap: dict[str, Any] | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -213,7 +221,7 @@ def write_report(run_dir: Path, data: dict[str, Any], db: Path, checkpoints: Pat
                "versions": [{"version": v.version, **v.metrics} for v in versions]}
     evaluation = read_evaluation(run_dir)
     summary = {"scheduler": data, "learner": learner, "corpus_best": corpus_best,
-               "evaluation": evaluation_summary(evaluation)}
+               "evaluation": evaluation_summary(evaluation), "overlap": overlap}
     (run_dir / "metrics.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     rows = iteration_rows(data)
     columns = list(dict.fromkeys(key for row in rows for key in row)) or ["iteration"]
@@ -241,6 +249,7 @@ def write_report(run_dir: Path, data: dict[str, Any], db: Path, checkpoints: Pat
     figure.savefig(run_dir / "best_gflops.png", dpi=120)
     plt.close("all")
     print_summary(data, learner, corpus_best)
+    print_overlap(console, overlap)
     print_evaluation(evaluation, learner["sampler_kl"])
 
 
@@ -452,12 +461,16 @@ def main(argv: list[str] | None = None) -> int:
     db = (ROOT / config.db_path).resolve()
     checkpoints = data_dir / "checkpoints"
     previous = read_snapshot(db)
+    # The services' busy counters start with their processes: a resumed run is measured
+    # for this session only.
+    resumed = previous is not None and not (args.fresh or previous["done"])
     if args.report_only:
         if previous is None or not previous["done"]:
             raise SystemExit("error: no finished run of this experiment to report on")
         model_dir = bootstrap_policy(args.policy_data_dir.resolve(), args.bootstrap_arg)
         write_report(run_dir, previous, db, checkpoints,
-                     benchmark_corpus_best(config, model_dir))
+                     benchmark_corpus_best(config, model_dir),
+                     earlier_overlap(run_dir / "metrics.json"))
         console.print(f"\n[bold]run directory:[/] {run_dir}")
         return 0
     if args.fresh or (previous is not None and previous["done"]):
@@ -484,11 +497,14 @@ def main(argv: list[str] | None = None) -> int:
         "HPCRL__EXPERIMENT__DATA_DIR": str(data_dir),
         "HPCRL__SCHEDULER__ISA": "avx512" if has_avx512() else "avx2",
     }
+    # Where to scrape each service; a metrics_port of 0 becomes a free port chosen here.
+    probe = OverlapProbe.for_services(args.config.resolve(), env)
+    env.update(probe.env)
     services = service_commands(args.config.resolve(), run_dir)
     try:
         learner_config = load_config(LearnerConfig, args.config)
         data = run_services(services, env, db, checkpoints,
-                            learner_config.learner.groups_per_step)
+                            learner_config.learner.groups_per_step, probe)
     except KeyboardInterrupt:
         console.print("\n[yellow]interrupted:[/] stopping the services; run `make demo` again "
                       "to resume")
@@ -499,9 +515,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for service in reversed(services):
             service.stop()
+    overlap = probe.summary(data, db, checkpoints, resumed)
     corpus_best = benchmark_corpus_best(config, model_dir)
     evaluated = run_evaluation(args, config, model_dir, backend, checkpoints, run_dir)
-    write_report(run_dir, data, db, checkpoints, corpus_best)
+    write_report(run_dir, data, db, checkpoints, corpus_best, overlap)
     console.print(f"\n[bold]run directory:[/] {run_dir}")
     return 0 if evaluated else 1
 

@@ -1,17 +1,18 @@
 """A broker that survives losing a node (issue #18): a 3-node RabbitMQ cluster on this machine.
 
 The drill: three extra nodes (own names, ports and data, one cookie) form one cluster; the work
-queues are quorum queues with a member on each node, their leaders on node a. A consumer
+queues and the dead-letter queues are quorum queues with a member on each node, their leaders
+on node a, through which the whole topology is declared. A consumer
 (generate-requests -> code-to-bench) and a publisher, both given ``url`` = node a and
 ``failover_urls`` = nodes b and c, run while node a is killed (SIGKILL: a crash, no goodbye)
-in the middle of the stream. Both must carry on through another node, with every message
-handled and every output present, and nothing done twice in effect; node a then comes back
-and rejoins.
+in the middle of the stream. Both must carry on through another node (the consumer
+redeclaring the topology there), with every message handled and every output present, and
+nothing done twice in effect; node a then comes back and rejoins.
 
-The exchanges and the dead-letter queues are declared through node c, which stays up: the
-dead-letter queues are classic queues, which live on the node that declared them and cannot
-even be redeclared while it is down (``test_classic_queues_outlive_their_home_node``, xfail),
-so a service would not get past its topology declaration if they lived on the lost node.
+The dead-letter queues and the scheduler's update queue were classic queues once, which live
+on the node that declared them and could not even be redeclared while it was down;
+``test_durable_queues_outlive_the_node_that_declared_them`` shows that quorum ones, with their
+messages, can.
 """
 
 from __future__ import annotations
@@ -30,10 +31,17 @@ import pytest
 from prometheus_client import REGISTRY
 from structlog.testing import capture_logs
 
+from hpcrl_common.access import SCHEDULER_SUBSCRIBER
 from hpcrl_common.broker import Consumer, Publish, Publisher, connection_parameters
 from hpcrl_common.config import BrokerSettings, ConfigError, ServiceConfig, load_config
 from hpcrl_common.messages import BenchSpec, Candidate, ChatMessage, GenerateRequest, decode
-from hpcrl_common.topology import CODE_TO_BENCH, GENERATE_REQUESTS, WORK_QUEUES, Topology
+from hpcrl_common.topology import (
+    CODE_TO_BENCH,
+    GENERATE_REQUESTS,
+    WEIGHT_UPDATES,
+    WORK_QUEUES,
+    Topology,
+)
 
 from ..conftest import RunningConsumer
 from ..support.rabbit_node import RabbitNode, start_cluster
@@ -129,20 +137,13 @@ def test_consumer_and_publisher_survive_losing_a_node(cluster: list[RabbitNode])
     topology = Topology(namespace, settings.delivery_limit)
     work_queue, output_queue = topology.name(GENERATE_REQUESTS), topology.name(CODE_TO_BENCH)
 
-    # Work queues through a (their Raft leaders start there), the rest through c.
-    for node, declare in ((a, "work"), (c, "all")):
-        connection = pika.BlockingConnection(pika.URLParameters(node.url()))
-        channel = connection.channel()
-        if declare == "work":
-            for base in WORK_QUEUES:
-                channel.queue_declare(topology.name(base), durable=True,
-                                      arguments=topology.work_queue_arguments(base))
-        else:
-            topology.declare(channel)
-        connection.close()
+    # Everything through a: the queues' Raft leaders start there, on the node to be lost.
+    connection = pika.BlockingConnection(pika.URLParameters(a.url()))
+    topology.declare(connection.channel())
+    connection.close()
     table = queue_table(a, namespace)
-    for base in WORK_QUEUES:
-        row = table[topology.name(base)]  # a quorum queue, replicated on all three nodes
+    for queue in [*map(topology.name, WORK_QUEUES), *map(topology.dlq, WORK_QUEUES)]:
+        row = table[queue]  # a quorum queue, replicated on all three nodes
         assert row["type"] == "quorum" and set(row["members"]) == {a.name, b.name, c.name}, row
         assert row["leader"] == a.name, row
 
@@ -270,27 +271,54 @@ def test_consumer_and_publisher_survive_losing_a_node(cluster: list[RabbitNode])
 
 @pytest.mark.broker
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True, raises=pika.exceptions.ChannelClosedByBroker,
-    reason="the dead-letter queues (and the scheduler's durable weight-updates queue) are "
-    "classic queues: while the node that declared them is down, redeclaring them fails "
-    "with 404 'home node ... is down', so Topology.declare (a service's start or "
-    "reconnect with broker.declare_topology) fails until it returns; quorum dead-letter "
-    "queues would not")
-def test_classic_queues_outlive_their_home_node(cluster: list[RabbitNode]) -> None:
-    a, b, _ = all_up(cluster)
-    topology = Topology(f"home-{uuid.uuid4().hex[:8]}")
+def test_durable_queues_outlive_the_node_that_declared_them(cluster: list[RabbitNode]) -> None:
+    """The dead-letter queues and the scheduler's update queue are quorum queues: declared
+    through node b, they can be redeclared (what a service does on reconnecting) and read
+    through node a while b is down, and keep their messages."""
+    a, b, c = all_up(cluster)
+    namespace = f"home-{uuid.uuid4().hex[:8]}"
+    topology = Topology(namespace)
+    dlq = topology.dlq(CODE_TO_BENCH)
     connection = pika.BlockingConnection(pika.URLParameters(b.url()))
-    topology.declare(connection.channel())  # everything declared through b
+    channel = connection.channel()
+    topology.declare(channel)  # everything declared through b
+    topology.declare_subscriber(channel, WEIGHT_UPDATES, SCHEDULER_SUBSCRIBER, durable=True)
+    channel.confirm_delivery()
+    channel.basic_publish(topology.dead_letter_exchange, topology.name(CODE_TO_BENCH),
+                          b"dead letter", properties=pika.BasicProperties(delivery_mode=2),
+                          mandatory=True)
     connection.close()
-    b.kill()
-    try:
+    table = queue_table(b, namespace)
+    durable = [*map(topology.dlq, [*WORK_QUEUES, WEIGHT_UPDATES]),
+               topology.subscriber_queue(WEIGHT_UPDATES, SCHEDULER_SUBSCRIBER)]
+    for queue in durable:
+        row = table[queue]
+        assert row["type"] == "quorum" and set(row["members"]) == {a.name, b.name, c.name}, row
+    got: list[bytes] = []
+
+    def read_dead_letter() -> bool:
+        """Through a; until the queue's new leader is elected, the broker drops the
+        connection of a basic.get ('nodedown')."""
         connection = pika.BlockingConnection(pika.URLParameters(a.url()))
         try:
-            topology.declare(connection.channel())  # what a service does on reconnecting
+            method, _props, body = connection.channel().basic_get(dlq, auto_ack=True)
+        except pika.exceptions.AMQPError:
+            return False
         finally:
             if connection.is_open:
                 connection.close()
+        got.extend([body] if method is not None else [])
+        return bool(got)
+
+    b.kill()
+    try:
+        connection = pika.BlockingConnection(pika.URLParameters(a.url()))
+        channel = connection.channel()
+        topology.declare(channel)  # what a service does on reconnecting
+        topology.declare_subscriber(channel, WEIGHT_UPDATES, SCHEDULER_SUBSCRIBER, durable=True)
+        connection.close()
+        wait_for(read_dead_letter, 30, f"the dead letter from {dlq} (its new leader)")
+        assert got == [b"dead letter"]
     finally:
         b.start().wait_started()
 

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 from prometheus_client import REGISTRY
 
 from hpcrl_common.broker import Reject
 from hpcrl_common.checkpoints import CheckpointStore
 from hpcrl_common.messages import ChatMessage, WeightUpdate
+from hpcrl_common.metrics import BusyTime
 from hpcrl_common.topology import Topology
 from hpcrl_generator.backends.transformers import TransformersSampler
 from hpcrl_generator.config import GeneratorSection
@@ -93,3 +97,32 @@ def test_a_prompt_longer_than_the_context_is_rejected(tiny_models):
         generator.on_request(request("long", prompt=long), None)
     out = generator.on_request(request("short", max_tokens=500), None)  # capped, not refused
     assert len(tokens(out[0].message)) + len(out[0].message.rollout.prompt_token_ids) <= 80
+
+
+def test_waiting_for_a_floor_or_for_the_engine_is_not_busy_time(tiny_models, tmp_path):
+    """hpcrl_service_busy_seconds_total counts sampling, not a request's waits: for a policy
+    version that has not come, or for the engine while another request holds it."""
+    generator = make(tiny_models, tmp_path, version_wait_s=0.6)
+    generator.busy = busy = BusyTime()  # what attach() does with the consumer's
+    began = time.monotonic()
+    with busy.working(), pytest.raises(VersionNotReady):
+        generator.on_request(request("early", floor=3), None)
+    assert time.monotonic() - began >= 0.6 and busy.seconds() < 0.3
+
+    before = busy.seconds()
+    done = threading.Event()
+
+    def sample() -> None:
+        with busy.working():
+            generator.on_request(request("queued"), None)
+        done.set()
+
+    with generator._engine:  # another request samples meanwhile (not counted here)
+        thread = threading.Thread(target=sample)
+        began = time.monotonic()
+        thread.start()
+        time.sleep(0.5)
+        assert busy.seconds() - before < 0.1
+    thread.join(60)
+    assert done.is_set()
+    assert busy.seconds() - before <= time.monotonic() - began - 0.4

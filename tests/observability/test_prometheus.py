@@ -51,7 +51,7 @@ PANELS_WITH_DATA = {
         "Reward per iteration (table)", "Best GFLOPS per stage (whole run)",
         "Best GFLOPS per iteration", "Median GFLOPS per stage and iteration",
         "Best and median GFLOPS per stage and iteration", "Outcome counts",
-        "Pool size per stage"},
+        "Pool size per stage", "Service busy fraction", "Wall / busiest service"},
     "hpcrl-benchmarkers.json": {"Replicas up", "In flight", "Hosts", "In flight per replica"},
 }
 

@@ -44,6 +44,7 @@ from hpcrl_common.topology import (
     ROLLOUT_BATCHES,
     WEIGHT_UPDATES,
     WORK_QUEUES,
+    DurableQueue,
     Topology,
 )
 
@@ -76,8 +77,10 @@ def role_permissions(topology: Topology, role: Role) -> Permissions:
     updates = re.escape(t.name(WEIGHT_UPDATES))
     scheduler_queue = re.escape(t.subscriber_queue(WEIGHT_UPDATES, SCHEDULER_SUBSCRIBER))
     # A generator replica names its own auto-deleted update queue (hostname-pid by default),
-    # anything under the exchange's name except the scheduler's queue and the DLQ.
-    replica_queue = (f"{updates}\\.(?!{re.escape(SCHEDULER_SUBSCRIBER)}$|dlq$).+")
+    # anything under the exchange's name except the scheduler's queue and the DLQ, and the
+    # holding queues `hpcrl-broker-admin migrate` puts beside those.
+    replica_queue = (f"{updates}\\.(?!(?:{re.escape(SCHEDULER_SUBSCRIBER)}|dlq)"
+                     f"(?:\\.migrating)?$).+")
 
     def inbox(base: str) -> str:
         return re.escape(t.work_exchange(base))
@@ -172,17 +175,20 @@ def topology_definitions(topology: Topology, vhost: str) -> dict[str, list[dict[
         bindings.append({"source": source, "vhost": vhost, "destination": destination,
                          "destination_type": "queue", "routing_key": key, "arguments": {}})
 
+    def durable(spec: DurableQueue) -> None:
+        queue(spec.name, spec.arguments)
+        for source, key in spec.bindings:
+            bind(source, spec.name, key)
+
     exchange(topology.dead_letter_exchange, "direct")
-    for base in [*WORK_QUEUES, *FANOUT_EXCHANGES]:
-        queue(topology.dlq(base), {})
-        bind(topology.dead_letter_exchange, topology.dlq(base), topology.name(base))
+    for dead_letters in topology.dead_letter_queues():
+        durable(dead_letters)
     for base in WORK_QUEUES:
         queue(topology.name(base), topology.work_queue_arguments(base))
         exchange(topology.work_exchange(base), "direct")
         bind(topology.work_exchange(base), topology.name(base), topology.name(base))
     for base in FANOUT_EXCHANGES:
         exchange(topology.name(base), "fanout")
-    scheduler_queue = topology.subscriber_queue(WEIGHT_UPDATES, SCHEDULER_SUBSCRIBER)
-    queue(scheduler_queue, topology.dead_letter_arguments(WEIGHT_UPDATES))
-    bind(topology.name(WEIGHT_UPDATES), scheduler_queue, "")
+    # The scheduler's update queue is known in advance; generator replicas make their own.
+    durable(topology.durable_subscriber_queue(WEIGHT_UPDATES, SCHEDULER_SUBSCRIBER))
     return {"exchanges": exchanges, "queues": queues, "bindings": bindings}

@@ -50,12 +50,16 @@ from prometheus_client import Counter, Gauge, Histogram
 from hpcrl_common.access import publisher_allowed
 from hpcrl_common.config import BrokerSettings
 from hpcrl_common.messages import Message, MessageError, decode, encode
+from hpcrl_common.metrics import BusyTime
 from hpcrl_common.topology import (
     CONSUMER_HEADER,
     REASON_HEADER,
     SOURCE_QUEUE_HEADER,
+    DurableQueue,
     Topology,
+    classic_queues,
     inbox_of,
+    is_queue_type_conflict,
 )
 
 log = structlog.get_logger("hpcrl.broker")
@@ -363,8 +367,8 @@ def prepare_channel(connection: pika.BlockingConnection, settings: BrokerSetting
                     topology: Topology) -> BlockingChannel:
     """A confirming channel on a broker that holds the topology (declared or checked)."""
     if settings.declare_topology:
-        channel = connection.channel()
-        topology.declare(channel)
+        channel = declare_keeping_classic(connection, topology.declare,
+                                          topology.dead_letter_queues())
     else:
         missing = topology.missing(connection.channel)
         if missing:
@@ -373,6 +377,33 @@ def prepare_channel(connection: pika.BlockingConnection, settings: BrokerSetting
                 f"(hpcrl-broker-admin declare), or set broker.declare_topology = true")
         channel = connection.channel()
     channel.confirm_delivery()
+    return channel
+
+
+def declare_keeping_classic(connection: pika.BlockingConnection,
+                            declare: Callable[..., object],
+                            queues: Sequence[DurableQueue]) -> BlockingChannel:
+    """Run ``declare(channel, classic=...)`` on a new channel and return that channel.
+
+    A broker set up by an older release has classic queues where this one declares quorum
+    queues (``queues``), and refuses to redeclare them (406, which closes the channel): the
+    service keeps those as they are, so that it runs on until an operator migrates them,
+    and says so at each connect.
+    """
+    channel = connection.channel()
+    try:
+        declare(channel, classic=())
+        return channel
+    except pika.exceptions.ChannelClosedByBroker as exc:
+        if not is_queue_type_conflict(exc):
+            raise
+    classic = classic_queues(connection.channel, queues)
+    if classic:
+        log.warning("classic queues left by an older release: they are lost with the node "
+                    "that holds them; run `hpcrl-broker-admin migrate` to make them quorum "
+                    "queues", queues=classic)
+    channel = connection.channel()
+    declare(channel, classic=classic)
     return channel
 
 
@@ -479,6 +510,8 @@ class Consumer:
         self._last_tick = time.monotonic()
         self.connections = 0
         self.connected = threading.Event()
+        # Handlers and periodic tasks, overlapping ones once: hpcrl_service_busy_seconds_total.
+        self.busy = BusyTime(client)
 
     # --- set-up ------------------------------------------------------------------------
 
@@ -592,8 +625,7 @@ class Consumer:
         self._generation += 1
         for sub in self._subscriptions:
             if sub.fanout is not None:
-                base, subscriber, durable = sub.fanout
-                self.topology.declare_subscriber(channel, base, subscriber, durable=durable)
+                self._declare_subscriber(self._connection, *sub.fanout)
             channel.basic_consume(sub.queue, partial(self._on_message, sub))
         self.connections += 1
         if self.connections > 1:
@@ -610,6 +642,14 @@ class Consumer:
             self._start_due_timers()
             self._last_tick = time.monotonic()
         self._drain_actions()
+
+    def _declare_subscriber(self, connection: pika.BlockingConnection, base: str,
+                            subscriber: str, durable: bool) -> None:
+        declare = partial(self.topology.declare_subscriber, exchange_base=base,
+                          subscriber=subscriber, durable=durable)
+        queues = [self.topology.durable_subscriber_queue(base, subscriber)] if durable else []
+        # On a channel of its own: a refused declare must not close the consuming channel.
+        declare_keeping_classic(connection, declare, queues).close()
 
     def _lost_connection(self) -> None:
         self.connected.clear()
@@ -693,7 +733,8 @@ class Consumer:
     def _handle(self, sub: _Subscription, message: Message, delivery: Delivery) -> None:
         started = time.monotonic()
         try:
-            result = sub.handler(message, delivery)
+            with self.busy.working():
+                result = sub.handler(message, delivery)
         except Reject as exc:
             self._actions.put(partial(self._finish_rejected, sub, delivery, str(exc)))
             return
@@ -839,7 +880,8 @@ class Consumer:
 
     def _run_timer(self, timer: _Timer) -> None:
         try:
-            outputs = list(timer.fn())
+            with self.busy.working():
+                outputs = list(timer.fn())
         except Exception as exc:
             log.exception("periodic task failed", task=timer.name)
             PERIODIC_FAILURES.labels(self.client, timer.name).inc()

@@ -7,6 +7,14 @@ dead-letter queue ``<queue>.dlq`` bound to the dead-letter exchange with the que
 routing key; consumers also dead-letter explicitly, with the reason in a header.
 ``weight-updates`` is a fanout exchange: every subscriber gets its own queue.
 
+Every durable queue is a quorum queue, replicated on each node of a clustered broker, so that
+losing a node loses none of them: a classic queue lives on the node that declared it and can
+be neither used nor redeclared while that node is down. Only the auto-deleted queues of
+ephemeral subscribers (generator replicas) are classic, as quorum queues cannot be.
+Brokers set up by releases before this one have classic dead-letter queues and a classic
+scheduler update queue; :meth:`Topology.declare` can keep them (``classic``) until
+``hpcrl-broker-admin migrate`` has made them quorum queues.
+
 Messages for a work queue are published to its own direct exchange ``<queue>.in``, never to
 the default exchange: a broker user's write right can then be limited to the queues of its
 role (see :mod:`hpcrl_common.access`). The topology is declared by each service at start
@@ -16,8 +24,8 @@ services only :meth:`Topology.check` that it exists.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import pika.exceptions
@@ -52,6 +60,61 @@ INBOX_SUFFIX = ".in"
 REASON_HEADER = "x-hpcrl-reason"
 SOURCE_QUEUE_HEADER = "x-hpcrl-source-queue"
 CONSUMER_HEADER = "x-hpcrl-consumer"
+# The publisher's user_id of a message moved by `hpcrl-broker-admin migrate`: RabbitMQ refuses
+# a user_id other than the connection's own, so the property cannot travel as it is.
+ORIGINAL_USER_HEADER = "x-hpcrl-user-id"
+
+QUORUM = "quorum"
+
+
+@dataclass(frozen=True)
+class DurableQueue:
+    """A replicated (quorum) queue and the ``(exchange, routing key)`` bindings that feed it."""
+
+    name: str
+    arguments: dict[str, Any] = field(default_factory=lambda: {"x-queue-type": QUORUM})
+    bindings: tuple[tuple[str, str], ...] = ()
+
+    def declare(self, channel: BlockingChannel, *, classic: bool = False) -> None:
+        """Declare and bind it; ``classic``: it exists as a classic queue made by an older
+        release, which redeclaring as a quorum queue would refuse (406), so only check it."""
+        if classic:
+            channel.queue_declare(self.name, passive=True)
+        else:
+            channel.queue_declare(self.name, durable=True, arguments=self.arguments)
+        for exchange, routing_key in self.bindings:
+            channel.queue_bind(self.name, exchange, routing_key=routing_key)
+
+    def unbind(self, channel: BlockingChannel) -> None:
+        for exchange, routing_key in self.bindings:
+            channel.queue_unbind(self.name, exchange, routing_key=routing_key)
+
+
+def is_queue_type_conflict(exc: pika.exceptions.ChannelClosedByBroker) -> bool:
+    """Whether the broker refused a declare because the queue exists with another type
+    (a classic queue of an older release declared again as a quorum queue)."""
+    return exc.reply_code == 406 and "'x-queue-type'" in str(exc.reply_text)
+
+
+def classic_queues(open_channel: Callable[[], BlockingChannel],
+                   queues: Sequence[DurableQueue]) -> list[str]:
+    """Which of ``queues`` exist as classic queues (made by an older release).
+
+    Each is declared as it should be on a channel of its own (a refused declare closes its
+    channel): one that was missing is made, a classic one is refused with 406.
+    """
+    found = []
+    for queue in queues:
+        channel = open_channel()
+        try:
+            channel.queue_declare(queue.name, durable=True, arguments=queue.arguments)
+        except pika.exceptions.ChannelClosedByBroker as exc:
+            if not is_queue_type_conflict(exc):
+                raise
+            found.append(queue.name)
+            continue
+        channel.close()
+    return found
 
 
 @dataclass(frozen=True)
@@ -84,14 +147,33 @@ class Topology:
                 return cls
         raise KeyError(f"no schema is registered for queue {queue!r}")
 
-    def declare(self, channel: BlockingChannel) -> None:
-        """Idempotently declare every exchange and queue the services use."""
+    def declare(self, channel: BlockingChannel, *, classic: Collection[str] = ()) -> None:
+        """Idempotently declare every exchange and queue the services use.
+
+        The queues named in ``classic`` (see :func:`classic_queues`) are kept as they are.
+        """
         channel.exchange_declare(self.dead_letter_exchange, exchange_type="direct", durable=True)
         for base in WORK_QUEUES:
-            self._declare_work_queue(channel, base)
+            self._declare_work_queue(channel, base, classic)
         for base in FANOUT_EXCHANGES:
             channel.exchange_declare(self.name(base), exchange_type="fanout", durable=True)
-            self._declare_dlq(channel, base)
+            self._declare_dlq(channel, base, classic)
+
+    def dead_letter_queue(self, base: str) -> DurableQueue:
+        return DurableQueue(self.dlq(base), bindings=((self.dead_letter_exchange,
+                                                       self.name(base)),))
+
+    def dead_letter_queues(self) -> list[DurableQueue]:
+        return [self.dead_letter_queue(base) for base in [*WORK_QUEUES, *FANOUT_EXCHANGES]]
+
+    def durable_subscriber_queue(self, exchange_base: str, subscriber: str) -> DurableQueue:
+        """The queue of a subscriber that must get every message even across its restarts."""
+        return DurableQueue(
+            self.subscriber_queue(exchange_base, subscriber),
+            {"x-queue-type": QUORUM, **self.dead_letter_arguments(exchange_base)},
+            # The queue's name as routing key, as pika's queue_bind has always bound it
+            # (a fanout exchange ignores it; migrate unbinds it).
+            ((self.name(exchange_base), self.subscriber_queue(exchange_base, subscriber)),))
 
     def missing(self, open_channel: Callable[[], BlockingChannel]) -> list[str]:
         """What ``declare`` makes and the broker lacks, by passive declares (no rights needed).
@@ -125,25 +207,29 @@ class Topology:
         return absent
 
     def declare_subscriber(
-        self, channel: BlockingChannel, exchange_base: str, subscriber: str, *, durable: bool
+        self, channel: BlockingChannel, exchange_base: str, subscriber: str, *, durable: bool,
+        classic: Collection[str] = (),
     ) -> str:
         """A queue of one subscriber to a fanout exchange.
 
-        Durable subscribers (the scheduler) get every update even across their restarts;
-        ephemeral ones (generator replicas) get an auto-deleted queue and read the
-        checkpoint manifest on start instead.
+        Durable subscribers (the scheduler) get every update even across their restarts, in
+        a quorum queue (kept as it is when named in ``classic``); ephemeral ones (generator
+        replicas) get an auto-deleted classic queue and read the checkpoint manifest on
+        start instead.
         """
-        queue = self.subscriber_queue(exchange_base, subscriber)
-        arguments = self.dead_letter_arguments(exchange_base)
         if durable:
-            channel.queue_declare(queue, durable=True, arguments=arguments)
-        else:
-            channel.queue_declare(queue, durable=False, auto_delete=True, arguments=arguments)
-        channel.queue_bind(queue, self.name(exchange_base))
-        return queue
+            queue = self.durable_subscriber_queue(exchange_base, subscriber)
+            queue.declare(channel, classic=queue.name in classic)
+            return queue.name
+        name = self.subscriber_queue(exchange_base, subscriber)
+        channel.queue_declare(name, durable=False, auto_delete=True,
+                              arguments=self.dead_letter_arguments(exchange_base))
+        channel.queue_bind(name, self.name(exchange_base))
+        return name
 
-    def _declare_work_queue(self, channel: BlockingChannel, base: str) -> None:
-        self._declare_dlq(channel, base)
+    def _declare_work_queue(self, channel: BlockingChannel, base: str,
+                            classic: Collection[str]) -> None:
+        self._declare_dlq(channel, base, classic)
         channel.queue_declare(self.name(base), durable=True,
                               arguments=self.work_queue_arguments(base))
         channel.exchange_declare(self.work_exchange(base), exchange_type="direct", durable=True)
@@ -156,9 +242,10 @@ class Topology:
             **self.dead_letter_arguments(base),
         }
 
-    def _declare_dlq(self, channel: BlockingChannel, base: str) -> None:
-        channel.queue_declare(self.dlq(base), durable=True)
-        channel.queue_bind(self.dlq(base), self.dead_letter_exchange, routing_key=self.name(base))
+    def _declare_dlq(self, channel: BlockingChannel, base: str,
+                     classic: Collection[str]) -> None:
+        queue = self.dead_letter_queue(base)
+        queue.declare(channel, classic=queue.name in classic)
 
     def dead_letter_arguments(self, base: str) -> dict[str, str]:
         return {

@@ -7,11 +7,12 @@ versions are loaded between requests, after validation, without restarting the e
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import structlog
@@ -19,6 +20,7 @@ import structlog
 from hpcrl_common.broker import Consumer, Delivery, Publish, Reject
 from hpcrl_common.checkpoints import CheckpointStore
 from hpcrl_common.messages import GenerateRequest, WeightUpdate
+from hpcrl_common.metrics import BusyTime
 from hpcrl_common.topology import CODE_TO_BENCH, GENERATE_REQUESTS, WEIGHT_UPDATES, Topology
 from hpcrl_generator import metrics
 from hpcrl_generator.candidates import build_candidates
@@ -66,6 +68,8 @@ class Generator:
         self.tracker = VersionTracker(loaded=sampler.version)
         self._engine = threading.Lock()
         self._clock = clock
+        # The consumer's (attach): a request waiting for the engine or a version is not work.
+        self.busy = BusyTime()
         metrics.POLICY_VERSION.set(sampler.version)
 
     # --- weights ----------------------------------------------------------------------
@@ -166,14 +170,25 @@ class Generator:
                         f"policy version {floor} not available after "
                         f"{self.section.version_wait_s} s (loaded {self.tracker.loaded})"
                     )
-                time.sleep(self.section.version_poll_s)
+                with self.busy.idle():
+                    time.sleep(self.section.version_poll_s)
                 self.catch_up()
         finally:
             metrics.VERSION_WAIT_SECONDS.observe(self._clock() - started)
 
+    @contextlib.contextmanager
+    def _engine_held(self) -> Iterator[None]:
+        # Another request sampling meanwhile is counted busy on its own; this one only waits.
+        with self.busy.idle():
+            self._engine.acquire()
+        try:
+            yield
+        finally:
+            self._engine.release()
+
     def on_request(self, request: GenerateRequest, _delivery: Delivery) -> list[Publish]:
         backend = self.sampler.backend
-        with self._engine:
+        with self._engine_held():
             try:
                 self._await_floor(request.min_policy_version)
             except VersionNotReady:
@@ -212,6 +227,7 @@ class Generator:
     # --- wiring -----------------------------------------------------------------------
 
     def attach(self, consumer: Consumer) -> None:
+        self.busy = consumer.busy
         consumer.subscribe(GENERATE_REQUESTS, self.on_request)
         consumer.subscribe_fanout(WEIGHT_UPDATES, self.replica, self.on_weight_update,
                                   durable=False)
