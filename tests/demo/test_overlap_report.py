@@ -213,3 +213,14 @@ def test_the_loop_ends_with_the_last_commit_or_the_last_group_closed(tmp_path):
     probe = report.OverlapProbe({})
     out = probe.summary(data, db, checkpoints, resumed=True)
     assert not out["measured"] and "not scraped" in out["reason"]
+
+
+def test_the_ratio_after_the_pipeline_filled_starts_at_the_busiest_services_first_item():
+    def reading(busy: float, first: float) -> object:
+        return report.Reading(busy_s=busy, first_busy=first, clients={"c": busy}, at=0.0)
+
+    out = report.overlap_summary(
+        {"generator": [reading(50.0, 0.0)], "learner": [reading(80.0, 30.0)]},
+        {}, end=120.0, end_is="x", iterations=4)
+    assert out["busiest"] == "learner" and out["ratio"] == pytest.approx(120 / 80)
+    assert out["filled"] == 30.0 and out["ratio_after_fill"] == pytest.approx(90 / 80)
