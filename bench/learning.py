@@ -53,7 +53,9 @@ console = Console()
 
 @dataclass(frozen=True)
 class Arm:
-    """One way of training: a learning rate, and a reward mode (None: the demo's)."""
+    """One way of training: a learning rate and a reward mode (None only for the lr-0
+    control, whose weights never move whatever the rewards). Run names always carry the mode,
+    so --reuse never takes one mode's run for another's when the demo's default changes."""
 
     lr: float
     reward_mode: str | None = None
@@ -176,7 +178,7 @@ def main() -> int:
     parser.add_argument("--reward-modes", nargs="+", default=None,
                         choices=("parent_relative", "group_normalized", "raw"),
                         help="train each learning rate under each of these reward modes "
-                        "(default: the demo's scheduler.reward_mode)")
+                        "(default: the demo's scheduler.reward_mode, group_normalized)")
     parser.add_argument("--reuse", action="store_true",
                         help="reuse runs that already finished (their evaluation.json) instead "
                         "of running them again: resume an interrupted bench, or add seeds")
@@ -187,7 +189,7 @@ def main() -> int:
 
     default_lr = load_config(LearnerConfig, CONFIG, env={}).learner.learning_rate
     default_mode = load_config(SchedulerConfig, CONFIG, env={}).scheduler.reward_mode
-    modes = [None if m == default_mode else m for m in args.reward_modes or [default_mode]]
+    modes = args.reward_modes or [default_mode]
     control = Arm(0.0)
     trained = [Arm(lr, mode) for mode in modes for lr in args.learning_rate or [default_lr]]
     runs: dict[Arm, list[dict[str, Any]]] = {arm: [] for arm in (control, *trained)}
