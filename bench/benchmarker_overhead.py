@@ -62,9 +62,15 @@ def floor(code: str, bench: Benchmarker, work: Path) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--timing-attempts", type=int,
+                        default=BenchmarkerSection().timing_attempts,
+                        help="the service's timing attempts per candidate (default: the "
+                        "service's; 1 leaves out re-timing noisy measurements, which the floor "
+                        "never does, to see the pipeline's own cost)")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="hpcrl-overhead-"))
-    settings = BenchmarkerSection(work_dir=root / "work", lock_path=root / "lock")
+    settings = BenchmarkerSection(work_dir=root / "work", lock_path=root / "lock",
+                                  timing_attempts=args.timing_attempts)
     bench = Benchmarker(settings, detect())
     handler = BenchHandler(bench, BenchmarkerSection(), "bench-results", "overhead")
     ratios = []
