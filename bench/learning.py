@@ -89,7 +89,9 @@ def run_experiment(name: str, seed: int, arm: Arm, args: argparse.Namespace) -> 
         console.print(f"--- {name}: reusing the finished run in {finished.parent}")
         return json.loads(finished.read_text())
     console.print(f"--- {name}: seed {seed}, {arm.label}")
-    done = subprocess.run([sys.executable, str(DEMO), "--fresh", "--runs", str(args.runs),
+    # --reevaluate: the run trained already (its checkpoints under data/); judge it again.
+    mode = "--evaluate-only" if args.reevaluate else "--fresh"
+    done = subprocess.run([sys.executable, str(DEMO), mode, "--runs", str(args.runs),
                            "--eval-samples", str(args.eval_samples)], env=env, cwd=ROOT)
     if done.returncode != 0:
         raise SystemExit(f"{name} failed (exit {done.returncode})")
@@ -182,8 +184,12 @@ def main() -> int:
     parser.add_argument("--reuse", action="store_true",
                         help="reuse runs that already finished (their evaluation.json) instead "
                         "of running them again: resume an interrupted bench, or add seeds")
-    parser.add_argument("--eval-samples", type=int, default=8,
-                        help="completions per prompt and version in each run's evaluation")
+    parser.add_argument("--eval-samples", type=int, default=16,
+                        help="completions per prompt and version in each run's evaluation "
+                        "(default 16, the demo's)")
+    parser.add_argument("--reevaluate", action="store_true",
+                        help="train nothing: evaluate each run's finished checkpoints again "
+                        "(e.g. with more --eval-samples), results under --runs")
     parser.add_argument("--runs", type=Path, default=ROOT / "runs" / "bench-learning")
     args = parser.parse_args()
 
