@@ -814,6 +814,17 @@ def replica_name(proc: Proc) -> str:
     return f"benchmarker-{os.uname().nodename}-{proc.pid}"
 
 
+def process_state(pid: int) -> str:
+    """Each thread's state and kernel wait channel: what a hung process is waiting on."""
+    rows = []
+    for task in sorted(Path(f"/proc/{pid}/task").glob("*")):
+        with contextlib.suppress(OSError):
+            state = (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            wchan = (task / "wchan").read_text().strip() or "-"
+            rows.append(f"{task.name}:{state}:{wchan}")
+    return "threads (tid:state:wchan): " + (" ".join(rows) or "none readable")
+
+
 def a_holds(fleet: Fleet, a: Proc, group_id: str) -> tuple[int] | None:
     """(candidates the frozen replica A holds unacked,) once every candidate of the group is
     either stored as a result or held by A (B has judged its share); else None."""
@@ -874,7 +885,7 @@ def test_benchmarker_replica_added_and_another_removed_mid_run(fleet_factory):
         # Seen once in CI (not reproduced alone, nor with a 75 s freeze holding candidates):
         # the frozen replica did not stop within 60 s of SIGTERM. Kill it and check that
         # nothing is lost all the same; the hang itself is reported as an expected failure.
-        hung = str(exc)[:2000]
+        hung = f"{process_state(a.pid)}\n{str(exc)[:2000]}"
         fleet.kill9(a)
         code_a = 0
     exited_at = time.time()
