@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
+from pathlib import Path
 
 import msgpack
 import pika
@@ -428,3 +429,154 @@ def test_a_periodic_task_that_keeps_failing_makes_the_consumer_unhealthy(broker_
         assert "program without source" in detail["error"] and detail["failing_for_s"] >= 2.0
         broken.clear()
         wait_for(lambda: consumer.healthy()[0], timeout=5, what="healthy again")
+
+
+# --- a stop: running work finishes and settles, the rest goes back, the wait is bounded ----
+
+
+def test_a_stop_lets_running_work_settle_and_hands_back_the_rest(broker_settings):
+    """SIGTERM mid-handler: the running message's output is sent and it is acked; the
+    messages prefetched behind it are not started and go to the next consumer."""
+    topology = Topology(broker_settings.namespace, broker_settings.delivery_limit)
+    entered = threading.Event()
+    calls: Counter = Counter()
+
+    def slow(message, delivery):
+        calls[message.id] += 1
+        entered.set()
+        time.sleep(1.5)
+        return echo_candidate(topology)(message, delivery)
+
+    first = Consumer(broker_settings, "stopping-first", stop_grace_s=20)
+    first.subscribe(GENERATE_REQUESTS, slow)
+    outputs: list = []
+    sink = Consumer(broker_settings, "stopping-sink")
+    sink.subscribe(CODE_TO_BENCH, lambda m, _d: outputs.append(m.id) or [])
+    ids = [f"stop-{i}" for i in range(4)]
+    with RunningConsumer(sink), Publisher(broker_settings, "stopping-pub") as publisher:
+        thread = threading.Thread(target=first.run, daemon=True)
+        thread.start()
+        assert first.connected.wait(15)
+        for request_id in ids:
+            publisher.publish(Publish(topology.name(GENERATE_REQUESTS), sample_request(request_id)))
+        assert entered.wait(15)
+        started = time.monotonic()
+        first.stop()
+        thread.join(20)
+        stop_s = time.monotonic() - started
+        assert not thread.is_alive() and first.running == 0
+        assert 0.5 < stop_s < 5, stop_s  # it waited for the running handler, not the queue
+        (handled,) = calls
+        wait_for(lambda: outputs == [f"{handled}/0"], what="the running handler's output")
+        # The rest were never started here; the next consumer gets them all, and not the
+        # one that was settled.
+        second = Consumer(broker_settings, "stopping-second")
+        second.subscribe(GENERATE_REQUESTS, echo_candidate(topology))
+        with RunningConsumer(second):
+            wait_for(lambda: sorted(outputs) == sorted(f"{i}/0" for i in ids),
+                     what="the handed-back messages")
+    assert calls == {handled: 1}
+    assert len(outputs) == len(ids)
+
+
+def test_a_stop_does_not_wait_past_its_grace(broker_settings):
+    """A handler stuck past the grace is left behind: the loop returns, the connection
+    closes, and its message goes to another consumer."""
+    topology = Topology(broker_settings.namespace, broker_settings.delivery_limit)
+    release = threading.Event()
+    entered = threading.Event()
+
+    def stuck(_message, _delivery):
+        entered.set()
+        release.wait(60)
+        return []
+
+    first = Consumer(broker_settings, "grace-first", stop_grace_s=1.0)
+    first.subscribe(GENERATE_REQUESTS, stuck)
+    outputs: list = []
+    sink = Consumer(broker_settings, "grace-sink")
+    sink.subscribe(CODE_TO_BENCH, lambda m, _d: outputs.append(m.id) or [])
+    second = Consumer(broker_settings, "grace-second")
+    second.subscribe(GENERATE_REQUESTS, echo_candidate(topology))
+    try:
+        with RunningConsumer(sink), Publisher(broker_settings, "grace-pub") as publisher:
+            thread = threading.Thread(target=first.run, daemon=True)
+            thread.start()
+            assert first.connected.wait(15)
+            publisher.publish(Publish(topology.name(GENERATE_REQUESTS), sample_request("g-1")))
+            assert entered.wait(15)
+            started = time.monotonic()
+            first.stop()
+            thread.join(10)
+            stop_s = time.monotonic() - started
+            assert not thread.is_alive(), "run() waited past the grace"
+            assert 1.0 <= stop_s < 3.0, stop_s
+            assert first.running == 1  # left behind, still executing
+            with RunningConsumer(second):
+                wait_for(lambda: outputs == ["g-1/0"], what="the message at another consumer")
+    finally:
+        release.set()
+
+
+STUCK_SERVICE = """
+import subprocess, sys, threading
+from hpcrl_common.broker import Consumer
+from hpcrl_common.config import BrokerSettings
+from hpcrl_common.logs import configure_logging
+from hpcrl_common.service import ServiceSection, run_consumer
+from hpcrl_common.topology import GENERATE_REQUESTS
+
+def stuck_in_the_handler(_message, _delivery):
+    child = subprocess.Popen(["sleep", "600"])  # as vLLM's engine process would be
+    print("handling", child.pid, flush=True)
+    threading.Event().wait(600)
+
+configure_logging("stuck")
+settings = BrokerSettings.model_validate_json(sys.argv[1])
+consumer = Consumer(settings, "stuck-service")
+consumer.subscribe(GENERATE_REQUESTS, stuck_in_the_handler)
+run_consumer(consumer, "stuck", ServiceSection(stop_grace_s=1.0))
+"""
+
+
+def test_a_service_exits_on_sigterm_with_work_stuck_and_says_where(broker_settings, tmp_path):
+    """The interpreter would join a stuck worker thread forever: `run_consumer` exits after
+    the grace, with every thread's stack in its log; SIGUSR1 dumps them on demand."""
+    import signal
+    import subprocess
+    import sys
+
+    topology = Topology(broker_settings.namespace, broker_settings.delivery_limit)
+    script = tmp_path / "stuck.py"
+    script.write_text(STUCK_SERVICE)
+    stderr = (tmp_path / "stderr").open("w+")
+    proc = subprocess.Popen([sys.executable, str(script), broker_settings.model_dump_json()],
+                            stdout=subprocess.PIPE, stderr=stderr, text=True)
+    try:
+        with Publisher(broker_settings, "stuck-pub") as publisher:
+            publisher.publish(Publish(topology.name(GENERATE_REQUESTS), sample_request("s-1")))
+        word, child = proc.stdout.readline().split()
+        assert word == "handling"
+        proc.send_signal(signal.SIGUSR1)
+        wait_for(lambda: "stuck_in_the_handler" in (tmp_path / "stderr").read_text(),
+                 what="the SIGUSR1 stack dump")
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=15)
+        stop_s = time.monotonic() - started
+    finally:
+        proc.kill()
+    log = (tmp_path / "stderr").read_text()
+    assert code == 0, log[-3000:]
+    assert 1.0 <= stop_s < 6.0, stop_s
+    assert "exiting with work still running" in log
+    assert log.count("stuck_in_the_handler") >= 2, log[-3000:]  # SIGUSR1 dump, exit dump
+
+    def child_gone() -> bool:  # ended (a zombie until its new parent reaps it) or reaped
+        try:
+            state = Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return True
+        return state in ("Z", "X")
+
+    wait_for(child_gone, timeout=10, what="the service's child to end with it")

@@ -31,7 +31,7 @@ import struct
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -490,9 +490,12 @@ class Consumer:
         *,
         concurrency: int = 1,
         topology: Topology | None = None,
+        stop_grace_s: float = 30.0,
     ) -> None:
         self.settings = settings
         self.client = client
+        # How long a stop waits for handlers already running to finish and settle.
+        self.stop_grace_s = stop_grace_s
         self.topology = topology or Topology(settings.namespace, settings.delivery_limit)
         self._params = connection_parameters(settings, client)
         self._executor = ThreadPoolExecutor(concurrency, thread_name_prefix=f"{client}-work")
@@ -508,6 +511,8 @@ class Consumer:
         self._completed: OrderedDict[tuple[str, str], list[Publish] | None] = OrderedDict()
         self._unsent: list[tuple[list[Publish], Future | None]] = []
         self._last_tick = time.monotonic()
+        self._running = 0  # handlers and periodic tasks executing now
+        self._running_lock = threading.Lock()
         self.connections = 0
         self.connected = threading.Event()
         # Handlers and periodic tasks, overlapping ones once: hpcrl_service_busy_seconds_total.
@@ -562,7 +567,27 @@ class Consumer:
         self._actions.put(partial(self._finish_failed, sub, delivery, error))
 
     def stop(self) -> None:
+        """Stop taking work; :meth:`run` returns once the handlers already running have
+        settled, or after ``stop_grace_s`` (see :meth:`_wind_down`)."""
         self._stop.set()
+
+    @property
+    def running(self) -> int:
+        """Handlers and periodic tasks executing now (after :meth:`run` returned: the ones a
+        stop left behind, whose messages the broker hands to another consumer)."""
+        with self._running_lock:
+            return self._running
+
+    @contextlib.contextmanager
+    def _executing(self) -> Iterator[None]:
+        with self._running_lock:
+            self._running += 1
+        try:
+            with self.busy.working():
+                yield
+        finally:
+            with self._running_lock:
+                self._running -= 1
 
     @property
     def stopping(self) -> bool:
@@ -641,7 +666,24 @@ class Consumer:
             self._drain_actions()
             self._start_due_timers()
             self._last_tick = time.monotonic()
+        self._wind_down(channel)
+
+    def _wind_down(self, channel: BlockingChannel) -> None:
+        """A stop: take no more deliveries, let the handlers already running finish and
+        settle for up to ``stop_grace_s``. Whatever is still unsettled then goes back to the
+        queue when the connection closes; nothing waits on work whose result cannot be sent."""
+        for tag in list(channel.consumer_tags):
+            channel.basic_cancel(tag)  # pika nacks (requeues) what it had not dispatched
+        deadline = time.monotonic() + self.stop_grace_s
+        while self.running and time.monotonic() < deadline:
+            self._connection.process_data_events(time_limit=_LOOP_TICK_S)
+            self._drain_actions()
+            self._last_tick = time.monotonic()
         self._drain_actions()
+        if self.running:
+            log.warning("stop grace over with work still running; its messages go back to "
+                        "the queue", client=self.client, running=self.running,
+                        grace_s=self.stop_grace_s)
 
     def _declare_subscriber(self, connection: pika.BlockingConnection, base: str,
                             subscriber: str, durable: bool) -> None:
@@ -731,9 +773,11 @@ class Consumer:
             held.tag, held.generation, held.extra_tags = delivery.tag, delivery.generation, []
 
     def _handle(self, sub: _Subscription, message: Message, delivery: Delivery) -> None:
+        if self._stop.is_set():
+            return  # not started before the stop: the broker requeues it at the close
         started = time.monotonic()
         try:
-            with self.busy.working():
+            with self._executing():
                 result = sub.handler(message, delivery)
         except Reject as exc:
             self._actions.put(partial(self._finish_rejected, sub, delivery, str(exc)))
@@ -880,7 +924,7 @@ class Consumer:
 
     def _run_timer(self, timer: _Timer) -> None:
         try:
-            with self.busy.working():
+            with self._executing():
                 outputs = list(timer.fn())
         except Exception as exc:
             log.exception("periodic task failed", task=timer.name)

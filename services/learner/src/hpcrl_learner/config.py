@@ -26,6 +26,11 @@ class LoraSettings(Section):
 
 class LearnerSettings(ServiceSection):
     metrics_port: int = Field(9103, ge=0, le=65535, description="0 picks a free port")
+    stop_grace_s: float = Field(
+        90.0, ge=0, description="on SIGTERM/SIGINT, how long a step already running may take "
+        "to finish and commit (one abandoned is trained again after the restart); keep it "
+        "below the kill wait of what stops it (systemd's TimeoutStopSec, the lead of Slurm's "
+        "--signal)")
     backend: Literal["torch", "swift"] = Field(
         "torch", description="torch: one process, CPU or one GPU; swift: ms-swift Megatron "
         "workers on GPUs (own environment; refuses to start, naming what is missing)"
