@@ -209,6 +209,46 @@ def test_sigterm_to_the_whole_replica_publishes_no_false_verdict(
         connection.close()
 
 
+def test_sigterm_to_the_service_finishes_the_candidate_within_the_grace(
+    broker_settings: BrokerSettings, tmp_path: Path
+) -> None:
+    """SIGTERM to the service alone (systemd's KillMode=mixed, Slurm's --signal=B:TERM): it
+    takes nothing more and lets the candidate under way end, within its stop grace. A kernel
+    that then runs into its time limit is not trusted as a timeout: it goes back to the queue."""
+    config = write_config(tmp_path / "bench.toml", broker_settings, tmp_path)
+    args = [sys.executable, "-m", "hpcrl_benchmarker.cli", "serve", "--config", str(config),
+            *(arg for isa in ALLOW_ISA for arg in ("--allow-isa", isa))]
+    replica = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                               start_new_session=True)
+    try:
+        with Publisher(broker_settings, "test-producer") as publisher:
+            publisher.publish(Publish(publisher.topology.name(CODE_TO_BENCH),
+                                      candidate("g4", 0, kernel("infinite.c"))))
+        time.sleep(4)  # inside the candidate's 8 s run
+        assert replica.poll() is None
+        signalled = time.monotonic()
+        replica.send_signal(signal.SIGTERM)
+        code = replica.wait(60)
+        stop_s = time.monotonic() - signalled
+    finally:
+        if replica.poll() is None:
+            os.killpg(replica.pid, signal.SIGKILL)
+            replica.wait()
+    log = replica.stderr.read().decode() if replica.stderr else ""
+    assert code == 0, log[-3000:]
+    # It waited for the run to reach its limit (about 4 s more), and no longer.
+    assert 1.0 < stop_s < 15.0, stop_s
+    assert "exiting with work still running" not in log
+    assert collect(broker_settings, 1, timeout=3) == []
+    topology = Topology(broker_settings.namespace, broker_settings.delivery_limit)
+    connection = pika.BlockingConnection(pika.URLParameters(broker_settings.url))
+    try:
+        queue = connection.channel().queue_declare(topology.name(CODE_TO_BENCH), passive=True)
+        assert queue.method.message_count == 1  # handed back for another replica
+    finally:
+        connection.close()
+
+
 def descendants(root: int) -> list[int]:
     """``root`` and every process below it, from /proc."""
     children: dict[int, list[int]] = {}
@@ -224,3 +264,31 @@ def descendants(root: int) -> list[int]:
         found.append(pid)
         todo.extend(children.get(pid, []))
     return found
+
+
+@pytest.mark.parametrize(("status", "error", "untrusted"), [
+    ("runtime_error", "killed by SIGTERM during the timed runs", True),
+    ("runtime_error", "killed by SIGSEGV during the timed runs", False),
+    ("compile_error", "error: expected ';'", False),
+])
+def test_a_kernel_killed_by_a_stop_signal_waits_for_the_services_own_signal(
+    status: str, error: str, untrusted: bool
+) -> None:
+    """The kernel and the service get SIGTERM together; the service's handler runs a moment
+    later on its main thread. Only a kernel killed by a stop signal waits for it."""
+    import threading
+
+    from hpcrl_benchmarker.service import STOP_SIGNAL_WAIT_S, BenchHandler
+    from hpcrl_benchmarker.verdict import Verdict
+    from hpcrl_common.messages import HostInfo
+
+    host = HostInfo(hostname="n", cpu_model="c", isa=["avx512f"], cores=2, compiler="gcc",
+                    host_class="c", peak_gflops=500.0)
+    stopping = threading.Event()
+    handler = BenchHandler.__new__(BenchHandler)
+    handler.stopping = stopping.is_set
+    threading.Timer(0.1, stopping.set).start()
+    started = time.monotonic()
+    assert handler._shutting_down(Verdict(status=status, host=host, error=error)) is untrusted
+    waited = time.monotonic() - started
+    assert waited < (STOP_SIGNAL_WAIT_S if untrusted else 0.05), waited

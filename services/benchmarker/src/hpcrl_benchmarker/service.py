@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable
 
 import structlog
@@ -89,13 +90,26 @@ class BenchHandler:
             INFLIGHT.dec()
         for reason in events.sandbox_kills:
             SANDBOX_KILLS.labels(reason).inc()
-        if verdict.status != "success" and self.stopping():
+        if verdict.status != "success" and self._shutting_down(verdict):
             # Slurm and systemd signal every process of the replica, the sandboxed kernel
             # included: a failure that ends during shutdown may be ours, not the kernel's.
             raise InternalError(f"shutting down: {verdict.status} not trusted; handed back")
         self._observe(message, verdict)
         return [Publish(self.results_queue, result_message(message, verdict, self.name,
                                                            self.section.include_source))]
+
+    def _shutting_down(self, verdict: Verdict) -> bool:
+        """True when the service is stopping. A kernel killed by a stop signal may have got
+        it together with the service, whose handler then runs a moment later on the main
+        thread (within one loop tick): wait that moment before trusting the verdict."""
+        if self.stopping() or not killed_by_stop_signal(verdict):
+            return self.stopping()
+        deadline = time.monotonic() + STOP_SIGNAL_WAIT_S
+        while time.monotonic() < deadline:
+            time.sleep(0.01)
+            if self.stopping():
+                return True
+        return False
 
     @staticmethod
     def _observe(message: Candidate, verdict: Verdict) -> None:
@@ -112,6 +126,15 @@ class BenchHandler:
                  gflops=verdict.gflops, techniques=verdict.techniques,
                  cv=None if timing is None else round(timing.cv, 4),
                  attempts=None if timing is None else timing.attempts)
+
+
+STOP_SIGNAL_WAIT_S = 0.5
+_STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP")
+
+
+def killed_by_stop_signal(verdict: Verdict) -> bool:
+    return verdict.status == "runtime_error" and any(
+        f"killed by {name} " in verdict.error for name in _STOP_SIGNALS)
 
 
 def result_message(candidate: Candidate, verdict: Verdict, benchmarker: str,
