@@ -7,9 +7,10 @@ references, BenchResult). Floor: the same gcc compile and link commands with the
 and one direct harness run of the same jobs with the same OpenMP environment; no sandbox, no
 checks, no reference. The two alternate (which goes first flips every repeat) so that load
 from other processes falls on both alike. Prints the ratio (median service / median floor)
-last.
+last. ``--breakdown`` also times each step alone, sandboxed and bare, and a sandbox start.
 
-    .venv/bin/python bench/benchmarker_overhead.py [--repeats 5]
+    .venv/bin/python bench/benchmarker_overhead.py [--repeats 5] [--timing-attempts 1]
+                                                   [--breakdown]
 """
 
 from __future__ import annotations
@@ -21,12 +22,13 @@ import statistics
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from hpcrl_benchmarker import gemm
+from hpcrl_benchmarker import gemm, sandbox
 from hpcrl_benchmarker.config import BenchmarkerSection
 from hpcrl_benchmarker.host import detect
-from hpcrl_benchmarker.pipeline import Benchmarker
+from hpcrl_benchmarker.pipeline import Benchmarker, Events
 from hpcrl_benchmarker.service import BenchHandler
 from hpcrl_common.messages import BenchSpec, Candidate
 from hpcrl_common.task import load_task
@@ -34,16 +36,19 @@ from hpcrl_common.task import load_task
 KERNELS = Path(__file__).resolve().parent.parent / "tests" / "benchmarker" / "kernels"
 
 
-def floor(code: str, bench: Benchmarker, work: Path) -> float:
+def floor_compile(code: str, bench: Benchmarker, work: Path) -> None:
     task = load_task("matmul")
     flags = task.compile_flags("O3")
-    harness = bench.harness_object(task)
-    started = time.perf_counter()
     (work / "kernel.c").write_text(code)
     cc = task.compile.compiler
     subprocess.run([cc, *flags, "-c", "kernel.c", "-o", "kernel.o"], cwd=work, check=True)
-    subprocess.run([cc, *flags, "kernel.o", str(harness), "-o", "run", "-lm"], cwd=work,
-                   check=True)
+    subprocess.run([cc, *flags, "kernel.o", str(bench.harness_object(task)), "-o", "run",
+                    "-lm"], cwd=work, check=True)
+
+
+def run_jobs() -> list[gemm.Job]:
+    """The jobs of one service run: verification at every size, then one timing attempt."""
+    task = load_task("matmul")
     sizes = [task.sizes.reward, *task.sizes.verify]
     jobs = [gemm.Job("v", s, secrets.randbits(63)) for s in sizes]
     jobs += [gemm.Job("w", task.sizes.reward, secrets.randbits(63))
@@ -51,12 +56,55 @@ def floor(code: str, bench: Benchmarker, work: Path) -> float:
     jobs += [gemm.Job("t", task.sizes.reward, secrets.randbits(63))
              for _ in range(task.timing.timed_runs)]
     jobs += [gemm.Job("v", task.sizes.reward, secrets.randbits(63))]
+    return jobs
+
+
+def floor_run(bench: Benchmarker, work: Path) -> None:
     nonce = secrets.randbits(64)
     env = {**os.environ, **bench.harness_env()}
     with open(work / "out.bin", "wb") as out:
-        subprocess.run([str(work / "run"), str(out.fileno())], input=gemm.request(nonce, jobs),
-                       check=True, pass_fds=(out.fileno(),), capture_output=True, env=env)
+        subprocess.run([str(work / "run"), str(out.fileno())],
+                       input=gemm.request(nonce, run_jobs()), check=True,
+                       pass_fds=(out.fileno(),), capture_output=True, env=env)
+
+
+def floor(code: str, bench: Benchmarker, work: Path) -> float:
+    started = time.perf_counter()
+    floor_compile(code, bench, work)
+    floor_run(bench, work)
     return time.perf_counter() - started
+
+
+def breakdown(code: str, bench: Benchmarker, root: Path, repeats: int) -> dict[str, float]:
+    """Median ms of each step alone, sandboxed (the service's own call) and bare, and of a
+    sandbox start (``/bin/true``) against a plain process start."""
+    task = load_task("matmul")
+    flags = task.compile_flags("O3")
+    times: dict[str, list[float]] = {k: [] for k in (
+        "compile bare", "compile sandboxed", "run bare", "run sandboxed", "start bare",
+        "start sandboxed")}
+
+    def timed(name: str, fn: Callable[..., object], *args: object, **kwargs: object) -> None:
+        started = time.perf_counter()
+        fn(*args, **kwargs)
+        times[name].append(time.perf_counter() - started)
+
+    root.mkdir()
+    empty = sandbox.Spec(root, sandbox.Limits(wall_s=10, cpu_s=10, address_space_mb=4096))
+    for i in range(repeats):
+        bare, boxed = root / f"bare-{i}", root / f"boxed-{i}"
+        bare.mkdir()
+        boxed.mkdir()
+        timed("compile bare", floor_compile, code, bench, bare)
+        timed("compile sandboxed", bench.compile, boxed, code, task, flags, Events())
+        timed("run bare", floor_run, bench, bare)
+        jobs = run_jobs()
+        with bench.exclusive_timing():
+            timed("run sandboxed", bench.run, boxed, task, jobs, Events(),
+                  verify_runs=len(task.sizes.verify) + 1)
+        timed("start bare", subprocess.run, ["/bin/true"], check=True)
+        timed("start sandboxed", sandbox.run, ["/bin/true"], empty)
+    return {name: statistics.median(values) * 1e3 for name, values in times.items()}
 
 
 def main() -> None:
@@ -67,6 +115,9 @@ def main() -> None:
                         help="the service's timing attempts per candidate (default: the "
                         "service's; 1 leaves out re-timing noisy measurements, which the floor "
                         "never does, to see the pipeline's own cost)")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also time each step alone, sandboxed and bare, and a sandbox "
+                        "start: where the difference comes from")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="hpcrl-overhead-"))
     settings = BenchmarkerSection(work_dir=root / "work", lock_path=root / "lock",
@@ -97,6 +148,9 @@ def main() -> None:
         ratios.append(s / f)
         print(f"{name:18s} service {s * 1e3:8.1f} ms  floor {f * 1e3:8.1f} ms  "
               f"ratio {s / f:.3f}")
+        if args.breakdown:
+            parts = breakdown(code, bench, root / f"breakdown-{name}", args.repeats)
+            print("    " + "  ".join(f"{part} {ms:.1f} ms" for part, ms in parts.items()))
     print(f"overhead ratio (median over kernels): {statistics.median(ratios):.3f}")
 
 

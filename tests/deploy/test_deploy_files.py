@@ -974,3 +974,43 @@ def test_the_readme_documents_every_deploy_file_and_what_was_validated() -> None
                    "rabbitmqctl import_definitions", "broker.password_file",
                    "broker.declare_topology", "sbatch --array"):
         assert needed in readme, needed
+
+
+# --- every supervisor waits longer than the service's stop grace -----------------------------
+
+SLURM_JOBS = {"gpu.sbatch": ("learner", "generator"), "benchmarkers.sbatch": ("benchmarker",),
+              "scheduler.sbatch": ("scheduler",)}
+
+
+def stop_grace_s(service: str) -> float:
+    """The service's default ``<service>.stop_grace_s``, from its own settings model."""
+    from hpcrl_benchmarker.config import BenchmarkerSection
+    from hpcrl_generator.config import GeneratorSection
+    from hpcrl_learner.config import LearnerSettings
+    from hpcrl_scheduler.config import SchedulerSection
+
+    models = {"scheduler": SchedulerSection, "generator": GeneratorSection,
+              "learner": LearnerSettings, "benchmarker": BenchmarkerSection}
+    return models[service].model_fields["stop_grace_s"].default
+
+
+def seconds(text: str) -> float:
+    """systemd's and compose's durations as these files write them: 90s, 2m, 2min, 5m."""
+    match = re.fullmatch(r"(\d+)\s*(s|m|min)?", text.strip())
+    assert match, f"unexpected duration {text!r}"
+    return int(match[1]) * (60 if match[2] in ("m", "min") else 1)
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_every_supervisor_waits_out_the_stop_grace(service: str) -> None:
+    """A stop lets running work finish for `stop_grace_s`: systemd, compose and Slurm must
+    not kill the service before that (docker's own default, 10 s, would)."""
+    grace = stop_grace_s(service)
+    unit = unit_settings(UNITS[service])
+    assert seconds(unit["TimeoutStopSec"][0]) > grace, unit["TimeoutStopSec"]
+    declared = compose()["services"][service].get("stop_grace_period", "10s")
+    assert seconds(declared) > grace, (service, declared)
+    job = next(name for name, services in SLURM_JOBS.items() if service in services)
+    options, _ = sbatch_header(SLURM / job)
+    (lead,) = [int(o.rsplit("@", 1)[1]) for o in options if o.startswith("--signal=B:TERM@")]
+    assert lead > grace, (job, lead)
