@@ -170,12 +170,11 @@ def test_killed_replica_candidate_is_benchmarked_by_another(
                 proc.wait()
 
 
-def test_sigterm_to_the_whole_replica_publishes_no_false_verdict(
-    broker_settings: BrokerSettings, tmp_path: Path
-) -> None:
-    """Slurm's scancel and systemd signal every process of a replica, the sandboxed kernel
-    too. The kernel then dies by that signal and used to be published as a runtime_error (-20)
-    although it was fine; now the candidate goes back to the queue."""
+@contextlib.contextmanager
+def replica_timing_an_endless_kernel(broker_settings: BrokerSettings, tmp_path: Path,
+                                     group: str) -> Iterator[subprocess.Popen]:
+    """A serving replica 4 s into an endless kernel's 8 s run; killed at the end if it is
+    still there."""
     config = write_config(tmp_path / "bench.toml", broker_settings, tmp_path)
     args = [sys.executable, "-m", "hpcrl_benchmarker.cli", "serve", "--config", str(config),
             *(arg for isa in ALLOW_ISA for arg in ("--allow-isa", isa))]
@@ -184,9 +183,35 @@ def test_sigterm_to_the_whole_replica_publishes_no_false_verdict(
     try:
         with Publisher(broker_settings, "test-producer") as publisher:
             publisher.publish(Publish(publisher.topology.name(CODE_TO_BENCH),
-                                      candidate("g3", 0, kernel("infinite.c"))))
+                                      candidate(group, 0, kernel("infinite.c"))))
         time.sleep(4)  # inside the candidate's 8 s run
         assert replica.poll() is None
+        yield replica
+    finally:
+        if replica.poll() is None:
+            os.killpg(replica.pid, signal.SIGKILL)
+            replica.wait()
+
+
+def assert_handed_back(broker_settings: BrokerSettings) -> None:
+    """No result was published; the candidate is back in the queue for another replica."""
+    assert collect(broker_settings, 1, timeout=3) == []
+    topology = Topology(broker_settings.namespace, broker_settings.delivery_limit)
+    connection = pika.BlockingConnection(pika.URLParameters(broker_settings.url))
+    try:
+        queue = connection.channel().queue_declare(topology.name(CODE_TO_BENCH), passive=True)
+        assert queue.method.message_count == 1
+    finally:
+        connection.close()
+
+
+def test_sigterm_to_the_whole_replica_publishes_no_false_verdict(
+    broker_settings: BrokerSettings, tmp_path: Path
+) -> None:
+    """Slurm's scancel and systemd signal every process of a replica, the sandboxed kernel
+    too. The kernel then dies by that signal and used to be published as a runtime_error (-20)
+    although it was fine; now the candidate goes back to the queue."""
+    with replica_timing_an_endless_kernel(broker_settings, tmp_path, "g3") as replica:
         # What scancel and systemd's cgroup kill do: every process, the sandbox's included
         # (bwrap starts its own session, so a process-group signal would miss it).
         family = descendants(replica.pid)
@@ -195,18 +220,7 @@ def test_sigterm_to_the_whole_replica_publishes_no_false_verdict(
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
         replica.wait(60)
-    finally:
-        if replica.poll() is None:
-            os.killpg(replica.pid, signal.SIGKILL)
-            replica.wait()
-    assert collect(broker_settings, 1, timeout=3) == []
-    topology = Topology(broker_settings.namespace, broker_settings.delivery_limit)
-    connection = pika.BlockingConnection(pika.URLParameters(broker_settings.url))
-    try:
-        queue = connection.channel().queue_declare(topology.name(CODE_TO_BENCH), passive=True)
-        assert queue.method.message_count == 1  # handed back for another replica
-    finally:
-        connection.close()
+    assert_handed_back(broker_settings)
 
 
 def test_sigterm_to_the_service_finishes_the_candidate_within_the_grace(
@@ -215,38 +229,17 @@ def test_sigterm_to_the_service_finishes_the_candidate_within_the_grace(
     """SIGTERM to the service alone (systemd's KillMode=mixed, Slurm's --signal=B:TERM): it
     takes nothing more and lets the candidate under way end, within its stop grace. A kernel
     that then runs into its time limit is not trusted as a timeout: it goes back to the queue."""
-    config = write_config(tmp_path / "bench.toml", broker_settings, tmp_path)
-    args = [sys.executable, "-m", "hpcrl_benchmarker.cli", "serve", "--config", str(config),
-            *(arg for isa in ALLOW_ISA for arg in ("--allow-isa", isa))]
-    replica = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                               start_new_session=True)
-    try:
-        with Publisher(broker_settings, "test-producer") as publisher:
-            publisher.publish(Publish(publisher.topology.name(CODE_TO_BENCH),
-                                      candidate("g4", 0, kernel("infinite.c"))))
-        time.sleep(4)  # inside the candidate's 8 s run
-        assert replica.poll() is None
+    with replica_timing_an_endless_kernel(broker_settings, tmp_path, "g4") as replica:
         signalled = time.monotonic()
         replica.send_signal(signal.SIGTERM)
         code = replica.wait(60)
         stop_s = time.monotonic() - signalled
-    finally:
-        if replica.poll() is None:
-            os.killpg(replica.pid, signal.SIGKILL)
-            replica.wait()
     log = replica.stderr.read().decode() if replica.stderr else ""
     assert code == 0, log[-3000:]
     # It waited for the run to reach its limit (about 4 s more), and no longer.
     assert 1.0 < stop_s < 15.0, stop_s
     assert "exiting with work still running" not in log
-    assert collect(broker_settings, 1, timeout=3) == []
-    topology = Topology(broker_settings.namespace, broker_settings.delivery_limit)
-    connection = pika.BlockingConnection(pika.URLParameters(broker_settings.url))
-    try:
-        queue = connection.channel().queue_declare(topology.name(CODE_TO_BENCH), passive=True)
-        assert queue.method.message_count == 1  # handed back for another replica
-    finally:
-        connection.close()
+    assert_handed_back(broker_settings)
 
 
 def descendants(root: int) -> list[int]:
