@@ -9,6 +9,11 @@ in the middle of the stream. Both must carry on through another node (the consum
 redeclaring the topology there), with every message handled and every output present, and
 nothing done twice in effect; node a then comes back and rejoins.
 
+``test_the_fleet_carries_on_when_its_broker_node_is_lost`` does the same under a running
+experiment: the four real services of the kill drills (``tests.support.fleet``) on the
+cluster, node a killed once a version is committed and a service holds unacked work, and the
+drills' counts asserted at the end.
+
 The dead-letter queues and the scheduler's update queue were classic queues once, which live
 on the node that declared them and could not even be redeclared while it was down;
 ``test_durable_queues_outlive_the_node_that_declared_them`` shows that quorum ones, with their
@@ -44,6 +49,15 @@ from hpcrl_common.topology import (
 )
 
 from ..conftest import RunningConsumer
+from ..support.fleet import (
+    SERVICES,
+    Fleet,
+    assert_nothing_lost_nothing_twice,
+    connected,
+    stop_all,
+    wait_done,
+)
+from ..support.fleet import wait_for as fleet_wait
 from ..support.rabbit_node import RabbitNode, start_cluster
 
 N_MESSAGES = 300
@@ -375,3 +389,68 @@ def test_every_address_gets_the_same_credentials_and_tls(tmp_path: Path) -> None
     assert all(p.ssl_options is not None and p.ssl_options.server_hostname == "broker.example"
                for p in params)
     assert connection_parameters(BrokerSettings(), "x")[0].port == 5672  # no failover: one
+
+
+@pytest.mark.broker
+@pytest.mark.slow
+def test_the_fleet_carries_on_when_its_broker_node_is_lost(cluster: list[RabbitNode],
+                                                           tmp_path: Path) -> None:
+    """The four real services (``tests.support.fleet``) on the cluster, every one given
+    node a as ``url`` and b, c as ``failover_urls``: node a, which holds every queue's
+    leader, is killed once the learner has committed a version and a service holds
+    unacknowledged work. Every service stays up and reconnects through b or c, and the run
+    completes with the kill drills' counts: every group closed once with all its results,
+    every batch trained once, no dead letter, every queue empty."""
+    a, b, c = all_up(cluster)
+    namespace = f"fleet-{uuid.uuid4().hex[:8]}"
+    settings = cluster_settings(cluster, namespace)
+
+    def rabbitmqctl(*args: str) -> str:  # through whichever node is up
+        return next(node for node in cluster if node.running).ctl(*args).stdout
+
+    fleet = Fleet(tmp_path / "fleet", settings, iterations=16, rabbitmqctl=rabbitmqctl)
+    try:
+        procs = {service: fleet.start(service) for service in SERVICES}
+        for proc in procs.values():
+            fleet.wait_healthy(proc)
+        leaders = {row["leader"] for row in queue_table(a, namespace).values()
+                   if row["type"] == "quorum"}
+        assert leaders == {a.name}, leaders  # declared through a: losing a loses them all
+
+        fleet_wait(lambda: fleet.check_alive() or fleet.learner_version() >= 1, 240,
+                   "the first policy version", fleet.tails, every=0.5)
+
+        def holding() -> dict[str, int] | None:
+            fleet.check_alive()
+            held = fleet.held_by_each(list(procs.values()))
+            return held if any(held.values()) else None
+
+        held = fleet_wait(holding, 120, "a service to hold unacked work", fleet.tails,
+                          every=0.0)
+        assert not fleet.done()
+        at = {"iteration": fleet.iteration(), "version": fleet.learner_version()}
+        killed_at = time.monotonic()
+        a.kill()
+
+        def all_moved() -> bool:
+            fleet.check_alive()
+            return all(connected(fleet, proc) and fleet.metric(
+                proc, "hpcrl_broker_reconnects_total") >= 1 for proc in procs.values())
+
+        fleet_wait(all_moved, 60, "every service to reconnect through b or c",
+                   lambda: {p.label: fleet.health(p) for p in procs.values()})
+        moved_s = time.monotonic() - killed_at
+        on_b_or_c = b.connection_names() + c.connection_names()
+        wait_done(fleet, procs["scheduler"], procs["learner"])
+        # Node a back (the end checks read the queues through url = a), then the counts.
+        a.start().wait_started()
+        b.wait_running_nodes(cluster)
+        codes = stop_all(fleet)
+        assert set(codes.values()) <= {0}, codes
+        counts = assert_nothing_lost_nothing_twice(fleet)
+    finally:
+        fleet.close()
+    print(f"\nfleet drill: node a killed at iteration {at['iteration']}, policy version "
+          f"{at['version']}, held {held}; every service reconnected through b or c "
+          f"{moved_s:.1f} s after the kill; connections there {sorted(set(on_b_or_c))}; "
+          f"counts {counts}")
