@@ -13,8 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hpcrl_benchmarker import checks, cscan, gemm, sandbox
+from hpcrl_benchmarker import checks, cscan, gemm, runner, sandbox
 from hpcrl_benchmarker.pipeline import Benchmarker, Events
+from hpcrl_benchmarker.steps import InternalError
 from hpcrl_benchmarker.verdict import Verdict
 from hpcrl_common.task import TaskSpec
 
@@ -413,3 +414,55 @@ def test_marks_after_data_keeps_this_process_asleep_until_the_data(tmp_path: Pat
     assert result_stamp - begin_stamp > 0.7e9  # the stamps keep the real times
     assert begin_seen >= result_stamp  # but "begin" was read only when the data came
     assert begin_stamp - started < 0.7e9
+
+
+# The whole script of a sandboxed command that starts slowly (as a sandbox does on a node
+# whose cores are saturated), marks its first call, reports a result and ends.
+SLOW_START = ("import os, socket, sys, time\nfd, mk = int(sys.argv[1]), int(sys.argv[2])\n"
+              "s = socket.socket(fileno=mk)\ntime.sleep(1.5)\ns.send(b'begin')\n"
+              "time.sleep(0.5)\ns.send(b'result')\ntime.sleep(0.5)\nos.write(fd, b'C')\n")
+
+
+def test_the_wall_limit_runs_from_the_first_mark_when_the_start_is_slow(tmp_path: Path) -> None:
+    """A start of 1.5 s and 1 s of work against a wall limit of 2 s: charged to the command,
+    the start made it a timeout; with ``start_limit_s`` the limit runs from its first mark.
+    That first mark is read as it comes (it starts the clock); later ones, as the spec asks,
+    only with the data after them."""
+    tmp_path.chmod(0o777)
+    seen: list[tuple[bytes, int, int]] = []
+
+    def watch(channel: str, payload: bytes, at_ns: int) -> sandbox.Reply | None:
+        seen.append((payload, at_ns, time.monotonic_ns()))
+        return None
+
+    argv = ["/usr/bin/python3", "-c", SLOW_START, "{fd}", "{marks}"]
+    limits = sandbox.Limits(wall_s=2.0, cpu_s=5)
+    charged = sandbox.run(argv, sandbox.Spec(tmp_path, limits, extra_pipe=True, marks=True,
+                                             marks_after_data=True), watch=watch)
+    assert charged.timed_out and not charged.never_started
+    seen.clear()
+    spec = sandbox.Spec(tmp_path, limits, extra_pipe=True, marks=True, marks_after_data=True,
+                        start_limit_s=10.0)
+    outcome = sandbox.run(argv, spec, watch=watch)
+    assert outcome.returncode == 0 and not outcome.timed_out, outcome.stderr
+    assert outcome.start_s is not None and 1.4 < outcome.start_s < 1.9 < outcome.wall_s
+    assert [payload for payload, _, _ in seen] == [b"begin", b"result", b"C"]
+    (_, begin_stamp, begin_seen), (_, result_stamp, result_seen) = seen[:2]
+    assert begin_seen - begin_stamp < 0.4e9 < result_seen - result_stamp
+
+
+def test_a_sandbox_that_never_starts_is_no_timeout_of_the_command(tmp_path: Path) -> None:
+    """No mark within ``start_limit_s``: the run is stopped and reported as never started,
+    which the runner turns into the benchmarker's own failure (the candidate goes back to
+    the queue), never into the kernel's timeout."""
+    tmp_path.chmod(0o777)
+    script = "import time\ntime.sleep(60)\n"
+    spec = sandbox.Spec(tmp_path, sandbox.Limits(wall_s=30, cpu_s=5), extra_pipe=True,
+                        marks=True, marks_after_data=True, start_limit_s=1.0)
+    started = time.monotonic()
+    outcome = sandbox.run(["/usr/bin/python3", "-c", script, "{fd}", "{marks}"], spec)
+    assert outcome.timed_out and outcome.never_started and outcome.start_s is None
+    assert time.monotonic() - started < 10
+    talk = runner.Conversation([gemm.Job("v", {"M": 4, "N": 4, "K": 4}, 1)], 0, None)
+    with pytest.raises(InternalError, match="did not start the harness"):
+        runner.ending(outcome, talk, 8.0)

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 import time
 from pathlib import Path
 
 import pytest
 
-from hpcrl_benchmarker import gemm, sandbox
+from hpcrl_benchmarker import build, gemm, sandbox
 from hpcrl_benchmarker.pipeline import Benchmarker, Events
+from hpcrl_benchmarker.steps import InternalError
 from hpcrl_common.task import TaskSpec
+
+from .conftest import kernel
 
 LIMITS = sandbox.Limits(wall_s=20, cpu_s=20)
 
@@ -108,3 +112,24 @@ def test_harness_seccomp_blocks_processes_files_and_executable_memory(
     assert run.failure is None, run.failure
     a, b = gemm.inputs(jobs[0].sizes, jobs[0].seed)
     assert gemm.check(run.frames[0].c, gemm.reference(a, b), a, b, [(0, 0), (15, 7)], 1e-9) == ""
+
+
+def test_the_compile_clock_starts_once_its_sandbox_has(scratch: Path, bench: Benchmarker,
+                                                      task: TaskSpec) -> None:
+    """The compile script's first output starts its time limit, so a sandbox slow to start
+    (a saturated node) is not a compile_error; one that never starts is the benchmarker's
+    failure, handed back."""
+    (scratch / build.KERNEL_FILE).write_text(kernel("naive.c"))
+    harness = bench.harness_object(task)
+    spec = build.spec(scratch, task, harness, 4096)
+    assert spec.start_limit_s == build.START_LIMIT_S
+    outcome = sandbox.run(["/bin/sh", "-c", build.script(task.compile.compiler,
+                                                         task.compile_flags("O3"), harness)],
+                          spec)
+    assert outcome.returncode == 0, outcome.stderr
+    assert outcome.start_s is not None and outcome.start_s < outcome.wall_s
+    assert outcome.stdout.decode().split() == [build.STARTED]
+    stalled = dataclasses.replace(outcome, returncode=-9, timed_out=True, never_started=True,
+                                  start_s=None)
+    with pytest.raises(InternalError, match="did not start"):
+        build.result(stalled, scratch, task)

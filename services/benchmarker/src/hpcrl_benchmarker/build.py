@@ -35,6 +35,10 @@ DIAGNOSTIC_CHARS = 4000
 # gcc opens many headers and needs more memory than a kernel run may have.
 OPEN_FILES = 256
 MIN_ADDRESS_SPACE_MB = 2048
+STARTED = "started"  # what the compile script writes first
+# How long the compile's sandbox may take to start before the compile's own time limit
+# runs: seconds on a node whose cores are saturated, which must not become a compile_error.
+START_LIMIT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,8 @@ class Compiled:
 def script(compiler: str, flags: list[str], harness: Path) -> str:
     quoted = " ".join(shlex.quote(f) for f in flags)
     return (
+        # The first output starts the compile's wall clock (sandbox.Spec.start_limit_s).
+        f"echo {STARTED}\n"
         f"{compiler} {quoted} -fdiagnostics-color=never -E {KERNEL_FILE} -o kernel.i "
         "2> cpp.txt & cpp=$!\n"
         f"{compiler} {quoted} -fdiagnostics-color=never -c {KERNEL_FILE} -o kernel.o "
@@ -73,7 +79,7 @@ def spec(scratch: Path, task: TaskSpec, harness: Path, address_space_mb: int,
     )
     # The scratch dir is writable only here: the objects are written into it.
     return sandbox.Spec(scratch, limits, writable=True, ro_binds=((harness.parent, "/harness"),),
-                        cpus=cpus)
+                        cpus=cpus, start_limit_s=START_LIMIT_S)
 
 
 def result(outcome: sandbox.Outcome, scratch: Path, task: TaskSpec) -> Compiled:
@@ -89,6 +95,9 @@ def result(outcome: sandbox.Outcome, scratch: Path, task: TaskSpec) -> Compiled:
 
 def _verdict(outcome: sandbox.Outcome, scratch: Path, task: TaskSpec) -> tuple[str, bool]:
     """(the compile error, '' if none; whether there is an object to check)."""
+    if outcome.never_started:
+        raise InternalError(f"the compile sandbox did not start within {START_LIMIT_S:g} s "
+                            "(the node's cores are saturated?)")
     if outcome.timed_out:
         return f"compilation did not finish within {task.compile.time_limit_s:g} s", False
     if outcome.returncode == 0:

@@ -28,7 +28,7 @@ from hpcrl_benchmarker import build, checks, cpuset, gemm, runner, sandbox, step
 from hpcrl_benchmarker.build import Compiled
 from hpcrl_benchmarker.config import BenchmarkerSection
 from hpcrl_benchmarker.host import HostProfile, detect
-from hpcrl_benchmarker.metrics import LOCK_TIMEOUTS, LOCK_WAIT, RETIMED
+from hpcrl_benchmarker.metrics import LOCK_TIMEOUTS, LOCK_WAIT, RETIMED, SANDBOX_START
 from hpcrl_benchmarker.runner import FrameWatch, HarnessRun
 from hpcrl_benchmarker.steps import InternalError, Measurement, Phase, StepFailure
 from hpcrl_benchmarker.verdict import Verdict
@@ -242,6 +242,8 @@ class Benchmarker:
         started = time.monotonic()
         outcome = sandbox.run(["./run", "{fd}", "{marks}"], self._run_spec(scratch, task, talk),
                               stdin=talk.opening(), watch=talk.on_event, started=threads.started)
+        if outcome.start_s is not None:
+            SANDBOX_START.observe(outcome.start_s)
         failure = runner.ending(outcome, talk, task.timing.time_limit_s)
         if failure is not None and failure.status == "timeout":
             events.sandbox_kills.append("timeout")
@@ -262,7 +264,8 @@ class Benchmarker:
         confine = bool(self.cpus) or len(cpus) < len(allowed)
         return sandbox.Spec(scratch, limits, env=self.harness_env(),
                             cpus=tuple(cpus) if confine else None,
-                            extra_pipe=True, marks=True, marks_after_data=True)
+                            extra_pipe=True, marks=True, marks_after_data=True,
+                            start_limit_s=runner.START_LIMIT_S)
 
     # --- what the steps share -----------------------------------------------------------
 

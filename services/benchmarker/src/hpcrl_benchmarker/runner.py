@@ -28,6 +28,11 @@ FrameWatch = Callable[[gemm.Frame], bool]
 # ending, on a loaded node; a thread that ends within it has ended before the next job's
 # inputs exist, so waiting costs nothing but wall time, and only when the count is over.
 STRAY_GRACE_S = 0.05
+# How long a harness run's sandbox may take to start (to its first mark) before the kernel's
+# wall limit runs. On an idle node it takes milliseconds; on one whose cores are saturated
+# (vLLM sampling beside the benchmarker, in the demo) seconds were seen, and they used to be
+# charged to the kernel: a correct kernel was judged a timeout.
+START_LIMIT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -186,6 +191,11 @@ def ending(outcome: sandbox.Outcome, talk: Conversation,
     if outcome.stopped or (reader.finished and outcome.returncode == 0
                            and not outcome.timed_out):
         return None
+    if outcome.never_started:
+        # Not one mark: the kernel never ran (the harness marks each call before making
+        # it). The node could not even start the sandbox in time; the candidate goes back.
+        raise InternalError(f"the sandbox did not start the harness within "
+                            f"{START_LIMIT_S:g} s (the node's cores are saturated?)")
     where = _where(talk)
     if outcome.timed_out:
         return StepFailure("timeout", f"did not finish within {time_limit_s:g} s {where}; "

@@ -59,6 +59,11 @@ class Spec:
     marks: bool = False
     # As the watcher's Reply field, from the start.
     marks_after_data: bool = False
+    # With it, the wall limit runs from the process's first mark or output, and until then
+    # the sandbox may take this long to start (namespaces, mounts, exec: seconds on a node
+    # whose cores are saturated, which is no fault of the command's). Needs ``marks`` or
+    # output that the command sends before its own work begins.
+    start_limit_s: float | None = None
 
 
 @dataclass
@@ -72,6 +77,8 @@ class Outcome:
     extra_times: list[tuple[int, float]] = field(default_factory=list)
     phase_started: float | None = None  # monotonic time the watcher restarted the wall clock
     stopped: bool = False  # the watcher ended the run (the process group was killed)
+    start_s: float | None = None  # from the start to the first mark or output, if any came
+    never_started: bool = False  # Spec.start_limit_s passed with no mark or output at all
 
     @property
     def signal(self) -> int | None:
@@ -290,7 +297,9 @@ class _Session:
         assert proc.stdin and proc.stdout and proc.stderr
         self.proc, self.channels, self.spec, self.watch = proc, channels, spec, watch
         self.started = started
-        self.deadline = started + spec.limits.wall_s
+        self.deadline = started + (spec.limits.wall_s if spec.start_limit_s is None
+                                   else spec.start_limit_s)
+        self.begun: float | None = None  # when the first mark or output came
         self.out_fd, self.err_fd = proc.stdout.fileno(), proc.stderr.fileno()
         self.buffers: dict[int, bytearray] = {self.out_fd: bytearray(), self.err_fd: bytearray()}
         self.extra = bytearray()
@@ -314,7 +323,9 @@ class _Session:
             self.selector.register(self.channels.read_end, selectors.EVENT_READ)
         if self.channels.marks is not None:
             self.selector.register(self.channels.marks, selectors.EVENT_READ)
-        self.pause_marks(self.spec.marks_after_data and self.stdin_open)
+        # Until the first mark, marks are read as they come: it starts the wall clock.
+        self.pause_marks(self.spec.marks_after_data and self.stdin_open
+                         and self.spec.start_limit_s is None)
         self.open_pipes = len(self.selector.get_map()) - (self.marks_open and not self.marks_paused)
 
     def pump(self) -> None:
@@ -339,9 +350,18 @@ class _Session:
                     break
                 self.read_pipe(key)
 
+    def begin(self) -> None:
+        """The process's first mark or output: the wall limit runs from now."""
+        if self.begun is not None:
+            return
+        self.begun = time.monotonic()
+        if self.spec.start_limit_s is not None:
+            self.deadline = self.begun + self.spec.limits.wall_s
+
     def read_pipe(self, key: selectors.SelectorKey) -> None:
         fd = key.fd if isinstance(key.fileobj, int) else key.fileobj.fileno()
         chunk = os.read(fd, 1 << 20)
+        self.begin()
         if not chunk:
             self.selector.unregister(key.fileobj)
             self.open_pipes -= 1
@@ -369,6 +389,10 @@ class _Session:
         if marks is None or not self.marks_open:
             return
         messages = _receive_marks(marks)
+        if messages and self.begun is None:
+            self.begin()
+            # The start is seen: from now on, as the spec asks.
+            self.pause_marks(self.spec.marks_after_data and self.stdin_open)
         if messages is None:
             self.pause_marks(False)
             self.selector.unregister(marks)
@@ -418,7 +442,10 @@ class _Session:
         return Outcome(returncode, bytes(self.buffers[self.out_fd]),
                        bytes(self.buffers[self.err_fd]), self.timed_out,
                        time.monotonic() - self.started, bytes(self.extra), self.extra_times,
-                       self.phase_started, self.stopped)
+                       self.phase_started, self.stopped,
+                       None if self.begun is None else self.begun - self.started,
+                       self.timed_out and self.begun is None
+                       and self.spec.start_limit_s is not None)
 
 
 def _send(proc: subprocess.Popen, data: bytes) -> bool:
