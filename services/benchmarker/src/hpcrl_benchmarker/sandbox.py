@@ -323,7 +323,9 @@ class _Session:
             self.selector.register(self.channels.read_end, selectors.EVENT_READ)
         if self.channels.marks is not None:
             self.selector.register(self.channels.marks, selectors.EVENT_READ)
-        # Until the first mark, marks are read as they come: it starts the wall clock.
+        # Until the first mark, marks are read as they come: it starts the wall clock. (That
+        # wakes this process once, as the first call begins: a verification or warm-up
+        # call, unless a task has no warm-up runs and a re-timing run starts timed.)
         self.pause_marks(self.spec.marks_after_data and self.stdin_open
                          and self.spec.start_limit_s is None)
         self.open_pipes = len(self.selector.get_map()) - (self.marks_open and not self.marks_paused)
