@@ -50,10 +50,10 @@ from hpcrl_common.topology import (
 
 from ..conftest import RunningConsumer
 from ..support.fleet import (
-    SERVICES,
     Fleet,
     assert_nothing_lost_nothing_twice,
     connected,
+    start_and_wait_mid_run,
     stop_all,
     wait_done,
 )
@@ -410,24 +410,10 @@ def test_the_fleet_carries_on_when_its_broker_node_is_lost(cluster: list[RabbitN
 
     fleet = Fleet(tmp_path / "fleet", settings, iterations=16, rabbitmqctl=rabbitmqctl)
     try:
-        procs = {service: fleet.start(service) for service in SERVICES}
-        for proc in procs.values():
-            fleet.wait_healthy(proc)
+        procs, held = start_and_wait_mid_run(fleet)
         leaders = {row["leader"] for row in queue_table(a, namespace).values()
                    if row["type"] == "quorum"}
         assert leaders == {a.name}, leaders  # declared through a: losing a loses them all
-
-        fleet_wait(lambda: fleet.check_alive() or fleet.learner_version() >= 1, 240,
-                   "the first policy version", fleet.tails, every=0.5)
-
-        def holding() -> dict[str, int] | None:
-            fleet.check_alive()
-            held = fleet.held_by_each(list(procs.values()))
-            return held if any(held.values()) else None
-
-        held = fleet_wait(holding, 120, "a service to hold unacked work", fleet.tails,
-                          every=0.0)
-        assert not fleet.done()
         at = {"iteration": fleet.iteration(), "version": fleet.learner_version()}
         killed_at = time.monotonic()
         a.kill()

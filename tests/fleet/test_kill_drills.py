@@ -98,6 +98,7 @@ from tests.support.fleet import (
     Proc,
     assert_nothing_lost_nothing_twice,
     connected,
+    start_and_wait_mid_run,
     stop_all,
     wait_done,
     wait_for,
@@ -430,21 +431,8 @@ def test_whole_broker_restarted_mid_run(private_broker: RabbitNode, tmp_path: Pa
                   rabbitmqctl=lambda *args: node.ctl(*args).stdout)
     try:
         started = time.monotonic()
-        procs = {service: fleet.start(service) for service in SERVICES}
-        for proc in procs.values():
-            fleet.wait_healthy(proc)
-
         # Mid-run: the learner has committed a version, and services hold unacked work.
-        wait_for(lambda: fleet.check_alive() or fleet.learner_version() >= 1, 240,
-                 "the first policy version", fleet.tails, every=0.5)
-
-        def holding() -> dict[str, int] | None:
-            fleet.check_alive()
-            held = fleet.held_by_each(list(procs.values()))
-            return held if any(held.values()) else None
-
-        held = wait_for(holding, 120, "a service to hold unacked work", fleet.tails, every=0.0)
-        assert not fleet.done()
+        procs, held = start_and_wait_mid_run(fleet)
         queued = {base: fleet.ready(base) for base in WORK_QUEUES}
         at = {"iteration": fleet.iteration(), "version": fleet.learner_version(),
               "results": len(fleet.result_rows())}

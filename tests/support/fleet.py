@@ -567,3 +567,23 @@ def connected(fleet: Fleet, proc: Proc) -> bool | None:
     """Its /healthz's ``connected`` (None when it does not answer)."""
     health = fleet.health(proc)
     return None if health is None else bool(health.get("connected"))
+
+
+def start_and_wait_mid_run(fleet: Fleet) -> tuple[dict[str, Proc], dict[str, int]]:
+    """Start the four services and wait until the run is under way: the learner has
+    committed a version and a service holds unacknowledged work (its broker channels).
+    The services and what each held."""
+    procs = {service: fleet.start(service) for service in SERVICES}
+    for proc in procs.values():
+        fleet.wait_healthy(proc)
+    wait_for(lambda: fleet.check_alive() or fleet.learner_version() >= 1, 240,
+             "the first policy version", fleet.tails, every=0.5)
+
+    def holding() -> dict[str, int] | None:
+        fleet.check_alive()
+        held = fleet.held_by_each(list(procs.values()))
+        return held if any(held.values()) else None
+
+    held = wait_for(holding, 120, "a service to hold unacked work", fleet.tails, every=0.0)
+    assert not fleet.done()
+    return procs, held
