@@ -9,6 +9,9 @@ needs a second node for the same client code path.
 
 from __future__ import annotations
 
+import socket
+import ssl
+import struct
 import subprocess
 import threading
 import time
@@ -28,6 +31,7 @@ from hpcrl_common.broker import (
     Publisher,
     TlsRefused,
     connection_parameters,
+    open_connection,
 )
 from hpcrl_common.config import BrokerSettings
 from hpcrl_common.topology import CODE_TO_BENCH, Topology
@@ -116,12 +120,14 @@ class TlsBroker:
 
 
 @pytest.fixture(scope="module")
-def tls_broker(tmp_path_factory: pytest.TempPathFactory):
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+@pytest.fixture(scope="module")
+def tls_broker(tmp_path_factory: pytest.TempPathFactory, pki: Pki):
     require_rabbitmq()
     work = tmp_path_factory.mktemp("tls")
-    pki_dir = work / "pki"
-    pki_dir.mkdir()
-    pki = make_pki(pki_dir)
 
     def config(node: RabbitNode) -> str:
         return (
@@ -229,6 +235,41 @@ def test_client_certificate_refused_by_the_broker(tls_broker: TlsBroker, client:
                                        tls_key_file=pki.stranger_key)
     with pytest.raises(TlsRefused) as refused:
         publish_one(settings)
+    message = str(refused.value)
+    assert "client certificate" in message and "broker.tls_cert_file" in message, message
+
+
+# The race behind a CI failure: the broker's alert and close came before our first write
+# after the handshake, so pika lost the stream with a bare SSLEOFError and no alert text.
+# A server that hangs up right after the handshake (RST, or close after a pause) makes the
+# race certain.
+@pytest.mark.parametrize("hang_up", ["reset", "close_later"])
+def test_a_hang_up_right_after_the_handshake_reads_as_a_refused_certificate(
+        pki: Pki, hang_up: str) -> None:
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(pki.server_cert, pki.server_key)
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def serve_once() -> None:
+        raw, _ = listener.accept()
+        with context.wrap_socket(raw, server_side=True) as tls:
+            if hang_up == "reset":
+                tls.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            else:
+                time.sleep(0.2)
+
+    server = threading.Thread(target=serve_once, daemon=True)
+    server.start()
+    settings = BrokerSettings(url=f"amqps://guest:guest@127.0.0.1:{port}/%2F",
+                              tls_ca_file=pki.ca, tls_cert_file=pki.client_cert,
+                              tls_key_file=pki.client_key)
+    try:
+        with pytest.raises(TlsRefused) as refused:
+            open_connection(connection_parameters(settings, "test"))
+    finally:
+        server.join(timeout=10)
+        listener.close()
     message = str(refused.value)
     assert "client certificate" in message and "broker.tls_cert_file" in message, message
 

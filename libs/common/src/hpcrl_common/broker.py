@@ -226,6 +226,15 @@ def open_connection(
         # arrives as a lost stream, not as an SSLError.
         tls = any(config.ssl_options is not None for config in configs)
         alert = _TLS_ALERT.search(str(exc)) if tls else None
+        if alert is None and tls and "SSLEOFError" in str(exc):
+            # The broker sent its alert and closed before we read it, so our first write
+            # after the handshake met a closed socket; a refused certificate is the cause
+            # seen (a broker that refuses for another reason says so in AMQP).
+            raise TlsRefused(
+                "TLS: the broker closed the connection right after the handshake without "
+                "saying why, as it does when it refuses our client certificate; is "
+                "broker.tls_cert_file set, signed by a CA the broker trusts, and valid?"
+            ) from None
         if alert is None:
             raise
         if alert["code"].endswith("CERTIFICATE_REQUIRED"):
