@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -185,3 +186,84 @@ def test_a_group_is_fresh_only_when_sampled_by_the_current_version():
 
     assert all(s.fresh for s in sequences(3, 3))
     assert not any(s.fresh for s in sequences(2, 3))
+
+
+def demo_sized_step(vocab_size: int, seed: int = 0) -> list[list[TrainSequence]]:
+    """Four groups of eight completions of 3 to 60 tokens (the demo's step), the last two
+    groups sampled by an older version, with sampling log-probs off the trainer's."""
+    rng = np.random.default_rng(seed)
+    groups = []
+    for group_index in range(4):
+        group = []
+        for _ in range(8):
+            ids = rng.integers(3, vocab_size, size=int(rng.integers(3, 61)))
+            group.append(TrainSequence(
+                np.array(PROMPT), ids, rng.normal(-3.0, 0.5, len(ids)).astype(np.float32),
+                float(rng.normal()), fresh=group_index < 2))
+        groups.append(group)
+    return groups
+
+
+def trained_params(trainer: TorchTrainer) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in trainer.params]
+
+
+def assert_same_update(a: TorchTrainer, b: TorchTrainer, a_metrics: dict, b_metrics: dict,
+                       ) -> None:
+    # AdamW's first update is about lr * sign(gradient): float rounding flips elements whose
+    # gradient is ~0, so parameters agree to 1% of lr; the gradient's scale (which AdamW
+    # hides) is checked through its norm.
+    for x, y in zip(trained_params(a), trained_params(b), strict=True):
+        torch.testing.assert_close(x, y, rtol=0, atol=a.settings.learning_rate * 1e-2)
+    for key in ("loss", "tokens", "sequences", "kl", "sampler_kl", "clip_fraction",
+                "sampler_kl_fresh", "grad_norm"):
+        assert b_metrics[key] == pytest.approx(a_metrics[key], rel=1e-4), key
+
+
+@pytest.mark.parametrize("aggregation", ["token", "sequence"])
+def test_groups_trained_as_they_arrive_make_the_same_update(tiny_model, aggregation):
+    settings = LearnerSettings(model_path=tiny_model, learning_rate=1e-3, beta=0.01,
+                               aggregation=aggregation, micro_batch_size=4, groups_per_step=4)
+    at_once, early = TorchTrainer(settings, seed=3), TorchTrainer(settings, seed=3)
+    groups = demo_sized_step(at_once.vocab_size)
+    every = [s for group in groups for s in group]
+    expected = at_once.step(every)
+    for group in groups[:3]:
+        early.accumulate(group)
+    got = early.step(every)
+    assert_same_update(at_once, early, expected, got)
+    untrained = trained_params(TorchTrainer(settings, seed=3))
+    assert any(not torch.equal(x, y) for x, y in zip(untrained, trained_params(early), strict=True))
+    assert got["early_seconds"] > 0 and expected["early_seconds"] == 0
+
+
+def test_a_gradient_accumulated_for_groups_handed_back_does_not_count_twice(tiny_model):
+    settings = LearnerSettings(model_path=tiny_model, learning_rate=1e-3, micro_batch_size=4)
+    at_once, early = TorchTrainer(settings, seed=3), TorchTrainer(settings, seed=3)
+    groups = demo_sized_step(at_once.vocab_size, seed=1)
+    every = [s for group in groups for s in group]
+    expected = at_once.step(every)
+    early.accumulate(groups[0])
+    early.accumulate(groups[1])
+    # The step was handed back; its groups come again, as new sequences.
+    redelivered = [dataclasses.replace(s) for s in every]
+    assert_same_update(at_once, early, expected, early.step(redelivered))
+
+
+def test_a_failed_accumulation_forgets_the_partial_gradient(tiny_model):
+    settings = LearnerSettings(model_path=tiny_model, learning_rate=1e-3, micro_batch_size=4)
+    at_once, early = TorchTrainer(settings, seed=3), TorchTrainer(settings, seed=3)
+    groups = demo_sized_step(at_once.vocab_size, seed=2)
+    every = [s for group in groups for s in group]
+    expected = at_once.step(every)
+    early.accumulate(groups[0])
+    # Two micro-batches (by length): the first's backward runs, the second has token ids
+    # out of range.
+    too_long = np.full(70, 10**6)
+    broken = groups[1][:4] + [dataclasses.replace(s, completion_ids=too_long,
+                                                  sampling_logprobs=np.zeros(70, np.float32))
+                              for s in groups[1][4:]]
+    with pytest.raises(IndexError):
+        early.accumulate(broken)
+    early.accumulate(groups[2])
+    assert_same_update(at_once, early, expected, early.step(every))

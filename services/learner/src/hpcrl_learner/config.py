@@ -71,6 +71,11 @@ class LearnerSettings(ServiceSection):
         "trainer's log-probs use the same)"
     )
     micro_batch_size: int = Field(8, ge=1, description="sequences per forward/backward pass")
+    train_on_arrival: bool = Field(
+        True, description="run a group's forward and backward passes as it arrives (the "
+        "update still waits for the step's last group); false: all at the step, which holds "
+        "no gradient between groups"
+    )
     max_sequence_tokens: int = Field(
         related_default("learner.max_sequence_tokens"), ge=2,
         description="longer prompt+completion sequences are refused (the batch is "

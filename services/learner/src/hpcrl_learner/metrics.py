@@ -37,7 +37,7 @@ SKIPPED_STEPS = Counter(
 )
 STEP_SECONDS = Histogram(
     "hpcrl_learner_step_seconds",
-    "Wall time of a step: train, save, commit",
+    "Wall time of a step: train (with the passes run as its groups arrived), save, commit",
     buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800),
 )
 STALENESS = Histogram(

@@ -19,6 +19,10 @@ class Backend(Protocol):
     format: Literal["full", "lora"]
     vocab_size: int
 
+    def accumulate(self, sequences: Sequence[TrainSequence]) -> None:
+        """May compute part of the next step now (a group as it arrives); :meth:`step` is
+        then given these sequences again with the rest and makes the same update."""
+
     def step(self, sequences: Sequence[TrainSequence]) -> dict[str, float]: ...
 
     def save_version(self, directory: Path) -> None: ...

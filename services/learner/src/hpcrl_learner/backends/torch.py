@@ -7,6 +7,7 @@ import shutil
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -51,6 +52,18 @@ def chunks(items: Sequence[TrainSequence], size: int) -> Iterator[list[TrainSequ
         yield list(ordered[start:start + size])
 
 
+@dataclass
+class _Early:
+    """The part of the next step that :meth:`TorchTrainer.accumulate` already computed."""
+
+    normalizer: float  # the provisional denominator its gradient was divided by
+    ids: set[int] = field(default_factory=set)
+    kept: list[TrainSequence] = field(default_factory=list)
+    stats: LossStats = field(default_factory=LossStats)
+    fresh_stats: LossStats = field(default_factory=LossStats)
+    seconds: float = 0.0
+
+
 class TorchTrainer:
     """Holds the policy (and optionally the reference), the optimizer and the LR schedule."""
 
@@ -77,6 +90,7 @@ class TorchTrainer:
         self.reference = self._load_reference()
         self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self._early: _Early | None = None
         self.optimizer = torch.optim.AdamW(
             self.params, lr=settings.learning_rate, betas=settings.adam_betas,
             weight_decay=settings.weight_decay,
@@ -156,19 +170,18 @@ class TorchTrainer:
         with torch.no_grad(), context:
             return self._forward_logprobs(model, batch)
 
-    def step(self, sequences: Sequence[TrainSequence]) -> dict[str, float]:
-        """One optimizer step over all ``sequences`` (micro-batched); returns its metrics."""
-        started = time.perf_counter()
+    def _denominator(self, sequences: Sequence[TrainSequence]) -> float:
+        """What the step's loss is divided by: its tokens ("token") or its sequences."""
+        if self.loss_settings.aggregation == "token":
+            return float(sum(len(s.completion_ids) for s in sequences))
+        return float(sum(1 for s in sequences if len(s.completion_ids)))
+
+    def _backward(self, sequences: Sequence[TrainSequence], normalizer: float,
+                  stats: LossStats, fresh_stats: LossStats) -> None:
+        """Adds the gradient of ``sequences``' share of a loss divided by ``normalizer``."""
         self.model.train()
         settings = self.loss_settings
         with_tokens = [s for s in sequences if len(s.completion_ids)]
-        if settings.aggregation == "token":
-            normalizer = float(sum(len(s.completion_ids) for s in with_tokens))
-        else:
-            normalizer = float(len(with_tokens))
-        stats, fresh_stats = LossStats(), LossStats()
-        lr = float(self.scheduler.get_last_lr()[0])
-        self.optimizer.zero_grad(set_to_none=True)
         # Fresh samples (from the current weights) in micro-batches of their own, so their
         # sampler KL is measured apart: on them it checks the sampler against the trainer,
         # free of the drift that older samples carry by design.
@@ -187,6 +200,83 @@ class TorchTrainer:
                 stats.add(out.stats)
                 if fresh:
                     fresh_stats.add(out.stats)
+
+    def accumulate(self, sequences: Sequence[TrainSequence]) -> None:
+        """Runs the forward and backward passes of part of the next step now.
+
+        The learner passes each group as it arrives, so the step's compute overlaps the
+        generation of its last groups; :meth:`step` then computes only what was not passed
+        here. The update is the one :meth:`step` alone would make, up to float rounding.
+        """
+        started = time.perf_counter()
+        if self._early is None:
+            self.optimizer.zero_grad(set_to_none=True)
+            # The step's true denominator is known only at the step; one near it keeps the
+            # summed gradients in range (float16), and the step rescales them exactly.
+            provisional = max(self._denominator(sequences) * self.settings.groups_per_step, 1.0)
+            self._early = _Early(normalizer=provisional)
+        early = self._early
+        try:
+            self._backward(sequences, early.normalizer, early.stats, early.fresh_stats)
+        except BaseException:
+            self.discard()
+            raise
+        early.ids.update(id(s) for s in sequences)
+        early.kept.extend(sequences)  # holds them, so that no id is reused while counted
+        early.seconds += time.perf_counter() - started
+
+    def discard(self) -> None:
+        """Forgets what :meth:`accumulate` computed; the next step computes everything."""
+        self._early = None
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _take_early(self, sequences: Sequence[TrainSequence]) -> _Early | None:
+        """What was accumulated for exactly this step, or None (and then nothing is kept)."""
+        early, self._early = self._early, None
+        if early is None:
+            return None
+        if not early.ids <= {id(s) for s in sequences}:
+            # Groups accumulated, then handed back without a step: their gradient must not
+            # count again when they are redelivered as new sequences.
+            log.warning("accumulated gradient of sequences not in this step; recomputing",
+                        accumulated=len(early.ids))
+            self.optimizer.zero_grad(set_to_none=True)
+            return None
+        return early
+
+    def step(self, sequences: Sequence[TrainSequence]) -> dict[str, float]:
+        """One optimizer step over all ``sequences`` (micro-batched); returns its metrics.
+
+        Sequences already passed to :meth:`accumulate` are not computed again.
+        """
+        started = time.perf_counter()
+        try:
+            return self._step(sequences, started)
+        except BaseException:
+            self.discard()
+            raise
+
+    def _step(self, sequences: Sequence[TrainSequence], started: float) -> dict[str, float]:
+        normalizer = self._denominator(sequences)
+        early = self._take_early(sequences)
+        stats, fresh_stats = LossStats(), LossStats()
+        early_seconds = 0.0
+        if early is None:
+            self.optimizer.zero_grad(set_to_none=True)
+            rest = list(sequences)
+        else:
+            rescale = early.normalizer / max(normalizer, 1.0)
+            for param in self.params:
+                if param.grad is not None:
+                    param.grad.mul_(rescale)
+            early.stats.loss *= rescale
+            early.fresh_stats.loss *= rescale
+            stats.add(early.stats)
+            fresh_stats.add(early.fresh_stats)
+            early_seconds = early.seconds
+            rest = [s for s in sequences if id(s) not in early.ids]
+        lr = float(self.scheduler.get_last_lr()[0])
+        self._backward(rest, normalizer, stats, fresh_stats)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.settings.max_grad_norm))
         skipped = not math.isfinite(grad_norm)
         if skipped:
@@ -197,12 +287,13 @@ class TorchTrainer:
             self.optimizer.step()
             self.scheduler.step()  # the schedule counts updates, not attempts
         self.optimizer.zero_grad(set_to_none=True)
-        elapsed = time.perf_counter() - started
+        elapsed = time.perf_counter() - started + early_seconds
         metrics = stats.means()
         metrics["sampler_kl_fresh"] = (fresh_stats.means()["sampler_kl"] if fresh_stats.tokens
                                        else math.nan)
         metrics.update(grad_norm=grad_norm if not skipped else -1.0, learning_rate=lr,
                        skipped=float(skipped), train_seconds=elapsed,
+                       early_seconds=early_seconds,
                        tokens_per_second=metrics["tokens"] / max(elapsed, 1e-9))
         return metrics
 

@@ -73,7 +73,8 @@ def _first(results: Any) -> dict[str, Any]:
 
 
 class SwiftTrainer:
-    """The service's backend interface (``step``, ``save_version``, ``save_optimizer``)."""
+    """The service's backend interface (``accumulate``, ``step``, ``save_version``,
+    ``save_optimizer``)."""
 
     def __init__(self, settings: LearnerSettings, group: TrainGroup, template: Any, *,
                  vocab_size: int, padding_to: int | None = None) -> None:
@@ -83,6 +84,9 @@ class SwiftTrainer:
         self.vocab_size = vocab_size
         self.padding_to = padding_to
         self.format: Literal["full", "lora"] = "lora" if settings.lora.enabled else "full"
+
+    def accumulate(self, sequences: Sequence[TrainSequence]) -> None:
+        """Nothing early: Megatron's train_step takes the whole step at once."""
 
     def step(self, sequences: Sequence[TrainSequence]) -> dict[str, float]:
         started = time.perf_counter()
