@@ -89,12 +89,15 @@ def main() -> None:
                                            pin_threads=False), detect())
     task = load_task("matmul")
     starts: list[float] = []
+    timeouts: list[tuple[float, sandbox.Schedule]] = []  # (wall past the start, schedule)
     original_run = sandbox.run
 
     def run(*a: object, **k: object) -> sandbox.Outcome:
         outcome = original_run(*a, **k)  # type: ignore[arg-type]
         if outcome.start_s is not None:
             starts.append(outcome.start_s)
+        if outcome.schedule is not None:
+            timeouts.append((outcome.wall_s - (outcome.start_s or 0.0), outcome.schedule))
         return outcome
 
     pipeline.sandbox.run = run  # type: ignore[assignment]
@@ -112,6 +115,11 @@ def main() -> None:
                 status = "handed back"
             verdicts[name][status] += 1
             print(f"{time.monotonic() - began:6.1f} s  {name:28s} {status}", flush=True)
+            while timeouts:
+                wall, got = timeouts.pop(0)
+                print(f"         a sandbox timed out: {wall:.1f} s, its {got.threads} threads "
+                      f"on a CPU {got.cpu_s:.2f} s, waiting for one {got.waiting_s:.2f} s",
+                      flush=True)
             i += 1
     finally:
         load.kill()

@@ -451,6 +451,33 @@ def test_the_wall_limit_runs_from_the_first_mark_when_the_start_is_slow(tmp_path
     assert begin_seen - begin_stamp < 0.4e9 < result_seen - result_stamp
 
 
+MARK_AFTER_DATA = ("import os, socket, sys, time\nfd, mk = int(sys.argv[1]), int(sys.argv[2])\n"
+                   "s = socket.socket(fileno=mk)\ns.send(b'a')\nos.write(fd, b'C')\n"
+                   "time.sleep(0.3)\ns.send(b'b')\nsys.stdin.readline()\nos.write(fd, b'D')\n")
+
+
+@pytest.mark.parametrize("start_limit_s", [None, 10.0], ids=["start charged", "start limit"])
+def test_a_mark_after_data_is_read_with_or_without_a_start_limit(
+        tmp_path: Path, start_limit_s: float | None) -> None:
+    """The process marks, writes data, marks again and waits for the reply to that mark. The
+    first mark read without a start limit (after the data) used to pause the marks again, so
+    the second was never read and a correct run was a timeout (as every harness run was)."""
+    tmp_path.chmod(0o777)
+    seen: list[tuple[str, bytes]] = []
+
+    def watch(channel: str, payload: bytes, at_ns: int) -> sandbox.Reply | None:
+        seen.append((channel, payload))
+        return sandbox.Reply(send=b"go\n", marks_after_data=True) if payload == b"b" else None
+
+    spec = sandbox.Spec(tmp_path, sandbox.Limits(wall_s=5.0, cpu_s=5), extra_pipe=True,
+                        marks=True, marks_after_data=True, start_limit_s=start_limit_s)
+    outcome = sandbox.run(["/usr/bin/python3", "-c", MARK_AFTER_DATA, "{fd}", "{marks}"], spec,
+                          watch=watch)
+    assert outcome.returncode == 0 and not outcome.timed_out, (seen, outcome.stderr)
+    assert [p for channel, p in seen if channel == sandbox.MARK] == [b"a", b"b"]
+    assert b"".join(p for channel, p in seen if channel == sandbox.DATA) == b"CD"
+
+
 def test_a_sandbox_that_never_starts_is_no_timeout_of_the_command(tmp_path: Path) -> None:
     """No mark within ``start_limit_s``: the run is stopped and reported as never started,
     which the runner turns into the benchmarker's own failure (the candidate goes back to

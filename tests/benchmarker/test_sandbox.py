@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import secrets
+import subprocess
 import time
 from pathlib import Path
 
@@ -57,6 +59,32 @@ def test_wall_limit_kills_the_whole_group(scratch: Path) -> None:
     outcome = sandbox.run(["/bin/sh", "-c", "sleep 100 & sleep 100 & wait"],
                           sandbox.Spec(scratch, sandbox.Limits(wall_s=1, cpu_s=5)))
     assert outcome.timed_out and time.monotonic() - started < 10
+
+
+def test_a_timed_out_run_tells_its_cpu_time_from_its_wait_for_a_cpu(scratch: Path) -> None:
+    """What the sandbox reads as the wall limit passes: its threads' time on a CPU and their
+    run-queue wait, which only other load on the same CPUs makes (sleeping makes neither)."""
+    cpu = min(os.sched_getaffinity(0))
+    limits = sandbox.Limits(wall_s=1.5, cpu_s=10)
+    spin = ["/bin/sh", "-c", "echo go; while :; do :; done"]
+    # The wall limit runs from the first output, past the sandbox's start.
+    spec = sandbox.Spec(scratch, limits, cpus=(cpu,), start_limit_s=30)
+
+    alone = sandbox.run(spin, spec).schedule
+    asleep = sandbox.run(["/bin/sh", "-c", "echo go; sleep 10"], spec).schedule
+    hogs = [subprocess.Popen(["taskset", "-c", str(cpu), *spin], stdout=subprocess.DEVNULL)
+            for _ in range(3)]
+    try:
+        crowded = sandbox.run(spin, spec).schedule
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+    assert alone and asleep and crowded
+    assert alone.cpu_s > 0.6 * limits.wall_s and alone.waiting_s < 0.4 * limits.wall_s, alone
+    assert asleep.cpu_s < 0.2 and asleep.waiting_s < 0.2, asleep
+    # Four spinners share the CPU: the sandbox's gets about a quarter of it.
+    assert crowded.cpu_s < 0.5 * limits.wall_s < crowded.waiting_s, crowded
 
 
 def test_file_size_limit(scratch: Path) -> None:

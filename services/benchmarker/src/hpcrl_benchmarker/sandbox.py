@@ -66,6 +66,16 @@ class Spec:
     start_limit_s: float | None = None
 
 
+@dataclass(frozen=True)
+class Schedule:
+    """What a sandbox's threads got of the CPUs, summed over every thread alive when read
+    (the host kernel's /proc/<tid>/schedstat, read from outside the sandbox)."""
+
+    cpu_s: float  # on a CPU
+    waiting_s: float  # runnable, but waiting for a CPU (run-queue delay)
+    threads: int
+
+
 @dataclass
 class Outcome:
     returncode: int
@@ -79,6 +89,7 @@ class Outcome:
     stopped: bool = False  # the watcher ended the run (the process group was killed)
     start_s: float | None = None  # from the start to the first mark or output, if any came
     never_started: bool = False  # Spec.start_limit_s passed with no mark or output at all
+    schedule: Schedule | None = None  # read as the wall limit passed (timed out runs only)
 
     @property
     def signal(self) -> int | None:
@@ -179,6 +190,33 @@ def thread_count(pid: int, parent: int) -> int:
 # Called after every call of a run: one read and one search (~15 us) rather than a dict of
 # every line (~50 us).
 _STATUS = re.compile(rb"\nPPid:\s*(?P<ppid>\d+)\n.*?\nThreads:\s*(?P<threads>\d+)\n", re.S)
+
+
+def schedule(root: int) -> Schedule:
+    """The CPU time and run-queue wait of every thread of ``root`` and its descendants."""
+    cpu_ns = waiting_ns = threads = 0
+    for pid in _tree(root):
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as stat:
+                    on_cpu, waited, _slices = stat.read().split()
+            except (FileNotFoundError, ProcessLookupError, ValueError):
+                continue  # ended meanwhile
+            cpu_ns, waiting_ns = cpu_ns + int(on_cpu), waiting_ns + int(waited)
+            threads += 1
+    return Schedule(cpu_ns / 1e9, waiting_ns / 1e9, threads)
+
+
+def _tree(root: int) -> list[int]:
+    pids, level = [], [root]
+    while level:
+        pids += level
+        level = [child for pid in level for child in _children(pid)]
+    return pids
 
 
 def _children(pid: int) -> list[int]:
@@ -306,6 +344,7 @@ class _Session:
         self.extra_times: list[tuple[int, float]] = []
         self.selector = selectors.DefaultSelector()
         self.timed_out = self.stopped = False
+        self.schedule: Schedule | None = None
         self.phase_started: float | None = None
         self.stdin_open = False
         self.marks_open = channels.marks is not None
@@ -336,6 +375,7 @@ class _Session:
             remaining = self.deadline - time.monotonic()
             if remaining <= 0:
                 self.timed_out = True
+                self.schedule = schedule(self.proc.pid)
                 return
             if not self.open_pipes:
                 self.pause_marks(False)  # the process has closed every pipe: only marks left
@@ -393,8 +433,10 @@ class _Session:
         messages = _receive_marks(marks)
         if messages and self.begun is None:
             self.begin()
-            # The start is seen: from now on, as the spec asks.
-            self.pause_marks(self.spec.marks_after_data and self.stdin_open)
+            if self.spec.start_limit_s is not None:
+                # Read early only to see the start: from now on, as the spec asks. (Without
+                # a start limit they were never read early, and this read follows data.)
+                self.pause_marks(self.spec.marks_after_data and self.stdin_open)
         if messages is None:
             self.pause_marks(False)
             self.selector.unregister(marks)
@@ -447,7 +489,7 @@ class _Session:
                        self.phase_started, self.stopped,
                        None if self.begun is None else self.begun - self.started,
                        self.timed_out and self.begun is None
-                       and self.spec.start_limit_s is not None)
+                       and self.spec.start_limit_s is not None, self.schedule)
 
 
 def _send(proc: subprocess.Popen, data: bytes) -> bool:
