@@ -7,6 +7,8 @@ kernel's and the compile's time limits (as the benchmarker did before) or start 
 at the harness's first mark and the compile script's first output (as it does now). Prints
 the verdicts of each, and the sandbox start times (to the first mark) over the whole run.
 Every verdict but `success` is a false one: the kernel is correct and takes ~0.2 s alone.
+For each run that timed out it prints what its threads had of the CPUs (time on one, and
+run-queue wait), which tells a node that kept them waiting from one that stalled them unseen.
 
     .venv/bin/python bench/busy_node_verdicts.py [--seconds 100] [--kernel naive.c]
                                                  [--policy data/policy/bootstrap-...]

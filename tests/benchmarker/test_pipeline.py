@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import time
 from collections.abc import Callable
@@ -82,6 +83,10 @@ def test_timeout_kills_the_run(judge: Judge, task: TaskSpec) -> None:
     verdict = judge(kernel("infinite.c"))
     assert_status(verdict, "timeout")
     assert time.monotonic() - started < task.timing.time_limit_s + 30
+    # It spun: its time went on a CPU, not on waiting for one.
+    on_cpu, waiting = map(float, re.search(r"([\d.]+) s on a CPU, ([\d.]+) s waiting",
+                                           verdict.error).groups())
+    assert on_cpu > 0.5 * task.timing.time_limit_s > waiting, verdict.error
 
 
 def test_runtime_error_on_crash(judge: Judge) -> None:

@@ -199,7 +199,7 @@ def ending(outcome: sandbox.Outcome, talk: Conversation,
     where = _where(talk)
     if outcome.timed_out:
         return StepFailure("timeout", f"did not finish within {time_limit_s:g} s {where}; "
-                           "the process group was killed")
+                           f"the process group was killed{_cpu_share(outcome.schedule)}")
     if (sig := outcome.signal) is not None:
         hint = " (CPU time limit)" if sig == signal.SIGXCPU else ""
         return StepFailure("runtime_error", f"killed by {_signal_name(sig)}{hint} {where}")
@@ -210,6 +210,15 @@ def ending(outcome: sandbox.Outcome, talk: Conversation,
                             f"{outcome.stderr[-1000:].decode(errors='replace')}")
     return StepFailure("runtime_error", f"the process exited early with status "
                        f"{outcome.returncode} {where} (exit() in the kernel?)")
+
+
+def _cpu_share(got: sandbox.Schedule | None) -> str:
+    """What the run's threads had of the CPUs: a kernel that spins shows its time on a CPU;
+    one that waited on a busy node shows its wait for one (then the verdict is in doubt)."""
+    if got is None:
+        return ""
+    return (f" (its {got.threads} threads: {got.cpu_s:.2f} s on a CPU, {got.waiting_s:.2f} s "
+            "waiting for one)")
 
 
 def _where(talk: Conversation) -> str:
