@@ -135,6 +135,32 @@ def test_learner_learns_commits_announces_and_drops_stale(
     assert bad < float(lp["bad"].sum()) - 0.3
 
 
+@pytest.mark.parametrize("on_arrival", [True, False], ids=["on arrival", "at the step"])
+def test_a_group_is_trained_as_it_arrives_when_asked(broker_settings, tiny_model, tmp_path,
+                                                      on_arrival):
+    """With train_on_arrival the first group's passes run while the step waits for its
+    second group; either way the step trains both and commits once."""
+    store_dir = tmp_path / "store"
+    config = LearnerConfig(broker=broker_settings, learner=LearnerSettings(
+        model_path=tiny_model, checkpoint_dir=store_dir, groups_per_step=2,
+        learning_rate=1e-3, metrics_port=0, train_on_arrival=on_arrival))
+    lp = base_logprobs(tiny_model)
+    consumer, learner = build(config)
+    with RunningConsumer(consumer):
+        publish(broker_settings, good_bad_batch("first", lp))
+        wait_for(lambda: len(learner.pending) == 1, 60, "the first group held")
+        time.sleep(0.5)  # the handler has returned; nothing more is coming for it
+        assert (learner.early_seconds > 0) == on_arrival, learner.early_seconds
+        assert (learner.backend._early is not None) == on_arrival
+        publish(broker_settings, good_bad_batch("second", lp))
+        store = CheckpointStore(store_dir)
+        wait_for(lambda: len(store.versions()) == 1, 120, "the step to commit")
+    [version] = store.versions()
+    assert version.metrics["groups_trained"] == 2.0
+    assert version.metrics["tokens"] == 2 * 2 * (len(GOOD) + len(BAD))  # both groups, once
+    assert learner.early_seconds == 0 and learner.backend._early is None
+
+
 # --- crash: kill -9 between receiving and checkpointing, then restart --------------------------
 
 
