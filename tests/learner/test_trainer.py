@@ -220,29 +220,32 @@ def assert_same_update(a: TorchTrainer, b: TorchTrainer, a_metrics: dict, b_metr
         assert b_metrics[key] == pytest.approx(a_metrics[key], rel=1e-4), key
 
 
+def stepped_at_once(tiny_model, data_seed: int, **changes):
+    """Two identical trainers, a demo-sized step's groups (and all their sequences), and the
+    first trainer's step over them all at once: the update the second must match."""
+    settings = LearnerSettings(model_path=tiny_model, learning_rate=1e-3, micro_batch_size=4,
+                               **changes)
+    at_once, early = TorchTrainer(settings, seed=3), TorchTrainer(settings, seed=3)
+    groups = demo_sized_step(at_once.vocab_size, seed=data_seed)
+    every = [s for group in groups for s in group]
+    return at_once, early, groups, every, at_once.step(every)
+
+
 @pytest.mark.parametrize("aggregation", ["token", "sequence"])
 def test_groups_trained_as_they_arrive_make_the_same_update(tiny_model, aggregation):
-    settings = LearnerSettings(model_path=tiny_model, learning_rate=1e-3, beta=0.01,
-                               aggregation=aggregation, micro_batch_size=4, groups_per_step=4)
-    at_once, early = TorchTrainer(settings, seed=3), TorchTrainer(settings, seed=3)
-    groups = demo_sized_step(at_once.vocab_size)
-    every = [s for group in groups for s in group]
-    expected = at_once.step(every)
+    at_once, early, groups, every, expected = stepped_at_once(
+        tiny_model, 0, beta=0.01, aggregation=aggregation, groups_per_step=4)
     for group in groups[:3]:
         early.accumulate(group)
     got = early.step(every)
     assert_same_update(at_once, early, expected, got)
-    untrained = trained_params(TorchTrainer(settings, seed=3))
+    untrained = trained_params(TorchTrainer(early.settings, seed=3))
     assert any(not torch.equal(x, y) for x, y in zip(untrained, trained_params(early), strict=True))
     assert got["early_seconds"] > 0 and expected["early_seconds"] == 0
 
 
 def test_a_gradient_accumulated_for_groups_handed_back_does_not_count_twice(tiny_model):
-    settings = LearnerSettings(model_path=tiny_model, learning_rate=1e-3, micro_batch_size=4)
-    at_once, early = TorchTrainer(settings, seed=3), TorchTrainer(settings, seed=3)
-    groups = demo_sized_step(at_once.vocab_size, seed=1)
-    every = [s for group in groups for s in group]
-    expected = at_once.step(every)
+    at_once, early, groups, every, expected = stepped_at_once(tiny_model, 1)
     early.accumulate(groups[0])
     early.accumulate(groups[1])
     # The step was handed back; its groups come again, as new sequences.
@@ -251,11 +254,7 @@ def test_a_gradient_accumulated_for_groups_handed_back_does_not_count_twice(tiny
 
 
 def test_a_failed_accumulation_forgets_the_partial_gradient(tiny_model):
-    settings = LearnerSettings(model_path=tiny_model, learning_rate=1e-3, micro_batch_size=4)
-    at_once, early = TorchTrainer(settings, seed=3), TorchTrainer(settings, seed=3)
-    groups = demo_sized_step(at_once.vocab_size, seed=2)
-    every = [s for group in groups for s in group]
-    expected = at_once.step(every)
+    at_once, early, groups, every, expected = stepped_at_once(tiny_model, 2)
     early.accumulate(groups[0])
     # Two micro-batches (by length): the first's backward runs, the second has token ids
     # out of range.
