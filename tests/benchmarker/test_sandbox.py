@@ -81,10 +81,13 @@ def test_a_timed_out_run_tells_its_cpu_time_from_its_wait_for_a_cpu(scratch: Pat
             hog.kill()
             hog.wait()
     assert alone and asleep and crowded
-    assert alone.cpu_s > 0.6 * limits.wall_s and alone.waiting_s < 0.4 * limits.wall_s, alone
+    # A spinner is always runnable: on a CPU or waiting for one. (A wait still going on is
+    # not counted yet: the kernel adds it when the thread next gets a CPU.)
+    assert alone.cpu_s + alone.waiting_s > 0.8 * limits.wall_s, alone
     assert asleep.cpu_s < 0.2 and asleep.waiting_s < 0.2, asleep
     # Four spinners share the CPU: the sandbox's gets about a quarter of it.
-    assert crowded.cpu_s < 0.5 * limits.wall_s < crowded.waiting_s, crowded
+    assert crowded.waiting_s > 2 * crowded.cpu_s, crowded
+    assert alone.cpu_s > 2 * crowded.cpu_s, (alone, crowded)
 
 
 def test_file_size_limit(scratch: Path) -> None:

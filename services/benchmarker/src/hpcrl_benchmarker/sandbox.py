@@ -72,7 +72,9 @@ class Schedule:
     (the host kernel's /proc/<tid>/schedstat, read from outside the sandbox)."""
 
     cpu_s: float  # on a CPU
-    waiting_s: float  # runnable, but waiting for a CPU (run-queue delay)
+    # Runnable, but waiting for a CPU (run-queue delay), up to each thread's last time on a
+    # CPU: the kernel adds a wait when it ends, so one still going on is not in it yet.
+    waiting_s: float
     threads: int
 
 
@@ -192,20 +194,25 @@ def thread_count(pid: int, parent: int) -> int:
 _STATUS = re.compile(rb"\nPPid:\s*(?P<ppid>\d+)\n.*?\nThreads:\s*(?P<threads>\d+)\n", re.S)
 
 
-def schedule(root: int) -> Schedule:
-    """The CPU time and run-queue wait of every thread of ``root`` and its descendants."""
+def schedule(root: int) -> Schedule | None:
+    """The CPU time and run-queue wait of every thread of ``root`` and its descendants;
+    None when the tree could not be walked (a process ended meanwhile)."""
     cpu_ns = waiting_ns = threads = 0
-    for pid in _tree(root):
+    try:
+        pids = _tree(root)
+    except (OSError, ValueError):
+        return None
+    for pid in pids:
         try:
             tids = os.listdir(f"/proc/{pid}/task")
-        except (FileNotFoundError, ProcessLookupError):
+        except OSError:
             continue
         for tid in tids:
             try:
                 with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as stat:
                     on_cpu, waited, _slices = stat.read().split()
-            except (FileNotFoundError, ProcessLookupError, ValueError):
-                continue  # ended meanwhile
+            except (OSError, ValueError):
+                continue  # ended meanwhile (or unreadable: the figure is for information)
             cpu_ns, waiting_ns = cpu_ns + int(on_cpu), waiting_ns + int(waited)
             threads += 1
     return Schedule(cpu_ns / 1e9, waiting_ns / 1e9, threads)
