@@ -150,15 +150,14 @@ def test_a_group_is_trained_as_it_arrives_when_asked(broker_settings, tiny_model
         publish(broker_settings, good_bad_batch("first", lp))
         wait_for(lambda: len(learner.pending) == 1, 60, "the first group held")
         time.sleep(0.5)  # the handler has returned; nothing more is coming for it
-        assert (learner.early_seconds > 0) == on_arrival, learner.early_seconds
-        assert (learner.backend._early is not None) == on_arrival
+        assert learner.backend.accumulated == (4 if on_arrival else 0)
         publish(broker_settings, good_bad_batch("second", lp))
         store = CheckpointStore(store_dir)
         wait_for(lambda: len(store.versions()) == 1, 120, "the step to commit")
     [version] = store.versions()
     assert version.metrics["groups_trained"] == 2.0
     assert version.metrics["tokens"] == 2 * 2 * (len(GOOD) + len(BAD))  # both groups, once
-    assert learner.early_seconds == 0 and learner.backend._early is None
+    assert learner.backend.accumulated == 0
 
 
 # --- crash: kill -9 between receiving and checkpointing, then restart --------------------------

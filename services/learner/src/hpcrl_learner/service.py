@@ -75,7 +75,6 @@ class Learner:
         self.backend = factory(self.settings, resume, state_dir, config.experiment.seed)
         self.trained = set(self.state.trained_ids)
         self.pending: list[tuple[PreparedGroup, Delivery]] = []
-        self.early_seconds = 0.0  # spent in _accumulate on the pending groups
         self.failed: str | None = None
         self._lock = threading.Lock()
         m.POLICY_VERSION.set(self.version)
@@ -145,7 +144,6 @@ class Learner:
     def _accumulate(self, group: PreparedGroup) -> None:
         """Trains on a group as it arrives (forward and backward now, the update at the
         step), so that the step's compute overlaps the generation of its other groups."""
-        started = time.perf_counter()
         try:
             self.backend.accumulate(group.sequences)
         except Exception:
@@ -153,7 +151,6 @@ class Learner:
             self.pending.pop()
             m.PENDING_GROUPS.set(len(self.pending))
             raise
-        self.early_seconds += time.perf_counter() - started
 
     def _step(self) -> None:
         started = time.perf_counter()
@@ -184,8 +181,8 @@ class Learner:
             self.consumer.settle(delivery)
         self.pending = []
         self.states.tidy(self.version, self.settings.keep_state_versions)
-        elapsed = time.perf_counter() - started + self.early_seconds
-        self.early_seconds = 0.0
+        # The passes run as its groups arrived belong to the step too.
+        elapsed = time.perf_counter() - started + train.get("early_seconds", 0.0)
         self._observe(groups, train, info, elapsed)
 
     def _hand_back(self, reason: str) -> None:
@@ -197,7 +194,6 @@ class Learner:
         for _, delivery in self.pending:
             self.consumer.fail(delivery, RuntimeError(reason))
         self.pending = []
-        self.early_seconds = 0.0
         m.PENDING_GROUPS.set(0)
 
     def _commit(self, groups: list[PreparedGroup], train: dict[str, float]) -> CheckpointInfo:

@@ -57,11 +57,15 @@ class _Early:
     """The part of the next step that :meth:`TorchTrainer.accumulate` already computed."""
 
     normalizer: float  # the provisional denominator its gradient was divided by
-    ids: set[int] = field(default_factory=set)
-    kept: list[TrainSequence] = field(default_factory=list)
+    # Held, so that no id among ``ids`` is reused while counted.
+    sequences: list[TrainSequence] = field(default_factory=list)
     stats: LossStats = field(default_factory=LossStats)
     fresh_stats: LossStats = field(default_factory=LossStats)
     seconds: float = 0.0
+
+    @property
+    def ids(self) -> set[int]:
+        return {id(s) for s in self.sequences}
 
 
 class TorchTrainer:
@@ -221,9 +225,13 @@ class TorchTrainer:
         except BaseException:
             self.discard()
             raise
-        early.ids.update(id(s) for s in sequences)
-        early.kept.extend(sequences)  # holds them, so that no id is reused while counted
+        early.sequences.extend(sequences)
         early.seconds += time.perf_counter() - started
+
+    @property
+    def accumulated(self) -> int:
+        """Sequences of the next step already computed by :meth:`accumulate`."""
+        return 0 if self._early is None else len(self._early.sequences)
 
     def discard(self) -> None:
         """Forgets what :meth:`accumulate` computed; the next step computes everything."""
@@ -239,9 +247,8 @@ class TorchTrainer:
             # Groups accumulated, then handed back without a step: their gradient must not
             # count again when they are redelivered as new sequences.
             log.warning("accumulated gradient of sequences not in this step; recomputing",
-                        accumulated=len(early.ids))
-            self.optimizer.zero_grad(set_to_none=True)
-            return None
+                        accumulated=len(early.sequences))
+            return None  # the step zeroes the gradient
         return early
 
     def step(self, sequences: Sequence[TrainSequence]) -> dict[str, float]:
@@ -274,7 +281,8 @@ class TorchTrainer:
             stats.add(early.stats)
             fresh_stats.add(early.fresh_stats)
             early_seconds = early.seconds
-            rest = [s for s in sequences if id(s) not in early.ids]
+            done = early.ids
+            rest = [s for s in sequences if id(s) not in done]
         lr = float(self.scheduler.get_last_lr()[0])
         self._backward(rest, normalizer, stats, fresh_stats)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.settings.max_grad_norm))
