@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from hpcrl_benchmarker import build, pipeline, runner, sandbox
+from hpcrl_benchmarker import build, runner, sandbox
 from hpcrl_benchmarker.config import BenchmarkerSection
 from hpcrl_benchmarker.host import detect
 from hpcrl_benchmarker.pipeline import Benchmarker
@@ -92,7 +92,7 @@ def main() -> None:
     task = load_task("matmul")
     starts: list[float] = []
     timeouts: list[tuple[float, sandbox.Schedule]] = []  # (wall past the start, schedule)
-    original_run = sandbox.run
+    original_run = sandbox.Pending.run
 
     def run(*a: object, **k: object) -> sandbox.Outcome:
         outcome = original_run(*a, **k)  # type: ignore[arg-type]
@@ -102,7 +102,7 @@ def main() -> None:
             timeouts.append((outcome.wall_s - (outcome.start_s or 0.0), outcome.schedule))
         return outcome
 
-    pipeline.sandbox.run = run  # type: ignore[assignment]
+    sandbox.Pending.run = run  # type: ignore[method-assign]
     load = start_load(args.policy or newest_policy(), work)
     verdicts: dict[str, collections.Counter] = {name: collections.Counter() for name in VARIANTS}
     try:

@@ -86,7 +86,10 @@ def measure(bench: Benchmarker, code: str, task: TaskSpec, opt_level: str,
 
 
 def busy_loops(count: int) -> list[subprocess.Popen]:
-    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    # Each in a session of its own, like another job's process: where the kernel schedules
+    # by session first (autogroup), loops in this one would count as one process together.
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+            for _ in range(count)]
 
 
 def signal_all(procs: list[subprocess.Popen], sig: signal.Signals) -> None:

@@ -99,13 +99,13 @@ def test_threads_and_cpus_follow_the_set(tmp_path: Path, monkeypatch: pytest.Mon
     assert one.peak_gflops() == pytest.approx(HOST.peak_gflops / HOST.cores)
     # The compile and the harness run are both confined to the set (taskset).
     specs: list[sandbox.Spec] = []
-    real_run = sandbox.run
+    real_start = sandbox.start
 
-    def spy(argv: list[str], spec: sandbox.Spec, **kwargs: object) -> sandbox.Outcome:
+    def spy(argv: list[str], spec: sandbox.Spec) -> sandbox.Pending:
         specs.append(spec)
-        return real_run(argv, spec, **kwargs)  # type: ignore[arg-type]
+        return real_start(argv, spec)
 
-    monkeypatch.setattr(sandbox, "run", spy)
+    monkeypatch.setattr(sandbox, "start", spy)
     verdict = one.evaluate(kernel("naive.c"), stage=1, opt_level="O1", task=TASK)
     assert verdict.status == "success", verdict.error
     assert len(specs) >= 2 and all(spec.cpus == (cpu,) for spec in specs)

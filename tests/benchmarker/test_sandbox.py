@@ -72,8 +72,10 @@ def test_a_timed_out_run_tells_its_cpu_time_from_its_wait_for_a_cpu(scratch: Pat
 
     alone = sandbox.run(spin, spec).schedule
     asleep = sandbox.run(["/bin/sh", "-c", "echo go; sleep 10"], spec).schedule
-    hogs = [subprocess.Popen(["taskset", "-c", str(cpu), *spin], stdout=subprocess.DEVNULL)
-            for _ in range(3)]
+    # Each hog in a session of its own, as the sandbox is: where the kernel schedules by
+    # session first (autogroup), three hogs in this one would together get only half.
+    hogs = [subprocess.Popen(["taskset", "-c", str(cpu), *spin], stdout=subprocess.DEVNULL,
+                             start_new_session=True) for _ in range(3)]
     try:
         crowded = sandbox.run(spin, spec).schedule
     finally:
@@ -88,6 +90,34 @@ def test_a_timed_out_run_tells_its_cpu_time_from_its_wait_for_a_cpu(scratch: Pat
     # Four spinners share the CPU: the sandbox's gets about a quarter of it.
     assert crowded.waiting_s > 2 * crowded.cpu_s, crowded
     assert alone.cpu_s > 2 * crowded.cpu_s, (alone, crowded)
+
+
+def test_a_sandbox_set_up_ahead_runs_its_command_only_when_told(scratch: Path,
+                                                                 tmp_path: Path) -> None:
+    """``start`` sets the sandbox up with its command held back: the command may appear in
+    the scratch directory later (the harness, during the compile), and the wall limit runs
+    from ``run``, not from the set-up. One cancelled never runs its command."""
+    writable = sandbox.Spec(scratch, sandbox.Limits(wall_s=1, cpu_s=5), writable=True)
+    with sandbox.start(["/bin/sh", "./later.sh"], writable) as pending:
+        time.sleep(1.5)  # longer than the wall limit: the set-up is not charged
+        (scratch / "later.sh").write_text("echo ran > /scratch/ran; echo done\n")
+        outcome = pending.run()
+        with pytest.raises(RuntimeError, match="already run"):
+            pending.run()
+    assert outcome.returncode == 0 and not outcome.timed_out, outcome
+    assert outcome.stdout == b"done\n" and (scratch / "ran").read_text() == "ran\n"
+    assert outcome.wall_s < 1
+
+    (scratch / "ran").unlink()
+    for wait_s in (0.0, 0.2):  # cancelled mid-set-up, and blocked
+        with sandbox.start(["/bin/sh", "./later.sh"], writable) as pending:
+            time.sleep(wait_s)
+        # Cancelled unrun: its command never starts, now that the pipe it waited on is shut.
+        time.sleep(0.3)
+        assert not (scratch / "ran").exists()
+        assert pending.proc.returncode is not None
+        with pytest.raises(RuntimeError, match="cancelled"):
+            pending.run()
 
 
 def test_file_size_limit(scratch: Path) -> None:

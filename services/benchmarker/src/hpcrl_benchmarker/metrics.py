@@ -36,7 +36,8 @@ NOISY = Counter(
 )
 SANDBOX_START = Histogram(
     "hpcrl_benchmarker_sandbox_start_seconds",
-    "From a harness run's start to its first mark (sandbox set-up, exec): not charged to the "
-    "kernel; seconds mean the node's cores are saturated",
+    "From a harness run's go to its first mark (what is left of the sandbox's set-up, begun "
+    "during the compile, and the exec): not charged to the kernel; seconds mean the node's "
+    "cores are saturated",
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60),
 )

@@ -38,6 +38,7 @@ from hpcrl_common.stages import stage as stage_of
 from hpcrl_common.task import TaskSpec
 
 ERROR_CHARS = 60_000  # a failed verdict's error text is cut here
+HARNESS_ARGV = ("./run", "{fd}", "{marks}")  # the harness linked in the scratch directory
 
 
 @dataclass
@@ -120,12 +121,19 @@ class Benchmarker:
         try:
             code = self._extract(completion, candidate, found)
             self._check(code, candidate, found)
-            plan = self._plan(task)
-            with self._scratch() as scratch, _cancelling(plan.expected):
-                self._compile_and_check(scratch, code, candidate, found)
+            with contextlib.ExitStack() as stack:
+                scratch = stack.enter_context(self._scratch())
+                # The compile is the critical path: its sandbox is set up first, then what
+                # must only be ready after it (the harness's sandbox, the references).
+                began = time.monotonic()
+                compiling = stack.enter_context(self.start_compile(scratch, code, task, flags))
+                harness = stack.enter_context(self.start_run(scratch, task, two_phases=True))
+                plan = self._plan(task)
+                stack.callback(plan.expected.cancel)  # an early verdict makes it useless
+                self._compile_and_check(scratch, candidate, found, compiling, began)
                 expected = self._expected(task, plan)
                 watch = steps.EarlyVerdict(task, expected, len(plan.verify))
-                run = self._run(scratch, candidate, plan, watch, found)
+                run = self._run(scratch, candidate, plan, watch, found, harness)
                 timing = self._verify(candidate, plan, run, watch, found)
                 self._time(scratch, candidate, plan, timing, expected, found)
         except StepFailure as exc:
@@ -144,12 +152,12 @@ class Benchmarker:
             found.techniques = checks.detect_techniques(code)
             steps.check_source(code, found.techniques, candidate.policy)
 
-    def _compile_and_check(self, scratch: Path, code: str, candidate: _Candidate,
-                           found: _Findings) -> None:
+    def _compile_and_check(self, scratch: Path, candidate: _Candidate, found: _Findings,
+                           compiling: sandbox.Pending, began: float) -> None:
         """Compile, then the checks again on the preprocessed lines and the object."""
         task = candidate.task
-        with found.timed("compile"):
-            compiled = self.compile(scratch, code, task, candidate.flags, candidate.events)
+        compiled = self.finish_compile(compiling, scratch, task, candidate.events)
+        found.durations["compile"] = time.monotonic() - began
         preprocessed = steps.within_limit(compiled.preprocessed)
         found.techniques |= steps.compiled_techniques(preprocessed, compiled.listing)
         steps.check_compiled(preprocessed, compiled.listing, compiled.error, found.techniques,
@@ -157,15 +165,18 @@ class Benchmarker:
                              runtime_symbols=build.runtime_symbols())
 
     def _run(self, scratch: Path, candidate: _Candidate, plan: _Plan,
-             watch: steps.EarlyVerdict, found: _Findings) -> HarnessRun:
+             watch: steps.EarlyVerdict, found: _Findings, harness: sandbox.Pending,
+             ) -> HarnessRun:
         """Verification at every size, then warm-up, timed runs and a last verification,
         in one harness process under the node's timing lock: one sandbox and one process
         start fewer than two processes, and no verification of another candidate on these
         cores while this one is timed. Each phase keeps its own wall limit; a kernel that
-        fails the reward-size verification is stopped before it is timed."""
+        fails the reward-size verification is stopped before it is timed. The sandbox was
+        set up during the compile (``start_run``)."""
         with self.exclusive_timing():
             run = self.run(scratch, candidate.task, plan.verify + plan.timing,
-                           candidate.events, verify_runs=len(plan.verify), watch=watch)
+                           candidate.events, verify_runs=len(plan.verify), watch=watch,
+                           harness=harness)
         found.durations["verify"] = run.phase_one_s
         return run
 
@@ -219,29 +230,50 @@ class Benchmarker:
     def compile(self, scratch: Path, code: str, task: TaskSpec, flags: list[str],
                 events: Events) -> Compiled:
         """Compile ``code`` as kernel.c in ``scratch``, list its object, link the harness."""
-        (scratch / build.KERNEL_FILE).write_text(code)
-        harness = self.harness_object(task)
-        outcome = sandbox.run(
-            ["/bin/sh", "-c", build.script(task.compile.compiler, flags, harness)],
-            build.spec(scratch, task, harness, self.settings.address_space_mb,
-                       cpus=self.cpus or None))
+        return self.finish_compile(self.start_compile(scratch, code, task, flags), scratch,
+                                   task, events)
+
+    def finish_compile(self, compiling: sandbox.Pending, scratch: Path, task: TaskSpec,
+                       events: Events) -> Compiled:
+        """Run the compile that ``start_compile`` set up and read what it left behind."""
+        with compiling:
+            outcome = compiling.run()
         if outcome.timed_out:
             events.sandbox_kills.append("compile_timeout")
         return build.result(outcome, scratch, task)
 
+    def start_compile(self, scratch: Path, code: str, task: TaskSpec,
+                      flags: list[str]) -> sandbox.Pending:
+        """Write ``code`` as kernel.c in ``scratch`` and set up the compile's sandbox, for
+        ``finish_compile``; killed unrun on leaving a ``with`` block."""
+        (scratch / build.KERNEL_FILE).write_text(code)
+        harness = self.harness_object(task)
+        return sandbox.start(
+            ["/bin/sh", "-c", build.script(task.compile.compiler, flags, harness)],
+            build.spec(scratch, task, harness, self.settings.address_space_mb,
+                       cpus=self.cpus or None))
+
     def run(self, scratch: Path, task: TaskSpec, jobs: list[gemm.Job], events: Events,
-            *, verify_runs: int = 0, watch: FrameWatch | None = None) -> HarnessRun:
+            *, verify_runs: int = 0, watch: FrameWatch | None = None,
+            harness: sandbox.Pending | None = None) -> HarnessRun:
         """Run ``jobs`` in one harness process. With ``verify_runs`` (0 < n < len(jobs)) the
         run has two phases, the first n jobs and the rest, each with the task's full wall
         limit and CPU budget; ``watch`` sees each frame of the first phase as it arrives and
-        may end the run (its outcome is known)."""
+        may end the run (its outcome is known). ``harness``: its sandbox, if ``start_run``
+        set it up ahead (one set up for another run is refused)."""
         # No thread but the main one and OpenMP's pool may outlive a call: the run's OpenMP
         # threads, which OMP_THREAD_LIMIT caps (harness_env).
         threads = runner.ThreadCount(self._cpu_set()[0])
         talk = runner.Conversation(jobs, verify_runs, watch, threads)
+        spec = self._run_spec(scratch, task, phases=2 if talk.two_phases else 1)
+        if harness is None:
+            harness = sandbox.start(HARNESS_ARGV, spec)
+        elif harness.spec != spec:
+            harness.cancel()
+            raise InternalError("the harness sandbox was set up for another run")
         started = time.monotonic()
-        outcome = sandbox.run(["./run", "{fd}", "{marks}"], self._run_spec(scratch, task, talk),
-                              stdin=talk.opening(), watch=talk.on_event, started=threads.started)
+        outcome = harness.run(stdin=talk.opening(), watch=talk.on_event,
+                              started=threads.started)
         if outcome.start_s is not None:
             SANDBOX_START.observe(outcome.start_s)
         failure = runner.ending(outcome, talk, task.timing.time_limit_s)
@@ -249,10 +281,14 @@ class Benchmarker:
             events.sandbox_kills.append("timeout")
         return HarnessRun(talk.frames, failure, started, outcome.wall_s, outcome.phase_started)
 
-    def _run_spec(self, scratch: Path, task: TaskSpec, talk: runner.Conversation,
-                  ) -> sandbox.Spec:
+    def start_run(self, scratch: Path, task: TaskSpec, *, two_phases: bool) -> sandbox.Pending:
+        """Set up a harness run's sandbox now, for ``run(harness=...)`` to let it begin
+        (``./run`` need not exist yet); killed unrun on leaving a ``with`` block."""
+        return sandbox.start(HARNESS_ARGV,
+                             self._run_spec(scratch, task, phases=2 if two_phases else 1))
+
+    def _run_spec(self, scratch: Path, task: TaskSpec, phases: int) -> sandbox.Spec:
         threads, cpus, allowed = self._cpu_set()
-        phases = 2 if talk.two_phases else 1
         limits = sandbox.Limits(
             wall_s=task.timing.time_limit_s,
             # Each phase gets the budget a process of its own had. Running on at most
@@ -406,15 +442,6 @@ def evaluate(completion: str, *, stage: int, opt_level: str, task: TaskSpec,
             _DEFAULT = Benchmarker()
         benchmarker = _DEFAULT
     return benchmarker.evaluate(completion, stage=stage, opt_level=opt_level, task=task)
-
-
-@contextlib.contextmanager
-def _cancelling(future: Future[object]) -> Iterator[None]:
-    """Drop background work that an early verdict made useless."""
-    try:
-        yield
-    finally:
-        future.cancel()
 
 
 def private_dir(path: Path) -> None:

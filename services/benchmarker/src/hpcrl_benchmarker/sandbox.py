@@ -136,19 +136,78 @@ def run(argv: Sequence[str], spec: Spec, *, stdin: bytes = b"",
     open until the run ends), restart the wall clock once (a run of two phases, each with
     the full wall limit) or end the run. ``started`` gets the host pid of the sandbox's root
     process (bubblewrap; ``command_process`` finds the command under it) before any input."""
-    channels = _Channels(spec)
-    began = time.monotonic()
-    proc = subprocess.Popen(
-        command(channels.argv(argv), spec), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, start_new_session=True, pass_fds=channels.pass_fds,
-    )
-    channels.close_child_ends()
-    if started is not None:
-        started(proc.pid)
-    session = _Session(proc, channels, spec, watch, began)
-    session.start(stdin)
-    session.pump()
-    return session.finish()
+    return start(argv, spec).run(stdin=stdin, watch=watch, started=started)
+
+
+def start(argv: Sequence[str], spec: Spec) -> Pending:
+    """Set the sandbox up now and hold its command back until ``Pending.run``: bubblewrap
+    builds the namespaces and mounts, then waits on a pipe (--block-fd) before it executes
+    ``argv``, which need not exist yet. A run started ahead (the harness's, during the
+    compile) costs its caller no set-up time when it is needed."""
+    return Pending(argv, spec)
+
+
+class Pending:
+    """A sandbox set up (or being set up) whose command has not begun. ``run`` lets it
+    begin; ``cancel`` (or leaving it as a context manager unrun) kills it unrun."""
+
+    def __init__(self, argv: Sequence[str], spec: Spec) -> None:
+        self.spec = spec
+        self.channels = _Channels(spec)
+        hold, self._go = os.pipe()
+        try:
+            self.proc = subprocess.Popen(
+                command(self.channels.argv(argv), spec, block_fd=hold), stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                pass_fds=(*self.channels.pass_fds, hold),
+            )
+        except BaseException:
+            os.close(self._go)
+            self.channels.close()
+            raise
+        finally:
+            os.close(hold)
+        self.channels.close_child_ends()
+        self._done = False
+
+    def run(self, *, stdin: bytes = b"", watch: Watcher | None = None,
+            started: Callable[[int], None] | None = None) -> Outcome:
+        """``sandbox.run`` for this sandbox: the wall limit (or the start limit) runs from
+        now, not from its set-up."""
+        if self._done:
+            raise RuntimeError("this sandbox has already run or was cancelled")
+        self._done = True
+        began = time.monotonic()
+        with contextlib.suppress(OSError):  # bubblewrap ended in its set-up: the outcome says
+            os.write(self._go, b"g")
+        os.close(self._go)
+        if started is not None:
+            started(self.proc.pid)
+        session = _Session(self.proc, self.channels, self.spec, watch, began)
+        session.start(stdin)
+        session.pump()
+        return session.finish()
+
+    def cancel(self) -> None:
+        """Kill the sandbox unrun (a no-op once it has run). Killed before the pipe it waits
+        on closes: an end of file would let it go on."""
+        if self._done:
+            return
+        self._done = True
+        kill_group(self.proc)
+        self.proc.wait()
+        os.close(self._go)
+        for stream in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            if stream is not None:
+                with contextlib.suppress(OSError):
+                    stream.close()
+        self.channels.close()
+
+    def __enter__(self) -> Pending:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cancel()
 
 
 def command_process(root: int) -> tuple[int, int] | None:
@@ -251,9 +310,10 @@ def _children_by_scan(pid: int) -> list[int]:
     return sorted(children)
 
 
-def command(argv: Sequence[str], spec: Spec) -> list[str]:
-    """The whole command line: CPU set, rlimits, then bubblewrap around ``argv``."""
-    cmd = prlimit_argv(spec.limits) + bwrap_argv(argv, spec)
+def command(argv: Sequence[str], spec: Spec, block_fd: int | None = None) -> list[str]:
+    """The whole command line: CPU set, rlimits, then bubblewrap around ``argv`` (held back
+    until ``block_fd`` has data, if given)."""
+    cmd = prlimit_argv(spec.limits) + bwrap_argv(argv, spec, block_fd)
     if spec.cpus is not None:
         cmd = ["taskset", "--cpu-list", ",".join(str(c) for c in spec.cpus), *cmd]
     return cmd
@@ -268,7 +328,7 @@ def prlimit_argv(limits: Limits) -> list[str]:
             f"--nofile={limits.open_files}", "--core=0", "--"]
 
 
-def bwrap_argv(argv: Sequence[str], spec: Spec) -> list[str]:
+def bwrap_argv(argv: Sequence[str], spec: Spec, block_fd: int | None = None) -> list[str]:
     cmd = ["bwrap", "--unshare-all", "--unshare-user", "--uid", "65534", "--gid", "65534",
            "--cap-drop", "ALL", "--die-with-parent", "--new-session", "--hostname", "sandbox"]
     for path in _SYSTEM_RO:
@@ -284,6 +344,8 @@ def bwrap_argv(argv: Sequence[str], spec: Spec) -> list[str]:
             "--setenv", "LC_ALL", "C", "--setenv", "TMPDIR", "/tmp"]
     for key, value in spec.env.items():
         cmd += ["--setenv", key, value]
+    if block_fd is not None:
+        cmd += ["--block-fd", str(block_fd)]
     return [*cmd, "--", *argv]
 
 
