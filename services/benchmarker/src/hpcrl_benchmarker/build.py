@@ -5,7 +5,7 @@ One sandbox runs the whole step. The preprocessor's output, which the checks rea
 from ``gcc -E`` with the same flags on the same file, run alongside the compilation on
 another core (preprocessing is deterministic, so it is what cc1 compiled; -save-temps gave
 the same file but serialised it, ~70 ms more). Then sections and symbols from one readelf
-(nm costs ~10x more: it loads the LTO plugin), then the link with the harness.
+(nm costs ~10x more: it loads the LTO plugin) alongside the link with the harness.
 """
 
 from __future__ import annotations
@@ -60,13 +60,15 @@ def script(compiler: str, flags: list[str], harness: Path) -> str:
         f"{compiler} {quoted} -fdiagnostics-color=never -c {KERNEL_FILE} -o kernel.o "
         f"2> cc.txt || {{ wait $cpp; exit {CompileExit.COMPILE_FAILED:d}; }}\n"
         f"wait $cpp || {{ cat cpp.txt >> cc.txt; exit {CompileExit.COMPILE_FAILED:d}; }}\n"
-        f"readelf -S -s -W kernel.o > elf.txt || exit {CompileExit.OBJECT_UNREADABLE:d}\n"
+        # The listing and the link read the object at once, on two cores.
+        "readelf -S -s -W kernel.o > elf.txt & elf=$!\n"
         # Full RELRO: the harness's GOT is read-only before the kernel first runs (and the
         # harness's seccomp filter refuses to remap it). The stack is never executable,
         # whatever the object asks for (the checks refuse such objects).
         f"{compiler} {quoted} kernel.o /harness/{harness.name} -Wl,-z,relro,-z,now "
-        "-Wl,-z,noexecstack -o run -lm "
-        f"2> ld.txt || exit {CompileExit.LINK_FAILED:d}\n"
+        "-Wl,-z,noexecstack -o run -lm 2> ld.txt; linked=$?\n"
+        f"wait $elf || exit {CompileExit.OBJECT_UNREADABLE:d}\n"
+        f"[ $linked -eq 0 ] || exit {CompileExit.LINK_FAILED:d}\n"
     )
 
 

@@ -17,7 +17,7 @@ import stat
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -133,7 +133,7 @@ class Benchmarker:
                 self._compile_and_check(scratch, candidate, found, compiling, began)
                 expected = self._expected(task, plan)
                 watch = steps.EarlyVerdict(task, expected, len(plan.verify))
-                run = self._run(scratch, candidate, plan, watch, found, harness)
+                run = self._run(scratch, candidate, plan, expected, watch, found, harness)
                 timing = self._verify(candidate, plan, run, watch, found)
                 self._time(scratch, candidate, plan, timing, expected, found)
         except StepFailure as exc:
@@ -165,8 +165,8 @@ class Benchmarker:
                              runtime_symbols=build.runtime_symbols())
 
     def _run(self, scratch: Path, candidate: _Candidate, plan: _Plan,
-             watch: steps.EarlyVerdict, found: _Findings, harness: sandbox.Pending,
-             ) -> HarnessRun:
+             expected: list[gemm.Expected], watch: steps.EarlyVerdict, found: _Findings,
+             harness: sandbox.Pending) -> HarnessRun:
         """Verification at every size, then warm-up, timed runs and a last verification,
         in one harness process under the node's timing lock: one sandbox and one process
         start fewer than two processes, and no verification of another candidate on these
@@ -176,7 +176,7 @@ class Benchmarker:
         with self.exclusive_timing():
             run = self.run(scratch, candidate.task, plan.verify + plan.timing,
                            candidate.events, verify_runs=len(plan.verify), watch=watch,
-                           harness=harness)
+                           harness=harness, expected=expected)
         found.durations["verify"] = run.phase_one_s
         return run
 
@@ -221,7 +221,7 @@ class Benchmarker:
         jobs = self._timing_jobs(task)
         expected = self._expect(task, jobs)
         with self.exclusive_timing():
-            run = self.run(scratch, task, jobs, candidate.events)
+            run = self.run(scratch, task, jobs, candidate.events, expected=expected)
         found.durations["retime"] = found.durations.get("retime", 0.0) + run.wall_s
         return steps.measure(task, jobs, run.whole(), expected, self.peak_gflops())
 
@@ -255,16 +255,20 @@ class Benchmarker:
 
     def run(self, scratch: Path, task: TaskSpec, jobs: list[gemm.Job], events: Events,
             *, verify_runs: int = 0, watch: FrameWatch | None = None,
-            harness: sandbox.Pending | None = None) -> HarnessRun:
+            harness: sandbox.Pending | None = None,
+            expected: Sequence[gemm.Expected] | None = None) -> HarnessRun:
         """Run ``jobs`` in one harness process. With ``verify_runs`` (0 < n < len(jobs)) the
         run has two phases, the first n jobs and the rest, each with the task's full wall
         limit and CPU budget; ``watch`` sees each frame of the first phase as it arrives and
         may end the run (its outcome is known). ``harness``: its sandbox, if ``start_run``
-        set it up ahead (one set up for another run is refused)."""
+        set it up ahead (one set up for another run is refused). ``expected`` (one per job):
+        each C is checked as it arrives, while the harness waits before reporting the call
+        complete (between calls), rather than after; the verdict reads the same check."""
         # No thread but the main one and OpenMP's pool may outlive a call: the run's OpenMP
         # threads, which OMP_THREAD_LIMIT caps (harness_env).
         threads = runner.ThreadCount(self._cpu_set()[0])
-        talk = runner.Conversation(jobs, verify_runs, watch, threads)
+        talk = runner.Conversation(jobs, verify_runs, watch, threads,
+                                   on_result=self._checker(task, expected))
         spec = self._run_spec(scratch, task, phases=2 if talk.two_phases else 1)
         if harness is None:
             harness = sandbox.start(HARNESS_ARGV, spec)
@@ -280,6 +284,17 @@ class Benchmarker:
         if failure is not None and failure.status == "timeout":
             events.sandbox_kills.append("timeout")
         return HarnessRun(talk.frames, failure, started, outcome.wall_s, outcome.phase_started)
+
+    @staticmethod
+    def _checker(task: TaskSpec, expected: Sequence[gemm.Expected] | None,
+                 ) -> Callable[[int, np.ndarray], None] | None:
+        if expected is None:
+            return None
+        tolerance = task.verification.rel_tolerance
+
+        def check(job: int, c: np.ndarray) -> None:
+            gemm.check_expected(c, expected[job], tolerance)  # remembered for the verdict
+        return check
 
     def start_run(self, scratch: Path, task: TaskSpec, *, two_phases: bool) -> sandbox.Pending:
         """Set up a harness run's sandbox now, for ``run(harness=...)`` to let it begin

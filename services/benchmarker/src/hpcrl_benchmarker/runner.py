@@ -17,6 +17,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+
 from hpcrl_benchmarker import gemm, sandbox
 from hpcrl_benchmarker.exitcodes import HARNESS_REFUSALS, HarnessExit
 from hpcrl_benchmarker.steps import InternalError, Phase, StepFailure, sizes_text
@@ -128,17 +130,20 @@ class Conversation:
     """Feeds the harness its jobs one at a time and reads its marks and results; ``watch``
     sees each call of the first ``verify_runs`` as it completes and may end the run.
     With ``threads``, each completed call is followed by a count of the process's threads
-    before the next line is sent; a thread left running stops the run."""
+    before the next line is sent; a thread left running stops the run. ``on_result`` sees
+    each C as soon as it is here (``gemm.RunReader``): work done then is off the run's
+    critical path."""
 
     def __init__(self, jobs: list[gemm.Job], verify_runs: int,
-                 watch: FrameWatch | None, threads: ThreadCount | None = None) -> None:
+                 watch: FrameWatch | None, threads: ThreadCount | None = None,
+                 on_result: Callable[[int, np.ndarray], None] | None = None) -> None:
         self.jobs = jobs
         self.verify_runs = verify_runs
         self.two_phases = 0 < verify_runs < len(jobs)
         self.watch = watch
         self.threads = threads
         self.nonce = secrets.randbits(64)
-        self.reader = gemm.RunReader(self.nonce, jobs)
+        self.reader = gemm.RunReader(self.nonce, jobs, on_result)
         self.tampered = ""
 
     @property

@@ -53,7 +53,8 @@ class Spec:
     ro_binds: tuple[tuple[Path, str], ...] = ()  # more read-only binds: (host path, target)
     env: Mapping[str, str] = field(default_factory=dict)  # on top of PATH, LC_ALL, TMPDIR
     cpus: tuple[int, ...] | None = None  # confine the whole sandbox to these CPUs
-    # ``{fd}`` in argv becomes a descriptor whose output is collected apart (Outcome.extra).
+    # ``{fd}`` in argv becomes a descriptor whose output is collected apart (Outcome.extra;
+    # a watcher is shown it instead).
     extra_pipe: bool = False
     # ``{marks}`` in argv becomes a message socket; the host's kernel stamps each message.
     marks: bool = False
@@ -85,8 +86,7 @@ class Outcome:
     stderr: bytes
     timed_out: bool
     wall_s: float
-    extra: bytes = b""  # what the process wrote on the extra pipe (fd 3), if requested
-    extra_times: list[tuple[int, float]] = field(default_factory=list)
+    extra: bytes = b""  # what the process wrote on the extra pipe, if requested (no watcher)
     phase_started: float | None = None  # monotonic time the watcher restarted the wall clock
     stopped: bool = False  # the watcher ended the run (the process group was killed)
     start_s: float | None = None  # from the start to the first mark or output, if any came
@@ -410,7 +410,6 @@ class _Session:
         self.out_fd, self.err_fd = proc.stdout.fileno(), proc.stderr.fileno()
         self.buffers: dict[int, bytearray] = {self.out_fd: bytearray(), self.err_fd: bytearray()}
         self.extra = bytearray()
-        self.extra_times: list[tuple[int, float]] = []
         self.selector = selectors.DefaultSelector()
         self.timed_out = self.stopped = False
         self.schedule: Schedule | None = None
@@ -478,9 +477,9 @@ class _Session:
             self.open_pipes -= 1
             return
         if fd == self.channels.read_end:
-            self.extra += chunk
-            self.extra_times.append((len(self.extra), time.monotonic()))
-            if self.watch is not None:
+            if self.watch is None:
+                self.extra += chunk
+            else:  # it keeps what it needs: a second copy of every matrix would cost ~1 ms
                 self.show(DATA, chunk, time.monotonic_ns())
         elif len(self.buffers[fd]) < OUTPUT_LIMIT:
             self.buffers[fd] += chunk[: OUTPUT_LIMIT - len(self.buffers[fd])]
@@ -554,7 +553,7 @@ class _Session:
         self.channels.close()
         return Outcome(returncode, bytes(self.buffers[self.out_fd]),
                        bytes(self.buffers[self.err_fd]), self.timed_out,
-                       time.monotonic() - self.started, bytes(self.extra), self.extra_times,
+                       time.monotonic() - self.started, bytes(self.extra),
                        self.phase_started, self.stopped,
                        None if self.begun is None else self.begun - self.started,
                        self.timed_out and self.begun is None
