@@ -456,14 +456,28 @@ MARK_AFTER_DATA = ("import os, socket, sys, time\nfd, mk = int(sys.argv[1]), int
                    "time.sleep(0.3)\ns.send(b'b')\nsys.stdin.readline()\nos.write(fd, b'D')\n")
 
 
-@pytest.mark.parametrize("start_limit_s", [None, 10.0], ids=["start charged", "start limit"])
+@pytest.mark.parametrize(("start_limit_s", "late"), [(None, False), (10.0, False), (10.0, True)],
+                         ids=["start charged", "start limit", "start limit, parent late"])
 def test_a_mark_after_data_is_read_with_or_without_a_start_limit(
-        tmp_path: Path, start_limit_s: float | None) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, start_limit_s: float | None,
+        late: bool) -> None:
     """The process marks, writes data, marks again and waits for the reply to that mark. The
     first mark read without a start limit (after the data) used to pause the marks again, so
-    the second was never read and a correct run was a timeout (as every harness run was)."""
+    the second was never read and a correct run was a timeout (as every harness run was).
+    So did a first mark read with the data when the parent came late to watch: set up
+    ahead, the harness marked and wrote its first C before the parent had registered its
+    channels (1 run in ~300 was a timeout)."""
     tmp_path.chmod(0o777)
     seen: list[tuple[str, bytes]] = []
+    if late:
+        send = sandbox._send
+
+        def late_send(proc: subprocess.Popen, data: bytes) -> bool:
+            sent = send(proc, data)
+            time.sleep(0.2)  # descheduled: the process marks and writes meanwhile
+            return sent
+
+        monkeypatch.setattr(sandbox, "_send", late_send)
 
     def watch(channel: str, payload: bytes, at_ns: int) -> sandbox.Reply | None:
         seen.append((channel, payload))

@@ -27,7 +27,7 @@ import numpy as np
 from hpcrl_benchmarker import build, checks, cpuset, gemm, runner, sandbox, steps, timinglock
 from hpcrl_benchmarker.build import Compiled
 from hpcrl_benchmarker.config import BenchmarkerSection
-from hpcrl_benchmarker.host import HostProfile, detect
+from hpcrl_benchmarker.host import HostProfile, detect, reuse_freed_memory
 from hpcrl_benchmarker.metrics import LOCK_TIMEOUTS, LOCK_WAIT, RETIMED, SANDBOX_START
 from hpcrl_benchmarker.runner import FrameWatch, HarnessRun
 from hpcrl_benchmarker.steps import InternalError, Measurement, Phase, StepFailure
@@ -103,6 +103,7 @@ class Benchmarker:
                  host: HostProfile | None = None, *, keep_scratch: bool = False) -> None:
         self.settings = settings or BenchmarkerSection()
         self.host = host or detect()
+        reuse_freed_memory()
         self.keep_scratch = keep_scratch  # for debugging: leave each candidate's files
         private_dir(self.settings.work_dir)
         self.cpus = own_cpus(self.settings.cpus)  # () = no set: the whole node

@@ -453,7 +453,9 @@ class _Session:
                 if key.fileobj is self.channels.marks:
                     self.read_marks()
                     continue
-                # Whatever the process writes, the marks it sent first are read first.
+                # Whatever the process writes, the marks it sent first are read first. It has
+                # begun: a first mark read now must not pause the marks (the data is here).
+                self.begin()
                 self.pause_marks(False)
                 self.read_marks()
                 if self.stopped:
