@@ -20,7 +20,8 @@ GEMM_C = (resources.files("hpcrl_benchmarker.harness") / "gemm.c").read_text()
 
 
 def test_the_compile_script_exits_only_with_the_named_statuses() -> None:
-    text = build.script("gcc", ["-O3", "-march=native"], Path("/x/gemm.o"))
+    text = build.script("gcc", ["-O3", "-march=native"], Path("/x/gemm.o"),
+                        build.Outputs.of(Path("/x")))
     assert {int(n) for n in re.findall(r"\bexit (\d+)", text)} == set(CompileExit)
 
 

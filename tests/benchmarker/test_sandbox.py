@@ -175,6 +175,29 @@ def test_harness_seccomp_blocks_processes_files_and_executable_memory(
     assert gemm.check(run.frames[0].c, gemm.reference(a, b), a, b, [(0, 0), (15, 7)], 1e-9) == ""
 
 
+def test_a_kernel_cannot_name_the_files_its_compile_writes(tmp_path: Path, bench: Benchmarker,
+                                                          task: TaskSpec) -> None:
+    """gcc -E (whose output the checks read) and gcc -c run side by side on the kernel. Had
+    it named a file one of them writes (``__has_include``), a kernel could preprocess one
+    way for the checks and another for the compiler. Every name seen in one compile's
+    directory, and the fixed names once used, are unknown to the next compile's gcc."""
+    first = tmp_path / "first"
+    first.mkdir()
+    assert bench.compile(first, kernel("naive.c"), task, task.compile_flags("O3"),
+                         Events()).error == ""
+    names = {p.name for p in first.iterdir()} - {build.KERNEL_FILE}
+    names |= {"kernel.i", "kernel.o", "cc.txt", "cpp.txt"}
+    probes = "".join(f'#if __has_include("{where}{name}")\n#error "sees {name}"\n#endif\n'
+                     for name in sorted(names) for where in ("", "/scratch/"))
+    # The probe works: the kernel's own file is there.
+    probes += '#if !__has_include("kernel.c")\n#error "__has_include sees nothing"\n#endif\n'
+    second = tmp_path / "second"
+    second.mkdir()
+    compiled = bench.compile(second, probes + kernel("naive.c"), task, task.compile_flags("O3"),
+                             Events())
+    assert compiled.error == "", compiled.error
+
+
 def test_the_compile_clock_starts_once_its_sandbox_has(scratch: Path, bench: Benchmarker,
                                                       task: TaskSpec) -> None:
     """The compile script's first output starts its time limit, so a sandbox slow to start
@@ -184,8 +207,8 @@ def test_the_compile_clock_starts_once_its_sandbox_has(scratch: Path, bench: Ben
     harness = bench.harness_object(task)
     spec = build.spec(scratch, task, harness, 4096)
     assert spec.start_limit_s == build.START_LIMIT_S
-    outcome = sandbox.run(["/bin/sh", "-c", build.script(task.compile.compiler,
-                                                         task.compile_flags("O3"), harness)],
+    outcome = sandbox.run(["/bin/sh", "-c", build.script(
+        task.compile.compiler, task.compile_flags("O3"), harness, build.Outputs.of(scratch))],
                           spec)
     assert outcome.returncode == 0, outcome.stderr
     assert outcome.start_s is not None and outcome.start_s < outcome.wall_s

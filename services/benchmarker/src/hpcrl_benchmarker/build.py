@@ -3,16 +3,21 @@ trusted objects it links against (the harness, compiled once; the runtime's symb
 
 One sandbox runs the whole step. The preprocessor's output, which the checks read, comes
 from ``gcc -E`` with the same flags on the same file, run alongside the compilation on
-another core (preprocessing is deterministic, so it is what cc1 compiled; -save-temps gave
-the same file but serialised it, ~70 ms more). Then sections and symbols from one readelf
-(nm costs ~10x more: it loads the LTO plugin) alongside the link with the harness.
+another core (-save-temps gave the same file but serialised it, ~70 ms more). Preprocessing
+is deterministic, so it is what cc1 compiled, as long as neither can see what the other
+writes: a kernel could otherwise ask (``__has_include``, ``#include``) for the other's
+output file and preprocess differently in the two. So every file written while gcc reads
+the kernel has a name it cannot know (``Outputs``). Then sections and symbols from one
+readelf (nm costs ~10x more: it loads the LTO plugin) alongside the link with the harness.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import hmac
 import os
+import secrets
 import shlex
 import subprocess
 import threading
@@ -50,22 +55,58 @@ class Compiled:
     listing: checks.ObjectListing | None  # None when there is no object to list
 
 
-def script(compiler: str, flags: list[str], harness: Path) -> str:
+# Drawn once per process; with the scratch directory's path (which the sandbox does not
+# show either) it names a compile's files.
+_NAMES_KEY = secrets.token_bytes(32)
+
+
+@dataclass(frozen=True)
+class Outputs:
+    """The files a compile writes while gcc reads the kernel (preprocessed text, object,
+    diagnostics), under names the kernel cannot know. Written after both gcc runs ended:
+    elf.txt, ld.txt and the executable ``run``."""
+
+    tag: str
+
+    @classmethod
+    def of(cls, scratch: Path) -> Outputs:
+        digest = hmac.new(_NAMES_KEY, str(scratch).encode(), hashlib.sha256).hexdigest()
+        return cls(digest[:32])
+
+    @property
+    def preprocessed(self) -> str:
+        return f"{self.tag}.i"
+
+    @property
+    def object(self) -> str:
+        return f"{self.tag}.o"
+
+    @property
+    def cpp_log(self) -> str:
+        return f"{self.tag}.cpp.txt"
+
+    @property
+    def cc_log(self) -> str:
+        return f"{self.tag}.cc.txt"
+
+
+def script(compiler: str, flags: list[str], harness: Path, outputs: Outputs) -> str:
     quoted = " ".join(shlex.quote(f) for f in flags)
+    gcc = f"{compiler} {quoted} -fdiagnostics-color=never"
+    i, o, cpp, cc = outputs.preprocessed, outputs.object, outputs.cpp_log, outputs.cc_log
     return (
         # The first output starts the compile's wall clock (sandbox.Spec.start_limit_s).
         f"echo {STARTED}\n"
-        f"{compiler} {quoted} -fdiagnostics-color=never -E {KERNEL_FILE} -o kernel.i "
-        "2> cpp.txt & cpp=$!\n"
-        f"{compiler} {quoted} -fdiagnostics-color=never -c {KERNEL_FILE} -o kernel.o "
-        f"2> cc.txt || {{ wait $cpp; exit {CompileExit.COMPILE_FAILED:d}; }}\n"
-        f"wait $cpp || {{ cat cpp.txt >> cc.txt; exit {CompileExit.COMPILE_FAILED:d}; }}\n"
+        f"{gcc} -E {KERNEL_FILE} -o {i} 2> {cpp} & cpp=$!\n"
+        f"{gcc} -c {KERNEL_FILE} -o {o} 2> {cc} "
+        f"|| {{ wait $cpp; exit {CompileExit.COMPILE_FAILED:d}; }}\n"
+        f"wait $cpp || {{ cat {cpp} >> {cc}; exit {CompileExit.COMPILE_FAILED:d}; }}\n"
         # The listing and the link read the object at once, on two cores.
-        "readelf -S -s -W kernel.o > elf.txt & elf=$!\n"
+        f"readelf -S -s -W {o} > elf.txt & elf=$!\n"
         # Full RELRO: the harness's GOT is read-only before the kernel first runs (and the
         # harness's seccomp filter refuses to remap it). The stack is never executable,
         # whatever the object asks for (the checks refuse such objects).
-        f"{compiler} {quoted} kernel.o /harness/{harness.name} -Wl,-z,relro,-z,now "
+        f"{compiler} {quoted} {o} /harness/{harness.name} -Wl,-z,relro,-z,now "
         "-Wl,-z,noexecstack -o run -lm 2> ld.txt; linked=$?\n"
         f"wait $elf || exit {CompileExit.OBJECT_UNREADABLE:d}\n"
         f"[ $linked -eq 0 ] || exit {CompileExit.LINK_FAILED:d}\n"
@@ -86,16 +127,18 @@ def spec(scratch: Path, task: TaskSpec, harness: Path, address_space_mb: int,
 
 def result(outcome: sandbox.Outcome, scratch: Path, task: TaskSpec) -> Compiled:
     """The step's outcome read from the script's exit status and the files it wrote."""
-    error, has_object = _verdict(outcome, scratch, task)
+    outputs = Outputs.of(scratch)
+    error, has_object = _verdict(outcome, scratch, task, outputs)
     preprocessed = ""
-    if (scratch / "kernel.i").is_file():
+    if (scratch / outputs.preprocessed).is_file():
         preprocessed = cscan.main_file_lines(
-            (scratch / "kernel.i").read_text(errors="replace"), KERNEL_FILE)
+            (scratch / outputs.preprocessed).read_text(errors="replace"), KERNEL_FILE)
     listing = checks.ObjectListing.parse(_read(scratch / "elf.txt")) if has_object else None
     return Compiled(error, preprocessed, listing)
 
 
-def _verdict(outcome: sandbox.Outcome, scratch: Path, task: TaskSpec) -> tuple[str, bool]:
+def _verdict(outcome: sandbox.Outcome, scratch: Path, task: TaskSpec,
+             outputs: Outputs) -> tuple[str, bool]:
     """(the compile error, '' if none; whether there is an object to check)."""
     if outcome.never_started:
         raise InternalError(f"the compile sandbox did not start within {START_LIMIT_S:g} s "
@@ -105,9 +148,10 @@ def _verdict(outcome: sandbox.Outcome, scratch: Path, task: TaskSpec) -> tuple[s
     if outcome.returncode == 0:
         return "", True
     if outcome.returncode == CompileExit.COMPILE_FAILED:
-        return _diagnostics(_read(scratch / "cc.txt")), False
+        return _diagnostics(_read(scratch / outputs.cc_log)), False
     if outcome.returncode == CompileExit.LINK_FAILED:
-        return "link failed:\n" + _diagnostics(_read(scratch / "ld.txt")), True
+        link_log = _read(scratch / "ld.txt").replace(outputs.object, "kernel.o")
+        return "link failed:\n" + _diagnostics(link_log), True
     if outcome.returncode == CompileExit.OBJECT_UNREADABLE:
         return "the object file could not be read", False
     raise InternalError(f"compile sandbox failed (rc {outcome.returncode}): "

@@ -13,8 +13,8 @@ from enum import IntEnum
 class CompileExit(IntEnum):
     """Where the compile script stopped (0: compiled, read and linked)."""
 
-    COMPILE_FAILED = 10  # gcc -c or gcc -E refused the kernel: diagnostics in cc.txt
-    OBJECT_UNREADABLE = 11  # readelf could not list kernel.o
+    COMPILE_FAILED = 10  # gcc -c or gcc -E refused the kernel: diagnostics in the cc log
+    OBJECT_UNREADABLE = 11  # readelf could not list the kernel's object
     LINK_FAILED = 12  # linking with the harness failed: diagnostics in ld.txt
 
 

@@ -250,7 +250,8 @@ class Benchmarker:
         (scratch / build.KERNEL_FILE).write_text(code)
         harness = self.harness_object(task)
         return sandbox.start(
-            ["/bin/sh", "-c", build.script(task.compile.compiler, flags, harness)],
+            ["/bin/sh", "-c", build.script(task.compile.compiler, flags, harness,
+                                           build.Outputs.of(scratch))],
             build.spec(scratch, task, harness, self.settings.address_space_mb,
                        cpus=self.cpus or None))
 
