@@ -62,32 +62,18 @@ _NAMES_KEY = secrets.token_bytes(32)
 
 @dataclass(frozen=True)
 class Outputs:
-    """The files a compile writes while gcc reads the kernel (preprocessed text, object,
-    diagnostics), under names the kernel cannot know. Written after both gcc runs ended:
-    elf.txt, ld.txt and the executable ``run``."""
+    """The files a compile writes while gcc reads the kernel, under names the kernel cannot
+    know. Written after both gcc runs ended: elf.txt, ld.txt and the executable ``run``."""
 
-    tag: str
+    preprocessed: str
+    object: str
+    cpp_log: str
+    cc_log: str
 
     @classmethod
     def of(cls, scratch: Path) -> Outputs:
-        digest = hmac.new(_NAMES_KEY, str(scratch).encode(), hashlib.sha256).hexdigest()
-        return cls(digest[:32])
-
-    @property
-    def preprocessed(self) -> str:
-        return f"{self.tag}.i"
-
-    @property
-    def object(self) -> str:
-        return f"{self.tag}.o"
-
-    @property
-    def cpp_log(self) -> str:
-        return f"{self.tag}.cpp.txt"
-
-    @property
-    def cc_log(self) -> str:
-        return f"{self.tag}.cc.txt"
+        tag = hmac.new(_NAMES_KEY, str(scratch).encode(), hashlib.sha256).hexdigest()[:32]
+        return cls(f"{tag}.i", f"{tag}.o", f"{tag}.cpp.txt", f"{tag}.cc.txt")
 
 
 def script(compiler: str, flags: list[str], harness: Path, outputs: Outputs) -> str:

@@ -163,6 +163,7 @@ class Pending:
             )
         except BaseException:
             os.close(self._go)
+            self.channels.close_child_ends()
             self.channels.close()
             raise
         finally:
