@@ -7,7 +7,8 @@ references, BenchResult). Floor: the same gcc compile and link commands with the
 and one direct harness run of the same jobs with the same OpenMP environment; no sandbox, no
 checks, no reference. The two alternate (which goes first flips every repeat) so that load
 from other processes falls on both alike. Prints the ratio (median service / median floor)
-last. ``--breakdown`` also times each step alone, sandboxed and bare, and a sandbox start.
+last. ``--breakdown`` also times each step alone, sandboxed and bare (the run's sandbox set
+up beforehand, as the service does during the compile), and a sandbox start.
 
     .venv/bin/python bench/benchmarker_overhead.py [--repeats 5] [--timing-attempts 1]
                                                    [--breakdown]
@@ -99,9 +100,12 @@ def breakdown(code: str, bench: Benchmarker, root: Path, repeats: int) -> dict[s
         timed("compile sandboxed", bench.compile, boxed, code, task, flags, Events())
         timed("run bare", floor_run, bench, bare)
         jobs = run_jobs()
-        with bench.exclusive_timing():
+        # As in the service: the sandbox is set up beforehand (during the compile there).
+        harness = bench.start_run(boxed, task, two_phases=True)
+        time.sleep(0.05)
+        with harness, bench.exclusive_timing():
             timed("run sandboxed", bench.run, boxed, task, jobs, Events(),
-                  verify_runs=len(task.sizes.verify) + 1)
+                  verify_runs=len(task.sizes.verify) + 1, harness=harness)
         timed("start bare", subprocess.run, ["/bin/true"], check=True)
         timed("start sandboxed", sandbox.run, ["/bin/true"], empty)
     return {name: statistics.median(values) * 1e3 for name, values in times.items()}
