@@ -7,8 +7,10 @@ kernel's and the compile's time limits (as the benchmarker did before) or start 
 at the harness's first mark and the compile script's first output (as it does now). Prints
 the verdicts of each, and the sandbox start times (to the first mark) over the whole run.
 Every verdict but `success` is a false one: the kernel is correct and takes ~0.2 s alone.
-For each run that timed out it prints what its threads had of the CPUs (time on one, and
-run-queue wait), which tells a node that kept them waiting from one that stalled them unseen.
+"handed back" is no verdict: the benchmarker gave the candidate back (a sandbox starved of
+CPU, or one that never started). For each run that timed out it prints what its threads had
+of the CPUs (time on one, and run-queue wait), which tells a node that kept them waiting
+from one that stalled them unseen.
 
     .venv/bin/python bench/busy_node_verdicts.py [--seconds 100] [--kernel naive.c]
                                                  [--policy data/policy/bootstrap-...]
@@ -127,8 +129,10 @@ def main() -> None:
         load.kill()
         load.wait()
     for name, counts in verdicts.items():
-        false = sum(n for status, n in counts.items() if status != "success")
-        print(f"{name:28s} {sum(counts.values())} judged, {false} false verdicts: "
+        # Handed back is no verdict: the candidate goes back to the queue (starved of CPU,
+        # or a sandbox that never started).
+        false = sum(n for status, n in counts.items() if status not in ("success", "handed back"))
+        print(f"{name:28s} {sum(counts.values())} evaluated, {false} false verdicts: "
               f"{dict(counts)}")
     if starts:
         starts.sort()

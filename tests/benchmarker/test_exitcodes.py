@@ -76,3 +76,35 @@ def test_python_reads_the_statuses_as_named() -> None:
             runner.ending(_ended(refusal), talk, 8)
     failure = runner.ending(_ended(HarnessExit.WRITE_FAILED), talk, 8)
     assert failure is not None and "exited early with status 95" in failure.error
+
+
+@pytest.mark.parametrize(("cpu_s", "waiting_s", "judged"), [
+    (7.9, 0.1, "timeout"),  # it spun through the limit: the kernel's timeout
+    (0.0, 0.01, "timeout"),  # it slept: no wait for a CPU either
+    (3.8, 4.1, "timeout"),  # it had half the CPU on a busy node and still did not finish
+    (0.05, 7.9, "starved"),  # as beside vLLM: it never had a CPU; the candidate goes back
+])
+def test_a_timeout_spent_waiting_for_a_cpu_is_handed_back(
+        cpu_s: float, waiting_s: float, judged: str) -> None:
+    talk = runner.Conversation([gemm.Job("v", {"M": 2, "N": 2, "K": 2}, 1)], 0, None)
+    outcome = sandbox.Outcome(-9, b"", b"", True, 8.1, start_s=0.05,
+                              schedule=sandbox.Schedule(cpu_s, waiting_s, 4))
+    if judged == "starved":
+        with pytest.raises(InternalError, match="starved of CPU"):
+            runner.ending(outcome, talk, 8)
+        return
+    failure = runner.ending(outcome, talk, 8)
+    assert failure is not None and failure.status == "timeout", failure
+    assert f"{cpu_s:.2f} s on a CPU" in failure.error
+
+
+def test_a_compile_timeout_spent_waiting_for_a_cpu_is_handed_back(tmp_path: Path,
+                                                                    task: TaskSpec) -> None:
+    limit = task.compile.time_limit_s
+    starved = sandbox.Outcome(-9, b"", b"", True, limit + 0.1, start_s=0.01,
+                              schedule=sandbox.Schedule(0.2, 0.9 * limit, 3))
+    with pytest.raises(InternalError, match="compile was starved of CPU"):
+        build.result(starved, tmp_path, task)
+    spun = sandbox.Outcome(-9, b"", b"", True, limit + 0.1, start_s=0.01,
+                           schedule=sandbox.Schedule(0.9 * limit, 0.2, 3))
+    assert "did not finish within" in build.result(spun, tmp_path, task).error

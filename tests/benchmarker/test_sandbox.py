@@ -63,7 +63,8 @@ def test_wall_limit_kills_the_whole_group(scratch: Path) -> None:
 
 def test_a_timed_out_run_tells_its_cpu_time_from_its_wait_for_a_cpu(scratch: Path) -> None:
     """What the sandbox reads as the wall limit passes: its threads' time on a CPU and their
-    run-queue wait, which only other load on the same CPUs makes (sleeping makes neither)."""
+    run-queue wait, which only other load on the same CPUs makes (sleeping makes neither);
+    a run that mostly waited is starved (the runner hands such a candidate back)."""
     cpu = min(os.sched_getaffinity(0))
     limits = sandbox.Limits(wall_s=1.5, cpu_s=10)
     spin = ["/bin/sh", "-c", "echo go; while :; do :; done"]
@@ -75,7 +76,7 @@ def test_a_timed_out_run_tells_its_cpu_time_from_its_wait_for_a_cpu(scratch: Pat
     # Each hog in a session of its own, as the sandbox is: where the kernel schedules by
     # session first (autogroup), three hogs in this one would together get only half.
     hogs = [subprocess.Popen(["taskset", "-c", str(cpu), *spin], stdout=subprocess.DEVNULL,
-                             start_new_session=True) for _ in range(3)]
+                             start_new_session=True) for _ in range(11)]
     try:
         crowded = sandbox.run(spin, spec).schedule
     finally:
@@ -87,9 +88,12 @@ def test_a_timed_out_run_tells_its_cpu_time_from_its_wait_for_a_cpu(scratch: Pat
     # not counted yet: the kernel adds it when the thread next gets a CPU.)
     assert alone.cpu_s + alone.waiting_s > 0.8 * limits.wall_s, alone
     assert asleep.cpu_s < 0.2 and asleep.waiting_s < 0.2, asleep
-    # Four spinners share the CPU: the sandbox's gets about a quarter of it.
+    # Twelve spinners share the CPU: the sandbox's gets about a twelfth of it. It was
+    # starved; neither the spinner alone (it ran) nor the sleeper (it never waited) was.
     assert crowded.waiting_s > 2 * crowded.cpu_s, crowded
     assert alone.cpu_s > 2 * crowded.cpu_s, (alone, crowded)
+    assert crowded.starved(limits.wall_s), crowded
+    assert not alone.starved(limits.wall_s) and not asleep.starved(limits.wall_s)
 
 
 def test_a_sandbox_set_up_ahead_runs_its_command_only_when_told(scratch: Path,

@@ -130,6 +130,11 @@ def _verdict(outcome: sandbox.Outcome, scratch: Path, task: TaskSpec,
         raise InternalError(f"the compile sandbox did not start within {START_LIMIT_S:g} s "
                             "(the node's cores are saturated?)")
     if outcome.timed_out:
+        if outcome.schedule is not None and outcome.schedule.starved(task.compile.time_limit_s):
+            raise InternalError(
+                f"the compile was starved of CPU ({outcome.schedule.cpu_s:.2f} s on a CPU, "
+                f"{outcome.schedule.waiting_s:.2f} s waiting for one, within "
+                f"{task.compile.time_limit_s:g} s): the node's cores are saturated")
         return f"compilation did not finish within {task.compile.time_limit_s:g} s", False
     if outcome.returncode == 0:
         return "", True

@@ -202,6 +202,12 @@ def ending(outcome: sandbox.Outcome, talk: Conversation,
         raise InternalError(f"the sandbox did not start the harness within "
                             f"{START_LIMIT_S:g} s (the node's cores are saturated?)")
     where = _where(talk)
+    if outcome.timed_out and outcome.schedule is not None and outcome.schedule.starved(
+            time_limit_s):
+        # Not the kernel's timeout: the node's other work had the CPUs. The candidate goes
+        # back (retried, up to the broker's delivery limit).
+        raise InternalError(f"the harness was starved of CPU {where}"
+                            f"{_cpu_share(outcome.schedule)}: the node's cores are saturated")
     if outcome.timed_out:
         return StepFailure("timeout", f"did not finish within {time_limit_s:g} s {where}; "
                            f"the process group was killed{_cpu_share(outcome.schedule)}")
