@@ -253,8 +253,10 @@ class RunReader:
             return
         job = len(self.frames)
         sizes = self.jobs[job].sizes
-        # C owns this buffer from now on: the next job's data starts a new one.
+        # C owns this buffer from now on: the next job's data starts a new one. Read-only:
+        # its check is remembered (check_expected) for the C it was made on.
         self._c = np.frombuffer(self._payload, dtype="<f8").reshape(sizes["M"], sizes["N"])
+        self._c.flags.writeable = False
         self._payload = bytearray()
         if self.on_result is not None:
             self.on_result(job, self._c)
