@@ -132,9 +132,8 @@ def _verdict(outcome: sandbox.Outcome, scratch: Path, task: TaskSpec,
     if outcome.timed_out:
         if outcome.schedule is not None and outcome.schedule.starved(task.compile.time_limit_s):
             raise InternalError(
-                f"the compile was starved of CPU ({outcome.schedule.cpu_s:.2f} s on a CPU, "
-                f"{outcome.schedule.waiting_s:.2f} s waiting for one, within "
-                f"{task.compile.time_limit_s:g} s): the node's cores are saturated")
+                f"the compile was starved of CPU within {task.compile.time_limit_s:g} s "
+                f"({outcome.schedule.text()}): the node's cores are saturated")
         return f"compilation did not finish within {task.compile.time_limit_s:g} s", False
     if outcome.returncode == 0:
         return "", True

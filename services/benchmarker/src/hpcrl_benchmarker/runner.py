@@ -228,8 +228,7 @@ def _cpu_share(got: sandbox.Schedule | None) -> str:
     one that waited on a busy node shows its wait for one (then the verdict is in doubt)."""
     if got is None:
         return ""
-    return (f" (its {got.threads} threads: {got.cpu_s:.2f} s on a CPU, {got.waiting_s:.2f} s "
-            "waiting for one)")
+    return f" ({got.text()})"
 
 
 def _where(talk: Conversation) -> str:

@@ -83,6 +83,10 @@ class Schedule:
     waiting_s: float
     threads: int
 
+    def text(self) -> str:
+        return (f"its {self.threads} threads: {self.cpu_s:.2f} s on a CPU, "
+                f"{self.waiting_s:.2f} s waiting for one")
+
     def starved(self, limit_s: float) -> bool:
         """The threads waited for a CPU through most of the limit and ran for little of it:
         other work had the CPUs, so the time limit says nothing about the command. Its own
