@@ -54,11 +54,13 @@ lock_path = "{work / 'timing.lock'}"
     return path
 
 
-def start_replica(config: Path) -> subprocess.Popen:
+def start_replica(config: Path, own_session: bool = False) -> subprocess.Popen:
+    """``own_session``: in a process group of its own, so that the test can kill all of it."""
     args = [sys.executable, "-m", "hpcrl_benchmarker.cli", "serve", "--config", str(config)]
     for isa in ALLOW_ISA:
         args += ["--allow-isa", isa]
-    return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=own_session)
 
 
 @pytest.fixture
@@ -176,10 +178,7 @@ def replica_timing_an_endless_kernel(broker_settings: BrokerSettings, tmp_path: 
     """A serving replica 4 s into an endless kernel's 8 s run; killed at the end if it is
     still there."""
     config = write_config(tmp_path / "bench.toml", broker_settings, tmp_path)
-    args = [sys.executable, "-m", "hpcrl_benchmarker.cli", "serve", "--config", str(config),
-            *(arg for isa in ALLOW_ISA for arg in ("--allow-isa", isa))]
-    replica = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                               start_new_session=True)
+    replica = start_replica(config, own_session=True)
     try:
         with Publisher(broker_settings, "test-producer") as publisher:
             publisher.publish(Publish(publisher.topology.name(CODE_TO_BENCH),
