@@ -167,9 +167,7 @@ class Benchmarker:
     def prepare(self, task: TaskSpec) -> None:
         """Set the next candidate's compile sandbox up now, in the background, unless one is
         ready: bubblewrap's namespaces and mounts (~4-10 ms) then cost the next candidate
-        nothing. Called after a verdict: it never runs beside this thread's timed runs
-        (with ``concurrency`` above 1 it may run beside another's, as that thread's next
-        compile would)."""
+        nothing. Called after a verdict, never while this replica times a kernel."""
         with self._ready_lock:
             if self._ready is None and not self._closed:
                 self._ready = self._setup.submit(self._ready_compile, task)
