@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 import subprocess
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -387,88 +386,3 @@ def test_measurement_above_peak_is_never_success(bench: Benchmarker, task: TaskS
     verdict = tiny.evaluate(kernel("naive.c"), stage=1, opt_level="O3", task=task)
     assert_status(verdict, "verification_error")
     assert "theoretical peak" in verdict.error
-
-
-OPTIMIZED_ONLY = """```c
-#ifndef __OPTIMIZE__
-#error built without optimisation
-#endif
-""" + kernel("naive.c") + "\n```"
-
-
-def _spare_dirs(bench: Benchmarker, timeout: float = 10.0) -> list[Path]:
-    """The scratch directories in ``bench``'s work dir once the one set up ahead exists."""
-    deadline = time.monotonic() + timeout
-    while True:
-        found = sorted(bench.settings.work_dir.glob("cand-*"))
-        if found or time.monotonic() > deadline:
-            return found
-        time.sleep(0.02)
-
-
-def _fresh_bench(tmp_path: Path) -> Benchmarker:
-    from hpcrl_benchmarker.config import BenchmarkerSection
-    return Benchmarker(BenchmarkerSection(work_dir=tmp_path / "work",
-                                          lock_path=tmp_path / "timing.lock"), HOST)
-
-
-def test_the_next_compile_sandbox_is_set_up_ahead_and_takes_each_candidate_s_flags(
-    tmp_path: Path, task: TaskSpec, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """After a verdict the next candidate's compile sandbox is set up in the background; the
-    next candidate compiles in it, with its own flags, and starts no sandbox of its own."""
-    bench = _fresh_bench(tmp_path)
-    starts: list[str] = []
-    start_compile = bench.start_compile
-
-    def counted(*args: object, **kwargs: object) -> object:
-        starts.append(threading.current_thread().name)
-        return start_compile(*args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(bench, "start_compile", counted)
-    try:
-        first = bench.evaluate(OPTIMIZED_ONLY, stage=6, opt_level="O3", task=task)
-        assert first.status == "success", first.error
-        [ahead] = _spare_dirs(bench)
-        assert starts[0] == threading.current_thread().name  # the first had none ready
-        starts.clear()
-        second = bench.evaluate(OPTIMIZED_ONLY, stage=6, opt_level="O0", task=task)
-        assert second.status == "compile_error" and "without optimisation" in second.error
-        assert threading.current_thread().name not in starts  # it used the one set up ahead
-        assert not ahead.exists()  # ... and removed it with its files
-        [next_ahead] = _spare_dirs(bench)
-        third = bench.evaluate(OPTIMIZED_ONLY, stage=6, opt_level="O2", task=task)
-        assert third.status == "success", third.error
-        assert not next_ahead.exists()
-    finally:
-        bench.close()
-    assert list(bench.settings.work_dir.glob("cand-*")) == []
-
-
-def test_a_compile_sandbox_set_up_ahead_that_died_or_has_other_limits_is_not_used(
-    tmp_path: Path, task: TaskSpec
-) -> None:
-    """A sandbox set up ahead that is gone by the time a candidate comes (killed, or its
-    setting-up thread ended) would fail the candidate's compile: a new one is set up. One
-    for another task's limits is not used either."""
-    bench = _fresh_bench(tmp_path)
-    code = f"```c\n{kernel('naive.c')}\n```"
-    try:
-        assert bench.evaluate(code, stage=6, opt_level="O3", task=task).status == "success"
-        [ahead] = _spare_dirs(bench)
-        ready = bench._ready
-        assert ready is not None
-        spare = ready.result()
-        spare.compiling.proc.kill()
-        spare.compiling.proc.wait()
-        verdict = bench.evaluate(code, stage=6, opt_level="O3", task=task)
-        assert verdict.status == "success", verdict.error
-        assert not ahead.exists()
-        [ahead] = _spare_dirs(bench)
-        slower = task.model_copy(update={"compile": task.compile.model_copy(
-            update={"time_limit_s": task.compile.time_limit_s + 1})})
-        verdict = bench.evaluate(code, stage=6, opt_level="O3", task=slower)
-        assert verdict.status == "success", verdict.error
-        assert not ahead.exists()
-    finally:
-        bench.close()

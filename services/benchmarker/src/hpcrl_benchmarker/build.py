@@ -76,11 +76,6 @@ class Outputs:
         return cls(f"{tag}.i", f"{tag}.o", f"{tag}.cpp.txt", f"{tag}.cc.txt")
 
 
-# The script comes on stdin, so that the sandbox can be set up before the candidate, its
-# flags and its file names are known (``Benchmarker.prepare``).
-ARGV = ("/bin/sh", "-c", 'eval "$(cat)"')
-
-
 def script(compiler: str, flags: list[str], harness: Path, outputs: Outputs) -> str:
     quoted = " ".join(shlex.quote(f) for f in flags)
     gcc = f"{compiler} {quoted} -fdiagnostics-color=never"

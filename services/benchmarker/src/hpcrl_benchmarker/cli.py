@@ -123,10 +123,7 @@ def _serve(args: argparse.Namespace) -> int:
     log.info("benchmarker starting", host_class=host.host_class,
              peak_gflops=round(host.peak_gflops, 1), concurrency=section.concurrency,
              cpus=section.cpus or "all", namespace=config.broker.namespace)
-    try:
-        run_consumer(consumer, "benchmarker", section, extra_health=benchmarker.health)
-    finally:
-        benchmarker.close()
+    run_consumer(consumer, "benchmarker", section, extra_health=benchmarker.health)
     return 0
 
 

@@ -9,7 +9,6 @@ reference are computed here, in the trusted process. Each step returns its produ
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import os
 import secrets
@@ -24,7 +23,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import structlog
 
 from hpcrl_benchmarker import build, checks, cpuset, gemm, runner, sandbox, steps, timinglock
 from hpcrl_benchmarker.build import Compiled
@@ -38,8 +36,6 @@ from hpcrl_common.messages import HostInfo, Timing
 from hpcrl_common.stages import Stage
 from hpcrl_common.stages import stage as stage_of
 from hpcrl_common.task import TaskSpec
-
-log = structlog.get_logger("hpcrl.benchmarker")
 
 ERROR_CHARS = 60_000  # a failed verdict's error text is cut here
 HARNESS_ARGV = ("./run", "{fd}", "{marks}")  # the harness linked in the scratch directory
@@ -102,16 +98,6 @@ class _Plan:
     expected: Future[list[gemm.Expected]]  # for verify + timing, in order
 
 
-@dataclass(frozen=True)
-class _ReadyCompile:
-    """A compile sandbox set up between candidates (``Benchmarker.prepare``): its scratch
-    directory, still empty, and the task whose limits it has."""
-
-    task: TaskSpec
-    scratch: Path
-    compiling: sandbox.Pending
-
-
 class Benchmarker:
     def __init__(self, settings: BenchmarkerSection | None = None,
                  host: HostProfile | None = None, *, keep_scratch: bool = False) -> None:
@@ -124,13 +110,6 @@ class Benchmarker:
         self._harness_lock = threading.Lock()
         self.lock_wait_since: float | None = None  # monotonic; None when nobody waits
         self._references = ThreadPoolExecutor(max_workers=2, thread_name_prefix="reference")
-        # Sets the next compile sandbox up; a thread that lives as long as this object,
-        # because bubblewrap dies with the thread that started it (--die-with-parent).
-        self._setup = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sandbox-setup")
-        self._ready: Future[_ReadyCompile] | None = None
-        self._ready_lock = threading.Lock()
-        self._closed = False
-        atexit.register(self.close)  # the scratch directory of a sandbox set up ahead
 
     # --- the pipeline -----------------------------------------------------------------
 
@@ -144,12 +123,11 @@ class Benchmarker:
             code = self._extract(completion, candidate, found)
             self._check(code, candidate, found)
             with contextlib.ExitStack() as stack:
-                # The compile is the critical path: its sandbox is set up first (or was,
-                # before the candidate came), then what must only be ready after it (the
-                # harness's sandbox, the references).
+                scratch = stack.enter_context(self._scratch())
+                # The compile is the critical path: its sandbox is set up first, then what
+                # must only be ready after it (the harness's sandbox, the references).
                 began = time.monotonic()
-                scratch, compiling = self._compile_sandbox(stack, task)
-                (scratch / build.KERNEL_FILE).write_text(code)
+                compiling = stack.enter_context(self.start_compile(scratch, code, task, flags))
                 harness = stack.enter_context(self.start_run(scratch, task, two_phases=True))
                 plan = self._plan(task)
                 stack.callback(plan.expected.cancel)  # an early verdict makes it useless
@@ -161,59 +139,7 @@ class Benchmarker:
                 self._time(scratch, candidate, plan, timing, expected, found)
         except StepFailure as exc:
             failure = exc
-        self.prepare(task)
         return found.verdict(self.host.info(), failure)
-
-    def prepare(self, task: TaskSpec) -> None:
-        """Set the next candidate's compile sandbox up now, in the background, unless one is
-        ready: bubblewrap's namespaces and mounts (~4-10 ms) then cost the next candidate
-        nothing. Called after a verdict, never while this replica times a kernel."""
-        with self._ready_lock:
-            if self._ready is None and not self._closed:
-                self._ready = self._setup.submit(self._ready_compile, task)
-
-    def close(self) -> None:
-        """Kill the compile sandbox set up ahead, if any, and remove its scratch directory."""
-        with self._ready_lock:
-            self._closed = True
-            ready, self._ready = self._ready, None
-        if ready is not None:
-            with contextlib.suppress(Exception):
-                spare = ready.result()
-                spare.compiling.cancel()
-                self._remove(spare.scratch)
-        self._setup.shutdown()
-
-    def _ready_compile(self, task: TaskSpec) -> _ReadyCompile:
-        scratch = self._new_scratch()
-        try:
-            return _ReadyCompile(task, scratch, self.start_compile(scratch, task))
-        except BaseException:
-            self._remove(scratch)
-            raise
-
-    def _compile_sandbox(self, stack: contextlib.ExitStack,
-                         task: TaskSpec) -> tuple[Path, sandbox.Pending]:
-        """A scratch directory and a compile sandbox on it, killed and removed when ``stack``
-        closes: the one set up ahead if it is for this task and alive, else a new one."""
-        with self._ready_lock:
-            ready, self._ready = self._ready, None
-        spare = None
-        if ready is not None:
-            try:
-                spare = ready.result()
-            except Exception as exc:  # its set-up failed: a fresh one says why, if it does
-                log.warning("a compile sandbox set up ahead failed", error=str(exc))
-        if spare is not None and (spare.task != task or spare.compiling.proc.poll() is not None):
-            spare.compiling.cancel()
-            self._remove(spare.scratch)
-            spare = None
-        if spare is None:
-            scratch = self._new_scratch()
-            stack.callback(self._remove, scratch)
-            return scratch, stack.enter_context(self.start_compile(scratch, task))
-        stack.callback(self._remove, spare.scratch)
-        return spare.scratch, stack.enter_context(spare.compiling)
 
     def _extract(self, completion: str, candidate: _Candidate, found: _Findings) -> str:
         with found.timed("extract"):
@@ -231,8 +157,7 @@ class Benchmarker:
                            compiling: sandbox.Pending, began: float) -> None:
         """Compile, then the checks again on the preprocessed lines and the object."""
         task = candidate.task
-        compiled = self.finish_compile(compiling, scratch, task, candidate.flags,
-                                       candidate.events)
+        compiled = self.finish_compile(compiling, scratch, task, candidate.events)
         found.durations["compile"] = time.monotonic() - began
         preprocessed = steps.within_limit(compiled.preprocessed)
         found.techniques |= steps.compiled_techniques(preprocessed, compiled.listing)
@@ -306,29 +231,29 @@ class Benchmarker:
     def compile(self, scratch: Path, code: str, task: TaskSpec, flags: list[str],
                 events: Events) -> Compiled:
         """Compile ``code`` as kernel.c in ``scratch``, list its object, link the harness."""
-        (scratch / build.KERNEL_FILE).write_text(code)
-        return self.finish_compile(self.start_compile(scratch, task), scratch, task, flags,
-                                   events)
+        return self.finish_compile(self.start_compile(scratch, code, task, flags), scratch,
+                                   task, events)
 
     def finish_compile(self, compiling: sandbox.Pending, scratch: Path, task: TaskSpec,
-                       flags: list[str], events: Events) -> Compiled:
-        """Run the compile that ``start_compile`` set up, with these flags, on the kernel.c
-        now in ``scratch``, and read what it left behind."""
-        script = build.script(task.compile.compiler, flags, self.harness_object(task),
-                              build.Outputs.of(scratch))
+                       events: Events) -> Compiled:
+        """Run the compile that ``start_compile`` set up and read what it left behind."""
         with compiling:
-            outcome = compiling.run(stdin=script.encode())
+            outcome = compiling.run()
         if outcome.timed_out:
             events.sandbox_kills.append("compile_timeout")
         return build.result(outcome, scratch, task)
 
-    def start_compile(self, scratch: Path, task: TaskSpec) -> sandbox.Pending:
-        """Set a compile sandbox up on ``scratch``, for ``finish_compile``; the kernel and
-        the flags may come later. Killed unrun on leaving a ``with`` block."""
+    def start_compile(self, scratch: Path, code: str, task: TaskSpec,
+                      flags: list[str]) -> sandbox.Pending:
+        """Write ``code`` as kernel.c in ``scratch`` and set up the compile's sandbox, for
+        ``finish_compile``; killed unrun on leaving a ``with`` block."""
+        (scratch / build.KERNEL_FILE).write_text(code)
         harness = self.harness_object(task)
-        return sandbox.start(build.ARGV, build.spec(scratch, task, harness,
-                                                    self.settings.address_space_mb,
-                                                    cpus=self.cpus or None))
+        return sandbox.start(
+            ["/bin/sh", "-c", build.script(task.compile.compiler, flags, harness,
+                                           build.Outputs.of(scratch))],
+            build.spec(scratch, task, harness, self.settings.address_space_mb,
+                       cpus=self.cpus or None))
 
     def run(self, scratch: Path, task: TaskSpec, jobs: list[gemm.Job], events: Events,
             *, verify_runs: int = 0, watch: FrameWatch | None = None,
@@ -511,14 +436,15 @@ class Benchmarker:
         stall = self.lock_stall()
         return stall < self.settings.timing_lock_timeout_s, {"timing_lock_wait_s": round(stall, 1)}
 
-    def _new_scratch(self) -> Path:
+    @contextlib.contextmanager
+    def _scratch(self) -> Iterator[Path]:
         path = Path(tempfile.mkdtemp(prefix="cand-", dir=self.settings.work_dir))
         path.chmod(0o700)
-        return path
-
-    def _remove(self, scratch: Path) -> None:
-        if not self.keep_scratch:
-            shutil.rmtree(scratch, ignore_errors=True)
+        try:
+            yield path
+        finally:
+            if not self.keep_scratch:
+                shutil.rmtree(path, ignore_errors=True)
 
 
 _DEFAULT: Benchmarker | None = None
