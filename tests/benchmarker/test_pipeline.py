@@ -386,3 +386,20 @@ def test_measurement_above_peak_is_never_success(bench: Benchmarker, task: TaskS
     verdict = tiny.evaluate(kernel("naive.c"), stage=1, opt_level="O3", task=task)
     assert_status(verdict, "verification_error")
     assert "theoretical peak" in verdict.error
+
+
+# --- issue 27, class 3: the checks read the tokens gcc reads --------------------------------
+
+@pytest.mark.parametrize(("name", "stage", "opt_level", "also"), [
+    ("raw_string_avx512.c", 1, "O3", None),
+    ("raw_string_asm_prefetch.c", 4, "O3", "inline assembly"),
+    ("raw_string_optimize.c", 6, "O0", "optimisation level"),
+])
+def test_code_hidden_behind_a_raw_string_is_seen(judge: Judge, name: str, stage: int,
+                                                 opt_level: str, also: str | None) -> None:
+    # Each was a success before: a lexer without raw strings read their code as a comment.
+    verdict = judge(kernel(name), stage=stage, opt_level=opt_level)
+    assert_status(verdict, "library_violation")
+    assert "raw string" in (verdict.error or "")
+    if also:
+        assert also in (verdict.error or "")

@@ -10,7 +10,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hpcrl_common.csource import Piece, blank_comments_and_literals, join_splices, pieces
+from hpcrl_common.csource import (
+    Piece,
+    blank_comments_and_literals,
+    code_tokens,
+    join_splices,
+    pieces,
+    unreadable,
+)
 
 # Sources built from the characters that matter to the lexer, in every combination.
 sources = st.lists(
@@ -96,7 +103,9 @@ def test_closed_literals_are_lexed_as_by_retrying_every_position(src: str) -> No
     assert found == expected
 
 
-@pytest.mark.parametrize("unit", ['"', "'", "/*", "//", "\\\n", '"\\', "/"])
+@pytest.mark.parametrize("unit", ['"', "'", "/*", "//", "\\\n", '"\\', "/", 'R"', 'u8R"x(',
+                                  "a\\\n", "\\ \n", "\r", "<:", "#if <", "#if <a>",
+                                  '#include "\\"\n', "\\u00C0"])
 def test_linear_time_on_hostile_text(unit: str) -> None:
     text = unit * (256 * 1024 // len(unit))
     started = time.monotonic()
@@ -105,3 +114,69 @@ def test_linear_time_on_hostile_text(unit: str) -> None:
         for _ in pieces(text, open_literals=open_literals):
             pass
     assert time.monotonic() - started < 5
+
+
+# --- gcc's reading (issue 27; tests/common/test_csource_gcc.py checks it against gcc -E) ------
+
+
+def test_raw_strings_are_read_whole_and_refused() -> None:
+    src = 'R"x(/* " )x" _mm512_add_pd(a, b); LR"\'(")/*)\'" asm("");'
+    out = blank_comments_and_literals(src)
+    assert len(out) == len(src)
+    assert "_mm512_add_pd(a, b);" in out and 'asm("");' in out
+    assert "/*" not in out
+    assert unreadable(src) == ['uses a raw string literal (R"..."): not allowed in a kernel']
+    # Whatever comes before the R, a quote right after one is refused: gcc's reading of the
+    # characters before it (identifier or not) cannot change the verdict.
+    assert unreadable('xR"(a)" f();') and unreadable('\u00a2R"(a)"')
+    assert not unreadable('char *s = "R"; int R = 1;')
+
+
+def test_a_raw_string_ends_at_its_delimiter_in_the_physical_text() -> None:
+    # gcc undoes splices inside a raw string: )q\<newline>" is no terminator.
+    src = 'R"q(z)q\\\n" hidden )q" seen'
+    assert "seen" in blank_comments_and_literals(src)
+    assert "hidden" not in blank_comments_and_literals(src)
+    multi = 'uR"(\n#pragma omp parallel\n)" x;\n'
+    out = blank_comments_and_literals(multi)
+    assert out.count("\n") == 3 and "pragma" not in out and "x;" in out
+
+
+def test_splices_with_white_space_and_cr_line_ends_are_gcc_s() -> None:
+    assert blank_comments_and_literals("// c\\ \t\nasm();\nx").strip() == "x"
+    assert "asm" not in blank_comments_and_literals('"a\\  \nasm();" b')
+    # A lone CR ends a line (a directive may follow it); CRLF too.
+    out = blank_comments_and_literals('x;\r#pragma GCC optimize("O0")\r\nint y; // c\rz')
+    assert out.splitlines() == ["x;", '#pragma GCC optimize("  ") ', "int y;     ", "z"]
+    assert "\r" not in out
+    # Form feed, vertical tab and NUL are white space before a directive, as in gcc.
+    assert blank_comments_and_literals("\f\v#pragma omp parallel").startswith("  #pragma")
+    # Trigraphs are off in gcc's gnu modes: ??/ is no splice.
+    assert blank_comments_and_literals("// c ??/\nasm();").endswith("asm();")
+
+
+def test_digraphs_read_as_the_characters_they_stand_for() -> None:
+    out = blank_comments_and_literals('<:<:gnu::section(".x"):>:> int f(void) <% %> %:x')
+    assert out.startswith("[ [ gnu::section(") and "] ] " in out and "{  }  # x" in out
+    # Longest token first, as gcc lexes: <<: is << and :.
+    assert blank_comments_and_literals("a<<:b") == "a<<:b"
+
+
+def test_header_names_that_read_differently_as_tokens_are_refused() -> None:
+    # gcc reads <x/*> as a header name here (also through a macro for __has_include), so the
+    # /* opens no comment; a lexer that guesses gets the following lines wrong either way.
+    for src in ["#if __has_include(<x/*>)\n#endif\nasm();\n/* */",
+                "#define HI __has_include\n%:if HI(<x//y>)\n#endif",
+                "#include <a'b>", '#include "a\\" /*', '#pragma GCC dependency "x\\"']:
+        assert unreadable(src), src
+    for src in ["#include <immintrin.h> // AVX-512\n#include <omp.h>",
+                "#define MIN(a, b) ((a) < (b) ? (a) : (b)) // smaller > larger",
+                "#pragma omp parallel for if (M > 64)",
+                '#include "local.h"']:
+        assert not unreadable(src), src
+
+
+def test_code_tokens_are_gcc_s_tokens() -> None:
+    assert list(code_tokens('_Pra\\\ngma /* c */ (L"omp \\"x\\"") 1.e+5x')) == [
+        ("identifier", "_Pragma"), ("punctuator", "("), ("string", 'L"omp \\"x\\""'),
+        ("punctuator", ")"), ("number", "1.e+5x")]

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from hpcrl_benchmarker.cscan import attributes, pragma_text
-from hpcrl_common.csource import blank_comments_and_literals
+from hpcrl_common.csource import blank_comments_and_literals, code_tokens, unreadable
 from hpcrl_common.stages import CACHE_BLOCKING, OPENMP, PREFETCH, REGISTER_BLOCKING, SIMD
 
 _SIMD_CODE = re.compile(
@@ -75,14 +75,22 @@ def object_techniques(undefined: Iterable[str]) -> set[str]:
 
 
 def _pragma_operators(text: str) -> list[str]:
-    # _Pragma's operand is a string literal, which stripping blanks; read it from the raw text
-    # but only where the _Pragma keyword itself is code.
-    clean = blank_comments_and_literals(text)
-    return [
-        " ".join(m.group(1).split())
-        for m in re.finditer(r"_Pragma\s*\(\s*\"((?:\\.|[^\"\\])*)\"", text)
-        if clean[m.start() : m.start() + 7] == "_Pragma"
-    ]
+    """The operand of every ``_Pragma`` operator (a string literal, which blanking empties),
+    read from gcc's tokens: any prefix (``L"..."``), splices and comments between the tokens,
+    escapes undone as gcc destringizes it."""
+    found = []
+    tokens = list(code_tokens(text))
+    for index, (kind, spelling) in enumerate(tokens[:-2]):
+        if kind != "identifier" or spelling != "_Pragma" or tokens[index + 1][1] != "(":
+            continue
+        operand_kind, operand = tokens[index + 2]
+        if operand_kind != "string":
+            continue
+        body = operand[operand.index('"') + 1 :]
+        body = body[:-1] if body.endswith('"') else body
+        body = re.sub(r'\\([\\"])', r"\1", body)
+        found.append(" ".join(body.split()))
+    return found
 
 
 def _simd_code(code: str) -> bool:
@@ -143,6 +151,7 @@ def source_violations(source: str, preprocessed_main: str = "") -> list[str]:
     for text in (source, preprocessed_main):
         if not text:
             continue
+        reasons += unreadable(text)
         code = blank_comments_and_literals(text)
         for match in _INCLUDE.finditer(code if text is source else ""):
             if _FORBIDDEN_HEADER.search(match.group(1)):
