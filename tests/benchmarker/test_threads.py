@@ -188,3 +188,41 @@ def test_a_thread_left_running_ends_the_run_before_the_next_job() -> None:
     expected = gemm.Expected(np.zeros(1, np.intp), np.zeros(1, np.intp), np.zeros(1),
                              np.ones(1))
     assert "still running after the call returned" in steps.frame_message(frame, expected, 1e-6)
+
+
+# --- issue 27, class 1: at a stage that forbids OpenMP, no thread at all ---------------------
+
+@pytest.mark.parametrize("name", ["hidden_pthread_create.c", "hidden_gomp_parallel.c"])
+def test_threads_reached_without_a_symbol_are_a_stage_violation(judge: Judge,
+                                                                name: str) -> None:
+    # Both were a success at stage 1 before: pthread_create and GOMP_parallel found from
+    # malloc's address through libc's symbol table and dl_iterate_phdr, names built at run
+    # time, so the source and object checks saw nothing but malloc.
+    verdict = judge(kernel(name), stage=1)
+    assert verdict.status == "stage_violation", verdict.error
+    assert "tried to create a thread" in verdict.error
+    assert "256x256x256" in verdict.error  # refused at its first call
+
+
+def test_the_same_thread_is_allowed_where_openmp_is(judge: Judge) -> None:
+    # Joined within its call, as an OpenMP team is: at stage 4 it is a kernel like another.
+    verdict = judge(kernel("hidden_pthread_create.c"), stage=4)
+    assert verdict.status == "success", verdict.error
+
+
+@x86_64
+def test_a_raw_clone_is_refused_where_openmp_is_forbidden(
+    judge: Judge, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The seccomp filter is the boundary, not the checks: with them skipped, a raw clone
+    # system call at stage 3 kills the process, and the verdict says why.
+    skip_checks(monkeypatch)
+    verdict = judge(FENCE.format(kernel("raw_clone_joined.c")), stage=3)
+    assert verdict.status == "stage_violation", verdict.error
+    assert "tried to create a thread" in verdict.error
+
+
+def test_the_harness_environment_at_a_stage_without_threads(bench: Benchmarker) -> None:
+    env = bench.harness_env(threads=False)
+    assert env["OMP_NUM_THREADS"] == "1" and env["HPCRL_NO_THREADS"] == "1"
+    assert "HPCRL_NO_THREADS" not in bench.harness_env()

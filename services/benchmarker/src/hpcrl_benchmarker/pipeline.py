@@ -33,7 +33,7 @@ from hpcrl_benchmarker.runner import FrameWatch, HarnessRun
 from hpcrl_benchmarker.steps import InternalError, Measurement, Phase, StepFailure
 from hpcrl_benchmarker.verdict import Verdict
 from hpcrl_common.messages import HostInfo, Timing
-from hpcrl_common.stages import Stage
+from hpcrl_common.stages import OPENMP, Stage
 from hpcrl_common.stages import stage as stage_of
 from hpcrl_common.task import TaskSpec
 
@@ -58,6 +58,12 @@ class _Candidate:
     policy: Stage
     flags: list[str]
     events: Events
+
+    @property
+    def threads(self) -> bool:
+        """Whether the kernel may run threads: only at a stage that allows OpenMP. Where it
+        may not, the harness process cannot create one (its seccomp filter)."""
+        return OPENMP in self.policy.allowed
 
 
 @dataclass
@@ -128,7 +134,8 @@ class Benchmarker:
                 # must only be ready after it (the harness's sandbox, the references).
                 began = time.monotonic()
                 compiling = stack.enter_context(self.start_compile(scratch, code, task, flags))
-                harness = stack.enter_context(self.start_run(scratch, task, two_phases=True))
+                harness = stack.enter_context(self.start_run(scratch, task, two_phases=True,
+                                                             threads=candidate.threads))
                 plan = self._plan(task)
                 stack.callback(plan.expected.cancel)  # an early verdict makes it useless
                 self._compile_and_check(scratch, candidate, found, compiling, began)
@@ -177,7 +184,7 @@ class Benchmarker:
         with self.exclusive_timing():
             run = self.run(scratch, candidate.task, plan.verify + plan.timing,
                            candidate.events, verify_runs=len(plan.verify), watch=watch,
-                           harness=harness, expected=expected)
+                           harness=harness, expected=expected, threads=candidate.threads)
         found.durations["verify"] = run.phase_one_s
         return run
 
@@ -199,7 +206,8 @@ class Benchmarker:
             # It ended at an extra size, which only decides `generalizes`: time it in a
             # process of its own, as if the verification had been separate.
             with self.exclusive_timing():
-                run = self.run(scratch, candidate.task, plan.timing, candidate.events)
+                run = self.run(scratch, candidate.task, plan.timing, candidate.events,
+                               threads=candidate.threads)
             found.durations["time"] = run.wall_s
             timing = run.whole()
         attempts = [steps.measure(candidate.task, plan.timing, timing,
@@ -222,7 +230,8 @@ class Benchmarker:
         jobs = self._timing_jobs(task)
         expected = self._expect(task, jobs)
         with self.exclusive_timing():
-            run = self.run(scratch, task, jobs, candidate.events, expected=expected)
+            run = self.run(scratch, task, jobs, candidate.events, expected=expected,
+                           threads=candidate.threads)
         found.durations["retime"] = found.durations.get("retime", 0.0) + run.wall_s
         return steps.measure(task, jobs, run.whole(), expected, self.peak_gflops())
 
@@ -258,20 +267,24 @@ class Benchmarker:
     def run(self, scratch: Path, task: TaskSpec, jobs: list[gemm.Job], events: Events,
             *, verify_runs: int = 0, watch: FrameWatch | None = None,
             harness: sandbox.Pending | None = None,
-            expected: Sequence[gemm.Expected] | None = None) -> HarnessRun:
+            expected: Sequence[gemm.Expected] | None = None,
+            threads: bool = True) -> HarnessRun:
         """Run ``jobs`` in one harness process. With ``verify_runs`` (0 < n < len(jobs)) the
         run has two phases, the first n jobs and the rest, each with the task's full wall
         limit and CPU budget; ``watch`` sees each frame of the first phase as it arrives and
         may end the run (its outcome is known). ``harness``: its sandbox, if ``start_run``
         set it up ahead (one set up for another run is refused). ``expected`` (one per job):
         each C is checked as it arrives, while the harness waits before reporting the call
-        complete (between calls), rather than after; the verdict reads the same check."""
+        complete (between calls), rather than after; the verdict reads the same check.
+        ``threads`` False: a stage that forbids OpenMP, where the process cannot create a
+        thread (an attempt kills it and is a ``stage_violation``)."""
         # No thread but the main one and OpenMP's pool may outlive a call: the run's OpenMP
-        # threads, which OMP_THREAD_LIMIT caps (harness_env).
-        threads = runner.ThreadCount(self._cpu_set()[0])
-        talk = runner.Conversation(jobs, verify_runs, watch, threads,
+        # threads, which OMP_THREAD_LIMIT caps (harness_env); none without threads.
+        count = runner.ThreadCount(self._cpu_set()[0] if threads else 1)
+        talk = runner.Conversation(jobs, verify_runs, watch, count,
                                    on_result=self._checker(task, expected))
-        spec = self._run_spec(scratch, task, phases=2 if talk.two_phases else 1)
+        spec = self._run_spec(scratch, task, phases=2 if talk.two_phases else 1,
+                              threads=threads)
         if harness is None:
             harness = sandbox.start(HARNESS_ARGV, spec)
         elif harness.spec != spec:
@@ -279,10 +292,10 @@ class Benchmarker:
             raise InternalError("the harness sandbox was set up for another run")
         started = time.monotonic()
         outcome = harness.run(stdin=talk.opening(), watch=talk.on_event,
-                              started=threads.started)
+                              started=count.started)
         if outcome.start_s is not None:
             SANDBOX_START.observe(outcome.start_s)
-        failure = runner.ending(outcome, talk, task.timing.time_limit_s)
+        failure = runner.ending(outcome, talk, task.timing.time_limit_s, threads=threads)
         if failure is not None and failure.status == "timeout":
             events.sandbox_kills.append("timeout")
         return HarnessRun(talk.frames, failure, started, outcome.wall_s, outcome.phase_started)
@@ -298,13 +311,16 @@ class Benchmarker:
             gemm.check_expected(c, expected[job], tolerance)  # remembered for the verdict
         return check
 
-    def start_run(self, scratch: Path, task: TaskSpec, *, two_phases: bool) -> sandbox.Pending:
+    def start_run(self, scratch: Path, task: TaskSpec, *, two_phases: bool,
+                  threads: bool = True) -> sandbox.Pending:
         """Set up a harness run's sandbox now, for ``run(harness=...)`` to let it begin
         (``./run`` need not exist yet); killed unrun on leaving a ``with`` block."""
-        return sandbox.start(HARNESS_ARGV,
-                             self._run_spec(scratch, task, phases=2 if two_phases else 1))
+        return sandbox.start(HARNESS_ARGV, self._run_spec(
+            scratch, task, phases=2 if two_phases else 1, threads=threads))
 
-    def _run_spec(self, scratch: Path, task: TaskSpec, phases: int) -> sandbox.Spec:
+    def _run_spec(self, scratch: Path, task: TaskSpec, phases: int,
+                  threads: bool = True) -> sandbox.Spec:
+        allow_threads = threads
         threads, cpus, allowed = self._cpu_set()
         limits = sandbox.Limits(
             wall_s=task.timing.time_limit_s,
@@ -315,7 +331,7 @@ class Benchmarker:
             address_space_mb=self.settings.address_space_mb,
         )
         confine = bool(self.cpus) or len(cpus) < len(allowed)
-        return sandbox.Spec(scratch, limits, env=self.harness_env(),
+        return sandbox.Spec(scratch, limits, env=self.harness_env(threads=allow_threads),
                             cpus=tuple(cpus) if confine else None,
                             extra_pipe=True, marks=True, marks_after_data=True,
                             start_limit_s=runner.START_LIMIT_S)
@@ -388,12 +404,20 @@ class Benchmarker:
                 os.sched_setaffinity(int(task.name), self.cpus)
         os.sched_setaffinity(0, self.cpus)
 
-    def harness_env(self) -> dict[str, str]:
-        """The environment of a harness run (the bench's bare floor uses it too)."""
-        threads, cpus, _ = self._cpu_set()
+    def harness_env(self, *, threads: bool = True) -> dict[str, str]:
+        """The environment of a harness run (the bench's bare floor uses it too).
+
+        ``threads`` False (a stage that forbids OpenMP): one OpenMP thread, and
+        HPCRL_NO_THREADS=1 tells the harness to refuse every clone (seccomp), so that no
+        thread can be made however the kernel reaches thread creation. OMP_THREAD_LIMIT stays
+        the run's CPUs: a kernel that asks libgomp for a team by hand is then refused as it
+        tries (a stage violation) rather than quietly given a team of one."""
+        count, cpus, _ = self._cpu_set()
         # No team, nested ones included, gets more threads than the run has CPUs: a kernel
         # cannot oversubscribe its cores (num_threads(64) gets `threads`).
-        env = {"OMP_NUM_THREADS": str(threads), "OMP_THREAD_LIMIT": str(threads)}
+        env = {"OMP_NUM_THREADS": str(count if threads else 1), "OMP_THREAD_LIMIT": str(count)}
+        if not threads:
+            env["HPCRL_NO_THREADS"] = "1"
         if self.settings.pin_threads:
             # Explicit places: the sandbox has no /sys, so OMP_PLACES=cores would find no
             # topology and bind nothing. Bound threads do not migrate between timed runs.

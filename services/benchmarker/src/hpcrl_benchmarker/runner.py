@@ -186,9 +186,11 @@ class Conversation:
 
 
 def ending(outcome: sandbox.Outcome, talk: Conversation,
-           time_limit_s: float) -> StepFailure | None:
+           time_limit_s: float, *, threads: bool = True) -> StepFailure | None:
     """None when the run ended as planned (all jobs done, or stopped by the watcher), else
-    why it did not. A harness that refuses to start is the benchmarker's failure."""
+    why it did not. A harness that refuses to start is the benchmarker's failure. Without
+    ``threads`` (a stage that forbids OpenMP), SIGSYS is the seccomp filter killing the
+    process as it tried to create a thread: a stage violation."""
     if talk.tampered:
         return StepFailure("runtime_error",
                            f"the harness's output was tampered with: {talk.tampered}")
@@ -211,7 +213,11 @@ def ending(outcome: sandbox.Outcome, talk: Conversation,
     if outcome.timed_out:
         return StepFailure("timeout", f"did not finish within {time_limit_s:g} s {where}; "
                            f"the process group was killed{_cpu_share(outcome.schedule)}")
-    if (sig := outcome.signal) is not None:
+    if (sig := outcome.signal) == signal.SIGSYS and not threads:
+        return StepFailure("stage_violation", f"tried to create a thread {where}, at a stage "
+                           "that forbids OpenMP (threads are refused there however they are "
+                           "reached: pragmas, libgomp or libc called by hand, raw clone)")
+    if sig is not None:
         hint = " (CPU time limit)" if sig == signal.SIGXCPU else ""
         return StepFailure("runtime_error", f"killed by {_signal_name(sig)}{hint} {where}")
     if outcome.returncode == HarnessExit.OUT_OF_MEMORY:

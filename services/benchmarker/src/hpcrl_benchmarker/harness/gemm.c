@@ -161,7 +161,7 @@ static int read_line(char *buf, size_t size) {
 /* After set-up, the kernel may only compute, allocate memory, use threads and write to the
  * descriptors it already has: no files, processes, sockets, signal handlers, new code, nor
  * memory-map changes inside the executable's address window (its GOT stays read-only). */
-static int lock_down(void) {
+static int lock_down(int no_threads) {
     uint32_t lo = (uint32_t)((uintptr_t)__executable_start >> 32);
     uint32_t hi = (uint32_t)((uintptr_t)_end >> 32);
     if (lo == 0) lo = hi = 0xFFFFFFFFu; /* not PIE: the window rule would catch NULL hints */
@@ -190,6 +190,15 @@ static int lock_down(void) {
         BPF_JUMP(BPF_JMP | BPF_JGT | BPF_K, hi, 1, 0),
         DENY,
         PASS,
+        /* At a stage that forbids OpenMP (no_threads): no thread at all. clone and clone3
+         * kill the process (SIGSYS, which nothing can catch or block: the parent reads it as
+         * the stage violation it is), however the kernel reached them: a pragma, a libgomp
+         * or libc entry point resolved by hand, a raw system call. */
+        LOAD(NR),
+        BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, __NR_clone, 1, 0),
+        BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, __NR_clone3, 0, 2),
+        BPF_JUMP(BPF_JMP | BPF_JA, no_threads ? 0 : 1, 0, 0),
+        BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_KILL_PROCESS),
         /* clone: threads only, never a new process */
         LOAD(NR),
         BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, __NR_clone, 0, 4),
@@ -228,6 +237,11 @@ int main(int argc, char **argv) {
     uint64_t nonce;
     if (read_line(line, sizeof line) < 0 || sscanf(line, "%lu", &nonce) != 1)
         return HARNESS_EXIT_BAD_INPUT;
+    /* HPCRL_NO_THREADS=1: a stage that forbids OpenMP (the parent sets it, and nothing of
+     * the kernel has run yet). Its OMP_NUM_THREADS is 1, so the warm-up below starts no
+     * thread; after the lock-down none can be started. */
+    const char *no_threads_env = getenv("HPCRL_NO_THREADS");
+    int no_threads = no_threads_env != NULL && no_threads_env[0] == '1';
     /* Start the OpenMP thread pool before the lock-down so that TSYNC covers its threads. */
     volatile int warm = 0;
 #pragma omp parallel
@@ -235,7 +249,7 @@ int main(int argc, char **argv) {
 #pragma omp atomic
         warm++;
     }
-    if (lock_down() != 0) {
+    if (lock_down(no_threads) != 0) {
         fprintf(stderr, "harness: seccomp failed\n");
         return HARNESS_EXIT_SECCOMP_FAILED;
     }
