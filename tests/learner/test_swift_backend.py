@@ -191,7 +191,7 @@ EQUIVALENCE = textwrap.dedent("""
     aggregation = sys.argv[3]
     settings = LearnerSettings(model_path=model_dir, checkpoint_dir=tmp / "ck", learning_rate=1e-3,
                                micro_batch_size=3, aggregation=aggregation, max_log_ratio=2.0,
-                               device="cpu", dtype="float32")
+                               device="cpu", dtype="float32", autocast="off")
     torch_trainer = TorchTrainer(settings, seed=0)
     good_lp = torch_trainer.logprobs(group(batch("p", [GOOD], [0])).sequences)[0]
     # sampler log-probs: one token far off (masked by max_log_ratio), others nudged both ways

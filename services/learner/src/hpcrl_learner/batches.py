@@ -85,50 +85,99 @@ def prepare_group(
     return PreparedGroup(batch.id, sequences, rewards, advantages, lag)
 
 
+PAD_MULTIPLE = 64
+
+
 @dataclass
 class Collated:
-    """A left-padded micro-batch. Completions are right-aligned at the end of every row, so
-    the logits of the last ``width + 1`` positions are all the loss needs."""
+    """A right-padded micro-batch, no attention mask needed.
 
-    input_ids: torch.Tensor  # [B, L]
-    attention_mask: torch.Tensor  # [B, L]
-    position_ids: torch.Tensor  # [B, L]
-    targets: torch.Tensor  # [B, C] the last C tokens of every row
-    completion_mask: torch.Tensor  # [B, C] 1 where the target is a completion token
+    Rows are prompt + completion, padded after the end to a multiple of ``PAD_MULTIPLE``
+    tokens: causal attention never lets a real token see the padding after it, positions are
+    the natural 0..L-1, and on CPU few distinct widths let oneDNN reuse its kernels. The
+    completion's targets are listed flat (``rows``, ``cols``: the position whose logits
+    predict each, ``targets``), so logits are computed for completion tokens only; per-token
+    quantities come back as [B, C] with each completion left-aligned (``slots``: its column).
+    """
+
+    input_ids: torch.Tensor  # [B, L], L a multiple of PAD_MULTIPLE
+    rows: torch.Tensor  # [N] row of each completion token
+    cols: torch.Tensor  # [N] position whose logits predict it (its own position - 1)
+    slots: torch.Tensor  # [N] its index within its completion (column in [B, C])
+    targets: torch.Tensor  # [N] the completion tokens
+    completion_mask: torch.Tensor  # [B, C] 1 on completion tokens (left-aligned)
     sampling_logprobs: torch.Tensor  # [B, C]
     advantages: torch.Tensor  # [B]
 
     @property
     def width(self) -> int:
-        return int(self.targets.shape[1])
+        return int(self.completion_mask.shape[1])
+
+    @property
+    def padded_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    def scatter(self, values: torch.Tensor) -> torch.Tensor:
+        """[N] per completion token -> [B, C] (zeros off the completions), differentiable."""
+        out = values.new_zeros(self.completion_mask.shape)
+        return out.index_put((self.rows, self.slots), values)
 
 
-def collate(sequences: Sequence[TrainSequence], pad_id: int = 0) -> Collated:
+def padded_width(length: int, multiple: int = PAD_MULTIPLE) -> int:
+    return -(-length // multiple) * multiple
+
+
+def collate(sequences: Sequence[TrainSequence], pad_id: int = 0,
+            multiple: int = PAD_MULTIPLE) -> Collated:
     if not sequences:
         raise ValueError("no sequences to collate")
-    length = max(s.length for s in sequences)
+    length = padded_width(max(s.length for s in sequences), multiple)
     width = max(len(s.completion_ids) for s in sequences)
     rows = len(sequences)
     input_ids = torch.full((rows, length), pad_id, dtype=torch.long)
-    attention = torch.zeros((rows, length), dtype=torch.long)
     completion_mask = torch.zeros((rows, width), dtype=torch.float32)
     sampling = torch.zeros((rows, width), dtype=torch.float32)
+    flat_rows, flat_cols, flat_slots = [], [], []
     for row, seq in enumerate(sequences):
         tokens = np.concatenate([seq.prompt_ids, seq.completion_ids])
-        input_ids[row, length - len(tokens):] = torch.from_numpy(tokens)
-        attention[row, length - len(tokens):] = 1
-        count = len(seq.completion_ids)
+        input_ids[row, :len(tokens)] = torch.from_numpy(tokens)
+        count, start = len(seq.completion_ids), len(seq.prompt_ids)
         if count:
-            completion_mask[row, width - count:] = 1.0
-            sampling[row, width - count:] = torch.from_numpy(seq.sampling_logprobs)
-    # Positions count real tokens only, so left padding does not shift the rotary phases.
-    position_ids = (attention.cumsum(dim=1) - 1).clamp(min=0)
+            completion_mask[row, :count] = 1.0
+            sampling[row, :count] = torch.from_numpy(seq.sampling_logprobs)
+            flat_rows.append(np.full(count, row))
+            flat_cols.append(np.arange(start - 1, start - 1 + count))
+            flat_slots.append(np.arange(count))
+
+    def flat(parts: list[np.ndarray]) -> torch.Tensor:
+        return torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, np.int64)).long()
+
+    rows_t, cols_t = flat(flat_rows), flat(flat_cols)
     return Collated(
         input_ids=input_ids,
-        attention_mask=attention,
-        position_ids=position_ids,
-        targets=input_ids[:, length - width:] if width else input_ids[:, :0],
+        rows=rows_t,
+        cols=cols_t,
+        slots=flat(flat_slots),
+        targets=input_ids[rows_t, cols_t + 1],
         completion_mask=completion_mask,
         sampling_logprobs=sampling,
         advantages=torch.tensor([s.advantage for s in sequences], dtype=torch.float32),
     )
+
+
+def micro_batches(sequences: Sequence[TrainSequence], max_rows: int, max_tokens: int,
+                  multiple: int = PAD_MULTIPLE) -> list[list[TrainSequence]]:
+    """Length-sorted micro-batches of at most ``max_rows`` sequences and ``max_tokens``
+    padded tokens (rows x padded width; a longer sequence goes alone)."""
+    ordered = sorted(sequences, key=lambda s: s.length)  # similar lengths pad less
+    out: list[list[TrainSequence]] = []
+    current: list[TrainSequence] = []
+    for seq in ordered:
+        grown = (len(current) + 1) * padded_width(seq.length, multiple)
+        if current and (len(current) >= max_rows or (max_tokens and grown > max_tokens)):
+            out.append(current)
+            current = []
+        current.append(seq)
+    if current:
+        out.append(current)
+    return out

@@ -71,6 +71,10 @@ class LearnerSettings(ServiceSection):
         "trainer's log-probs use the same)"
     )
     micro_batch_size: int = Field(8, ge=1, description="sequences per forward/backward pass")
+    micro_batch_tokens: int = Field(
+        16384, ge=0, description="at most this many padded tokens (sequences x width, padded "
+        "to a multiple of 64) per forward/backward pass, a longer sequence alone; 0: no limit"
+    )
     train_on_arrival: bool = Field(
         True, description="run a group's forward and backward passes as it arrives (the "
         "update still waits for the step's last group); false: all at the step, which holds "
@@ -86,6 +90,11 @@ class LearnerSettings(ServiceSection):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="weights dtype; auto: bfloat16 for LoRA on GPU, float32 otherwise "
         "(a bf16 full fine-tune rounds away updates of lr 5e-7)"
+    )
+    autocast: Literal["auto", "bf16", "off"] = Field(
+        "auto", description="bfloat16 autocast of the forward/backward passes (the weights, "
+        "the output layer and the loss stay in the weights' dtype); auto: bf16 on CUDA and on "
+        "CPUs with avx512_bf16 or amx_bf16, off elsewhere"
     )
     gradient_checkpointing: bool = Field(False, description="recompute activations in "
                                          "backward: less memory for long sequences, more "

@@ -90,6 +90,9 @@ class LossStats:
     kl_sum: float = 0.0  # k3 KL(pi_theta || pi_ref), summed over completion tokens
     sampler_kl_sum: float = 0.0  # k3 KL(pi_sampling || pi_theta), summed over completion tokens
     ratio_sum: float = 0.0  # over used tokens
+    kl_tokens: float = 0.0  # completion tokens whose KL to the reference was measured
+    entropy_sum: float = 0.0  # policy entropy, summed over completion tokens
+    entropy_tokens: float = 0.0  # completion tokens whose entropy was measured
     extra: dict[str, float] = field(default_factory=dict)
 
     def add(self, other: LossStats) -> LossStats:
@@ -106,7 +109,10 @@ class LossStats:
             "sequences": self.sequences,
             "clip_fraction": self.clipped_tokens / max(self.used_tokens, 1.0),
             "masked_fraction": self.masked_tokens / tokens,
-            "kl": self.kl_sum / tokens,
+            # NaN where not measured (beta = 0: no reference is loaded)
+            "kl": self.kl_sum / self.kl_tokens if self.kl_tokens else math.nan,
+            "entropy": (self.entropy_sum / self.entropy_tokens if self.entropy_tokens
+                        else math.nan),
             "sampler_kl": self.sampler_kl_sum / tokens,
             "ratio_mean": self.ratio_sum / max(self.used_tokens, 1.0),
         }
@@ -189,6 +195,7 @@ def grpo_loss(
             clipped_tokens=float((clipped & keep).sum()),
             masked_tokens=float(((mask > 0) & ~keep).sum()),
             kl_sum=float(kl.sum()) if kl is not None else 0.0,
+            kl_tokens=float(mask.sum()) if kl is not None else 0.0,
             sampler_kl_sum=float(sampler_kl.sum()),
             ratio_sum=float((ratio.detach() * used).sum()),
         )
@@ -208,3 +215,22 @@ def token_logprobs(
         scaled = scaled / temperature
     picked = scaled.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     return picked - torch.logsumexp(scaled, dim=-1)
+
+
+def token_logprobs_and_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`token_logprobs`, and the entropy of each position's distribution (no grad).
+
+    The entropy comes from the logits already at hand: H = logsumexp(z) - sum softmax(z) z.
+    """
+    scaled = logits.float()
+    if temperature != 1.0:
+        scaled = scaled / temperature
+    picked = scaled.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    normaliser = torch.logsumexp(scaled, dim=-1)
+    with torch.no_grad():
+        z = scaled.detach()
+        lse = normaliser.detach()
+        entropy = lse - (torch.exp(z - lse.unsqueeze(-1)) * z).sum(dim=-1)
+    return picked - normaliser, entropy

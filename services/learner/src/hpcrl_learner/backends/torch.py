@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 import shutil
 import time
-from collections.abc import Iterator, Sequence
+from collections import OrderedDict
+from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,9 +18,9 @@ import structlog
 import torch
 from transformers import AutoModelForCausalLM
 
-from hpcrl_learner.batches import Collated, TrainSequence, collate
+from hpcrl_learner.batches import Collated, TrainSequence, collate, micro_batches
 from hpcrl_learner.config import LearnerSettings
-from hpcrl_learner.grpo import LossSettings, LossStats, grpo_loss, token_logprobs
+from hpcrl_learner.grpo import LossSettings, LossStats, grpo_loss, token_logprobs_and_entropy
 
 log = structlog.get_logger("hpcrl.learner.trainer")
 
@@ -30,6 +32,9 @@ TOKENIZER_FILES = (
     "chat_template.json",
 )
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Reference log-probs kept per sequence (by its tokens), so a step that is taken again (a
+# failed or skipped step, a redelivered group) does not recompute them: ~4 KB a sequence.
+REFERENCE_CACHE_SEQUENCES = 4096
 
 
 def resolve_device(name: str) -> torch.device:
@@ -46,10 +51,38 @@ def resolve_dtype(name: str, device: torch.device, lora: bool) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" and lora else torch.float32
 
 
-def chunks(items: Sequence[TrainSequence], size: int) -> Iterator[list[TrainSequence]]:
-    ordered = sorted(items, key=lambda s: s.length)  # similar lengths pad less
-    for start in range(0, len(ordered), size):
-        yield list(ordered[start:start + size])
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (Linux /proc/cpuinfo; empty elsewhere)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.partition(":")[2].split())
+    return set()
+
+
+def resolve_autocast(name: str, device: torch.device) -> torch.dtype | None:
+    """The dtype the forward/backward passes autocast to, or None (no autocast)."""
+    if name == "off":
+        return None
+    if name == "bf16":
+        return torch.bfloat16
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else None
+    if device.type == "cpu":
+        # Where the CPU multiplies bf16 natively; emulated bf16 is slower than float32.
+        return torch.bfloat16 if cpu_flags() & {"avx512_bf16", "amx_bf16"} else None
+    return None
+
+
+def sequence_key(seq: TrainSequence) -> bytes:
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(len(seq.prompt_ids).to_bytes(8, "little"))
+    digest.update(np.ascontiguousarray(seq.prompt_ids, dtype=np.int64).tobytes())
+    digest.update(np.ascontiguousarray(seq.completion_ids, dtype=np.int64).tobytes())
+    return digest.digest()
 
 
 @dataclass
@@ -86,6 +119,8 @@ class TorchTrainer:
         self.format: Literal["full", "lora"] = "lora" if self.lora else "full"
         self.device = resolve_device(settings.device)
         self.dtype = resolve_dtype(settings.dtype, self.device, self.lora)
+        self.autocast = resolve_autocast(settings.autocast, self.device)
+        self._reference_cache: OrderedDict[bytes, np.ndarray] = OrderedDict()
         self.loss_settings = LossSettings(
             clip_eps=settings.clip_eps, beta=settings.beta, aggregation=settings.aggregation,
             max_log_ratio=settings.max_log_ratio,
@@ -110,6 +145,7 @@ class TorchTrainer:
             self.scheduler.load_state_dict(saved["scheduler"])
         log.info("policy loaded", base=str(self.base_model), resume_from=str(resume_from),
                  format=self.format, device=str(self.device), dtype=str(self.dtype),
+                 autocast=str(self.autocast) if self.autocast else "off",
                  trainable=sum(p.numel() for p in self.params),
                  reference=self.reference is not None or (self.lora and settings.beta > 0))
 
@@ -151,28 +187,54 @@ class TorchTrainer:
 
     # --- the step -----------------------------------------------------------------------
 
-    def _forward_logprobs(self, model: torch.nn.Module, batch: Collated) -> torch.Tensor:
-        out = model(
-            input_ids=batch.input_ids.to(self.device),
-            attention_mask=batch.attention_mask.to(self.device),
-            position_ids=batch.position_ids.to(self.device),
-            logits_to_keep=batch.width + 1,
-            use_cache=False,
-        )
-        logits = out.logits[:, :-1]
-        return token_logprobs(logits, batch.targets.to(self.device),
-                              self.settings.logprob_temperature)
+    def _autocast(self) -> AbstractContextManager:
+        if self.autocast is None:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast)
 
-    def _reference_logprobs(self, batch: Collated) -> torch.Tensor | None:
+    def _forward_logprobs(self, model: torch.nn.Module, batch: Collated
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs of the completion tokens and the policy's entropy there, both [B, C].
+
+        The decoder runs under autocast; the output layer and the log-softmax run outside it
+        (in the weights' dtype), on the completion positions only.
+        """
+        device = self.device
+        with self._autocast():
+            hidden = model.get_decoder()(input_ids=batch.input_ids.to(device),
+                                         use_cache=False).last_hidden_state
+        picked = hidden[batch.rows.to(device), batch.cols.to(device)]
+        head = model.get_output_embeddings()
+        logits = head(picked.to(head.weight.dtype))
+        logp, entropy = token_logprobs_and_entropy(logits, batch.targets.to(device),
+                                                   self.settings.logprob_temperature)
+        return batch.scatter(logp), batch.scatter(entropy)
+
+    def _reference_logprobs(self, sequences: Sequence[TrainSequence], batch: Collated
+                            ) -> torch.Tensor | None:
+        """The reference's log-probs, [B, C]: computed once per sequence, then cached."""
         if self.settings.beta == 0:
             return None
-        context: AbstractContextManager = nullcontext()
-        model = self.reference
-        if model is None:  # LoRA: the base model is the reference
-            model = self.model
-            context = self.model.disable_adapter()  # type: ignore[operator]
-        with torch.no_grad(), context:
-            return self._forward_logprobs(model, batch)
+        keys = [sequence_key(s) for s in sequences]
+        cache = self._reference_cache
+        if not all(key in cache for key in keys):
+            context: AbstractContextManager = nullcontext()
+            model = self.reference
+            if model is None:  # LoRA: the base model is the reference
+                model = self.model
+                context = self.model.disable_adapter()  # type: ignore[operator]
+            with torch.no_grad(), context:
+                logp = self._forward_logprobs(model, batch)[0].float().cpu().numpy()
+            for row, (key, seq) in enumerate(zip(keys, sequences, strict=True)):
+                cache[key] = logp[row, :len(seq.completion_ids)].copy()
+            while len(cache) > REFERENCE_CACHE_SEQUENCES:
+                cache.popitem(last=False)
+        out = torch.zeros(batch.completion_mask.shape, dtype=torch.float32)
+        for row, key in enumerate(keys):
+            cache.move_to_end(key)
+            values = cache[key]
+            out[row, :len(values)] = torch.from_numpy(values)
+        return out.to(self.device)
 
     def _denominator(self, sequences: Sequence[TrainSequence]) -> float:
         """What the step's loss is divided by: its tokens ("token") or its sequences."""
@@ -191,16 +253,20 @@ class TorchTrainer:
         # free of the drift that older samples carry by design.
         for fresh in (True, False):
             part = [s for s in with_tokens if s.fresh == fresh]
-            for micro in chunks(part, self.settings.micro_batch_size):
+            for micro in micro_batches(part, self.settings.micro_batch_size,
+                                       self.settings.micro_batch_tokens):
                 batch = collate(micro)
-                ref = self._reference_logprobs(batch)
-                logp = self._forward_logprobs(self.model, batch)
+                ref = self._reference_logprobs(micro, batch)
+                logp, entropy = self._forward_logprobs(self.model, batch)
+                mask = batch.completion_mask.to(self.device)
                 out = grpo_loss(
                     logp, batch.sampling_logprobs.to(self.device),
-                    batch.advantages.to(self.device), batch.completion_mask.to(self.device),
+                    batch.advantages.to(self.device), mask,
                     settings, ref_logp=ref, normalizer=normalizer,
                 )
                 out.loss.backward()
+                out.stats.entropy_sum = float((entropy * mask).sum())
+                out.stats.entropy_tokens = out.stats.tokens
                 stats.add(out.stats)
                 if fresh:
                     fresh_stats.add(out.stats)
@@ -312,7 +378,7 @@ class TorchTrainer:
         result = []
         for seq in sequences:
             batch = collate([seq])
-            logp = self._forward_logprobs(self.model, batch)[0]
+            logp = self._forward_logprobs(self.model, batch)[0][0]
             result.append(logp[batch.completion_mask[0] > 0].float().cpu().numpy())
         return result
 

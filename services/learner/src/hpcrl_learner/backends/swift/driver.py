@@ -17,6 +17,7 @@ Megatron training state beside it for resume.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -110,7 +111,7 @@ class SwiftTrainer:
         metrics = {ours: float(reported.get(theirs, float("nan")))
                    for ours, theirs in _METRIC_NAMES.items()}
         if settings.beta == 0:
-            metrics["kl"] = 0.0
+            metrics["kl"] = math.nan  # no reference: not measured (left out of the manifest)
         metrics.update(
             tokens=float(batch.tokens), sequences=float(batch.sequences),
             sampler_kl=stats["sampler_kl"], masked_fraction=stats["masked_fraction"],
