@@ -336,8 +336,9 @@ def policy() -> DashboardSpec:
     ]
     training = [
         ts("Loss", "GRPO loss of the last step.", q("hpcrl_learner_loss", "loss")),
-        ts("KL", "k3 KL estimate per token of the policy against the reference (0 when "
-           "beta = 0) and of the sampling policy against the trainer: over all samples, and "
+        ts("KL", "k3 KL estimate per token of the policy against the reference, version 0 "
+           "(absent when beta = 0: no reference is loaded) and of the sampling policy against "
+           "the trainer: over all samples, and "
            "over fresh ones only (drawn from the trainer's current weights: about 0 unless the "
            "generators sample with stale weights).",
            q("hpcrl_learner_kl", "KL(policy || reference)"),
@@ -345,6 +346,14 @@ def policy() -> DashboardSpec:
            q("hpcrl_learner_sampler_kl_fresh", "KL(sampler || trainer), fresh samples")),
         ts("Grad norm", "Global gradient norm before clipping, last step.",
            q("hpcrl_learner_grad_norm", "grad norm")),
+        ts("Policy entropy", "Mean entropy of the policy per completion token (nats), last "
+           "step: a steady fall towards 0 is the policy collapsing onto few completions.",
+           q("hpcrl_learner_entropy", "entropy")),
+        ts("Zero-variance groups", "Share of the last step's groups whose rewards are all "
+           "equal (every sample failed alike, or all equally good): they carry no preference "
+           "and move nothing (learner.skip_zero_variance_groups leaves them untrained).",
+           q("hpcrl_learner_zero_variance_group_fraction", "zero-variance groups"),
+           unit="percentunit"),
         ts("Clip and mask fractions", "Fraction of tokens whose ratio was clipped, and of "
            "tokens masked for a too large log-ratio to the sampling policy.",
            q("hpcrl_learner_clip_fraction", "clipped"),

@@ -26,7 +26,7 @@ from hpcrl_learner.service import build
 from hpcrl_learner.state import StateStore
 from tests.conftest import RunningConsumer
 
-from .conftest import BAD, GOOD, PROMPT, good_bad_batch
+from .conftest import BAD, GOOD, PROMPT, good_bad_batch, rollout_batch
 
 pytestmark = pytest.mark.broker
 
@@ -121,6 +121,14 @@ def test_learner_learns_commits_announces_and_drops_stale(
     assert all(v.metrics["groups_per_step"] == 2.0 for v in versions)
     assert versions[0].metrics["reward_max"] == 100.0
     assert versions[0].metrics["reward_mean"] == 30.0
+    # optimisation health, per step: entropy, clip fraction, grad norm, zero-variance share;
+    # beta = 0: no reference, so no KL to version 0 (left out, not 0)
+    for v in versions:
+        assert 0 < v.metrics["entropy"] < np.log(learner.backend.vocab_size)
+        assert 0 <= v.metrics["clip_fraction"] <= 1 and v.metrics["grad_norm"] > 0
+        assert v.metrics["zero_variance_fraction"] == 0.0 and v.metrics["groups_skipped"] == 0
+        assert "kl" not in v.metrics
+    assert metric("hpcrl_learner_entropy") == pytest.approx(versions[-1].metrics["entropy"])
     assert all(store.verify(v) for v in versions)
     updates = drain(raw_channel, updates_queue)
     assert [u.version for u in updates] == [1, 2]
@@ -158,6 +166,34 @@ def test_a_group_is_trained_as_it_arrives_when_asked(broker_settings, tiny_model
     assert version.metrics["groups_trained"] == 2.0
     assert version.metrics["tokens"] == 2 * 2 * (len(GOOD) + len(BAD))  # both groups, once
     assert learner.backend.accumulated == 0
+
+
+@pytest.mark.parametrize("skip", [False, True], ids=["trained", "skipped"])
+def test_zero_variance_groups_are_counted_and_skipped_when_asked(broker_settings, tiny_model,
+                                                                  tmp_path, skip):
+    store_dir = tmp_path / "store"
+    config = LearnerConfig(broker=broker_settings, learner=LearnerSettings(
+        model_path=tiny_model, checkpoint_dir=store_dir, groups_per_step=2, beta=0.01,
+        learning_rate=1e-3, metrics_port=0, skip_zero_variance_groups=skip))
+    lp = base_logprobs(tiny_model)
+    flat = rollout_batch("flat", [GOOD, BAD, GOOD, BAD], [-40.0] * 4,
+                         logprobs=[lp["good"], lp["bad"], lp["good"], lp["bad"]])
+    consumer, learner = build(config)
+    with RunningConsumer(consumer):
+        publish(broker_settings, flat)
+        wait_for(lambda: len(learner.pending) == 1, 60, "the flat group held")
+        time.sleep(0.5)
+        assert learner.backend.accumulated == (0 if skip else 4)
+        publish(broker_settings, good_bad_batch("preferring", lp))
+        store = CheckpointStore(store_dir)
+        wait_for(lambda: len(store.versions()) == 1, 120, "the step to commit")
+    [version] = store.versions()
+    assert version.metrics["groups_trained"] == 2.0  # acked and counted either way
+    assert version.metrics["zero_variance_fraction"] == 0.5
+    assert version.metrics["groups_skipped"] == (1.0 if skip else 0.0)
+    assert version.metrics["tokens"] == (1 if skip else 2) * 2 * (len(GOOD) + len(BAD))
+    assert version.metrics["kl"] == pytest.approx(0.0, abs=1e-6)  # beta > 0: measured
+    assert metric("hpcrl_learner_zero_variance_group_fraction") == 0.5
 
 
 # --- crash: kill -9 between receiving and checkpointing, then restart --------------------------

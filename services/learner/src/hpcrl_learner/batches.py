@@ -43,6 +43,11 @@ class PreparedGroup:
     advantages: list[float]
     staleness: int
 
+    @property
+    def zero_variance(self) -> bool:
+        """All rewards equal (or a group of one): every advantage is 0, no preference."""
+        return len(set(self.rewards)) <= 1
+
 
 def staleness(batch: RolloutBatch, current_version: int) -> int:
     """How many policy versions the oldest sample of the group is behind the learner."""

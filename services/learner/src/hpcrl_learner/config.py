@@ -54,6 +54,11 @@ class LearnerSettings(ServiceSection):
     beta: float = Field(0.0, ge=0, description="KL coefficient against the base model (k3 "
                         "estimator); 0 loads no reference model")
     clip_eps: float = Field(0.2, gt=0, lt=1, description="delta of the clipped objective")
+    skip_zero_variance_groups: bool = Field(
+        False, description="DAPO: do not train on a group whose rewards are all equal (no "
+        "forward/backward, not in the loss's normaliser; still acked and counted as trained); "
+        "with beta > 0 such groups then add no KL term either"
+    )
     adv_eps: float = Field(1e-4, ge=0, description="epsilon of A = (R - mean) / (std + eps)")
     aggregation: Literal["token", "sequence"] = Field(
         "token", description="loss mean over all completion tokens, or per sequence first"

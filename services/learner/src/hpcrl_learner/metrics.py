@@ -5,7 +5,19 @@ from __future__ import annotations
 from prometheus_client import Counter, Gauge, Histogram
 
 LOSS = Gauge("hpcrl_learner_loss", "GRPO loss of the last step")
-KL = Gauge("hpcrl_learner_kl", "k3 KL(policy || reference) per token, last step (0 if beta = 0)")
+KL = Gauge(
+    "hpcrl_learner_kl",
+    "k3 KL(policy || reference = version 0) per completion token, last step (NaN if beta = 0: "
+    "no reference is loaded)",
+)
+ENTROPY = Gauge(
+    "hpcrl_learner_entropy",
+    "Policy entropy per completion token (nats, at logprob_temperature), last step",
+)
+ZERO_VARIANCE_GROUPS = Gauge(
+    "hpcrl_learner_zero_variance_group_fraction",
+    "Share of the last step's groups whose rewards are all equal (advantage 0: no preference)",
+)
 CLIP_FRACTION = Gauge("hpcrl_learner_clip_fraction", "Fraction of used tokens clipped, last step")
 MASKED_FRACTION = Gauge(
     "hpcrl_learner_masked_token_fraction",

@@ -42,6 +42,7 @@ def step_summary(groups: Sequence[PreparedGroup]) -> dict[str, float]:
         "reward_max": float(rewards.max()),
         "advantage_std": float(advantages.std()),
         "staleness_mean": float(np.mean([g.staleness for g in groups])),
+        "zero_variance_fraction": float(np.mean([g.zero_variance for g in groups])),
     }
 
 
@@ -130,7 +131,7 @@ class Learner:
             m.PENDING_GROUPS.set(len(self.pending))
             if len(self.pending) >= self.settings.groups_per_step:
                 self._step()
-            elif self.settings.train_on_arrival:
+            elif self.settings.train_on_arrival and not self._skipped(group):
                 self._accumulate(group)
             return DEFER
 
@@ -140,6 +141,11 @@ class Learner:
                                      "failed": self.failed}
 
     # --- the step -----------------------------------------------------------------------
+
+    def _skipped(self, group: PreparedGroup) -> bool:
+        """DAPO's option: a group whose rewards are all equal is not trained (no forward or
+        backward, not in the step's normaliser); it is acked with the step and counted."""
+        return self.settings.skip_zero_variance_groups and group.zero_variance
 
     def _accumulate(self, group: PreparedGroup) -> None:
         """Trains on a group as it arrives (forward and backward now, the update at the
@@ -155,7 +161,8 @@ class Learner:
     def _step(self) -> None:
         started = time.perf_counter()
         groups = [group for group, _ in self.pending]
-        sequences = [seq for group in groups for seq in group.sequences]
+        sequences = [seq for group in groups if not self._skipped(group)
+                     for seq in group.sequences]
         try:
             train = self.backend.step(sequences)
         except Exception:
@@ -213,8 +220,11 @@ class Learner:
             "groups_per_step": float(self.settings.groups_per_step),
             **{k: float(train[k]) for k in ("loss", "kl", "clip_fraction", "grad_norm",
                                              "learning_rate", "sampler_kl", "tokens")},
-            # Not every backend splits it out; NaN (no fresh sample) is left out below.
+            # Not every backend measures these; NaN (e.g. no fresh sample, no reference for
+            # the KL when beta = 0) is left out below.
             "sampler_kl_fresh": float(train.get("sampler_kl_fresh", math.nan)),
+            "entropy": float(train.get("entropy", math.nan)),
+            "groups_skipped": float(sum(self._skipped(g) for g in groups)),
             **summary,
         }
         # Weight-update messages carry these and refuse NaN/inf; a skipped step can have them.
@@ -234,6 +244,7 @@ class Learner:
                  info: CheckpointInfo, elapsed: float) -> None:
         m.LOSS.set(train["loss"])  # NaN is a legitimate gauge value: it shows the trouble
         m.KL.set(train["kl"])
+        m.ENTROPY.set(train.get("entropy", math.nan))
         m.CLIP_FRACTION.set(train["clip_fraction"])
         m.MASKED_FRACTION.set(train["masked_fraction"])
         m.SAMPLER_KL.set(train["sampler_kl"])
@@ -245,6 +256,7 @@ class Learner:
         m.REWARD_MEAN.set(summary["reward_mean"])
         m.REWARD_MAX.set(summary["reward_max"])
         m.ADVANTAGE_STD.set(summary["advantage_std"])
+        m.ZERO_VARIANCE_GROUPS.set(summary["zero_variance_fraction"])
         m.POLICY_VERSION.set(self.version)
         m.GROUPS_TRAINED.set(self.state.groups_trained)
         m.PENDING_GROUPS.set(0)
