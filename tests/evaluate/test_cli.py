@@ -105,7 +105,7 @@ def test_bad_arguments_exit_2(policy, tmp_path: Path, capsys) -> None:
          "unknown version 7"),
         (["--model", str(model), "--versions", "0,latest"], "needs --checkpoints"),
         (["--model", str(model), "--versions", "0,newest"], "unknown version 'newest'"),
-        (["--model", str(model), "--prompts", "9"], "--prompts"),
+        (["--model", str(model), "--prompts", "12"], "--prompts"),
         (["--model", str(model), "--opt-level", "O9"], "no opt level"),
     ]
     for argv, message in cases:

@@ -26,10 +26,16 @@ BIN = Path(sys.executable).parent
 HOST_ISA = detect().prompt_isa
 
 
-def test_the_set_covers_stages_one_to_three() -> None:
+def test_the_set_covers_every_stage_with_improve_and_deepen() -> None:
     shape = [(s.mode, s.target_stage, s.parent) for s in SPECS]
-    assert shape == [("seed", 1, None), ("improve", 1, "seed"), ("improve", 1, "ikj"),
-                     ("deepen", 2, "ikj"), ("improve", 2, "tiled"), ("deepen", 3, "tiled")]
+    assert shape[:6] == [("seed", 1, None), ("improve", 1, "seed"), ("improve", 1, "ikj"),
+                         ("deepen", 2, "ikj"), ("improve", 2, "tiled"), ("deepen", 3, "tiled")]
+    # Every stage is asked for with a parent the policy did not write; stages 1-5 in both
+    # modes, stage 6 (the same techniques as 5) by deepening.
+    for stage in range(1, 7):
+        modes = {s.mode for s in SPECS if s.target_stage == stage and s.parent != "seed"}
+        assert "deepen" in modes or stage == 1, stage
+        assert "improve" in modes or stage == 6, stage
     for spec in SPECS:
         if spec.mode == "deepen":
             assert spec.target_stage == PARENT_STAGES[spec.parent] + 1
@@ -88,5 +94,8 @@ def test_fixed_parents_pass_the_benchmarker(name: str, tmp_path: Path) -> None:
     assert verdict["status"] == "success", verdict["error"]
     assert verdict["generalizes"] is True
     assert verdict["gflops"] > 0
-    expected = {"ikj": [], "tiled": ["cache_blocking"]}[name]
+    expected = {"ikj": [], "tiled": ["cache_blocking"],
+                "simd": ["register_blocking", "simd"],
+                "omp": ["openmp", "register_blocking", "simd"],
+                "prefetch": ["openmp", "prefetch", "register_blocking", "simd"]}[name]
     assert verdict["techniques"] == expected

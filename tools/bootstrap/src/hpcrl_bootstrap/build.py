@@ -28,7 +28,7 @@ MARKER = "BOOTSTRAP_READY"
 INFO_FILE = "bootstrap.json"
 CORPUS_FILE = "corpus.json"  # the measured catalogue: source, stage, status, GFLOPS
 # Bump when the corpus, prompts or training change in a way the settings do not show.
-FORMAT_VERSION = 6
+FORMAT_VERSION = 7
 
 log = structlog.get_logger("hpcrl.learner.bootstrap")
 
@@ -48,7 +48,7 @@ class BootstrapSettings:
     kv_heads: int = 2
     intermediate_size: int = 688
     max_positions: int = 2048
-    steps: int = 300
+    steps: int = 700
     batch_size: int = 8
     learning_rate: float = 2e-3
     warmup_steps: int = 20

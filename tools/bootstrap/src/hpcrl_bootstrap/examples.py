@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from hpcrl_bootstrap.catalogue import Measured, Plan, verdict_key
 from hpcrl_bootstrap.chat import IM_END, format_chat
 from hpcrl_bootstrap.corpus import Kernel, completion_text
+from hpcrl_bootstrap.restyle import restyle
 from hpcrl_common.messages import ChatMessage
 from hpcrl_common.prompts import build_prompt, failure_text
 from hpcrl_common.task import TaskSpec
@@ -31,9 +32,13 @@ IMPROVE_MARGIN = 1.10
 # and threads lose on a busy node), but not by half.
 DEEPEN_FLOOR = 0.5
 SEED_STAGE_ONE = 0.7  # share of seed prompts at stage 1, where the scheduler starts
-# Target stages, weighted to where a short SQD run spends its requests (and its tokens: a
-# stage-3 answer is ~3x as long as a stage-1 one, so the SFT budget goes furthest there).
-STAGE_WEIGHTS: dict[int, float] = {1: 0.36, 2: 0.36, 3: 0.14, 4: 0.06, 5: 0.04, 6: 0.04}
+# Target stages. A nine-iteration run reaches stage 6 by its fifth iteration and asks for
+# every stage from then on, so every stage is taught; stages 1-2 a little more, as every
+# run starts there and their answers are short (a stage-3+ answer is ~3x as many tokens).
+STAGE_WEIGHTS: dict[int, float] = {1: 0.22, 2: 0.22, 3: 0.16, 4: 0.14, 5: 0.13, 6: 0.13}
+# Share of prompts whose parent is shown restyled (restyle.py): the policy must read
+# programs it did not write, in other people's styles, as well as its own.
+RESTYLED_PARENTS = 0.6
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,7 @@ class Example:
     target: Kernel
     parent: Kernel | None = None
     error: str | None = None
+    shown_parent: str | None = None  # the parent's text in the prompt (restyled or not)
 
     @property
     def completion(self) -> str:
@@ -122,10 +128,13 @@ def make_examples(
         parent_source = parent.source if parent else None
         if mode == "seed" and seed_source is not None and rng.random() < 0.5:
             parent_source = seed_source
+        elif parent_source is not None and rng.random() < RESTYLED_PARENTS:
+            parent_source = restyle(parent_source, rng)
         prompt = build(task, target_stage=target_stage, mode=mode, parent_source=parent_source,
                        error=error, isa=isa)
         examples.append(Example(mode=mode, target_stage=target_stage, isa=isa,
-                                prompt=tuple(prompt), target=target, parent=parent, error=error))
+                                prompt=tuple(prompt), target=target, parent=parent, error=error,
+                                shown_parent=parent_source))
     return examples
 
 

@@ -158,16 +158,19 @@ def summary_table(report: dict[str, Any]) -> Table:
 
 
 def prompt_table(report: dict[str, Any]) -> Table:
-    """Per prompt: share correct and mean GFLOPS (failures 0) of every version."""
-    table = Table(title="per prompt: share correct / mean GFLOPS (failures 0)")
+    """Per prompt and version: share correct, mean GFLOPS of the correct samples, best of K."""
+    table = Table(title="per prompt: share correct / mean GFLOPS of correct samples / best")
     table.add_column("prompt")
     for version in report["versions"]:
         table.add_column(f"v{version['version']}", justify="right")
     for position, prompt in enumerate(report["prompts"]):
         cells = []
         for version in report["versions"]:
-            m = version["per_prompt"][position]["metrics"]
-            cells.append(f"{m['share_correct']:.2f} / {m['mean_gflops']:.3g}")
+            entry = version["per_prompt"][position]
+            speed = entry.get("speed_of_correct") or {}
+            cells.append(f"{entry['metrics']['share_correct']:.2f} / "
+                         f"{_num(speed.get('mean_gflops_correct'))} / "
+                         f"{_num(speed.get('best_of_k'))}")
         table.add_row(f"{prompt['index']}: {prompt['name']}", *cells)
     return table
 

@@ -1,9 +1,10 @@
 """The fixed evaluation set, as data: which prompts, at which stage, with which parent.
 
 Comparing whole SQD pools between runs cannot show learning, because the mix of prompts
-drifts with what the policy wrote; these prompts never change. They cover the stages a short
-demo reaches (1-3) and every expansion mode but repair (a repair prompt needs an error, and
-the errors of a fixed broken parent would say little about a policy). Prompts are built by
+drifts with what the policy wrote; these prompts never change. They cover every stage (1-6)
+and every expansion mode but repair (a repair prompt needs an error, and the errors of a
+fixed broken parent would say little about a policy), with hand-written parents the policy
+was never taught, so a gain on them is not a gain on its own programs only. Prompts are built by
 the scheduler's own function (``hpcrl_common.prompts.build_prompt``), so the policy is asked
 exactly as during training. Pure: the only I/O is reading the parents shipped as package data.
 """
@@ -18,9 +19,12 @@ from hpcrl_common.prompts import PromptMode, build_prompt
 from hpcrl_common.task import TaskSpec, builtin_seed
 
 # Parent name -> .c file under hpcrl_evaluate/parents ("seed" is the task's own seed program).
-PARENT_FILES: dict[str, str] = {"ikj": "ikj.c", "tiled": "tiled.c"}
-# Stage each fixed parent belongs to (and passes the benchmarker at).
-PARENT_STAGES: dict[str, int] = {"seed": 1, "ikj": 1, "tiled": 2}
+PARENT_FILES: dict[str, str] = {"ikj": "ikj.c", "tiled": "tiled.c", "simd": "simd.c",
+                                "omp": "omp.c", "prefetch": "prefetch.c"}
+# Stage each fixed parent belongs to (and passes the benchmarker at). The SIMD parents use
+# AVX2 + FMA, which every host the benchmarker accepts runs.
+PARENT_STAGES: dict[str, int] = {"seed": 1, "ikj": 1, "tiled": 2, "simd": 3, "omp": 4,
+                                 "prefetch": 5}
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,12 @@ SPECS: tuple[PromptSpec, ...] = (
     PromptSpec("deepen", 2, "ikj"),
     PromptSpec("improve", 2, "tiled"),
     PromptSpec("deepen", 3, "tiled"),
+    PromptSpec("improve", 3, "simd"),
+    PromptSpec("deepen", 4, "simd"),
+    PromptSpec("improve", 4, "omp"),
+    PromptSpec("deepen", 5, "omp"),
+    PromptSpec("improve", 5, "prefetch"),
+    PromptSpec("deepen", 6, "prefetch"),
 )
 
 

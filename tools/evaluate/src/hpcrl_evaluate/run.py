@@ -271,6 +271,18 @@ def summarise(records: list[SampleRecord]) -> dict[str, float]:
     return out
 
 
+def speed_of_correct(records: list[SampleRecord]) -> dict[str, float | None]:
+    """Mean GFLOPS of the correct samples alone (None when none is correct) and the best.
+
+    Not a per-sample statistic, so it has no paired interval: a version that writes fewer but
+    faster correct kernels shows here what mean GFLOPS (failures 0) folds into one figure.
+    """
+    speeds = [r.gflops for r in records if r.status == "success" and r.gflops is not None]
+    return {"correct": len(speeds),
+            "mean_gflops_correct": sum(speeds) / len(speeds) if speeds else None,
+            "best_of_k": max(speeds) if speeds else None}
+
+
 def version_report(ref: VersionRef, records: list[SampleRecord], prompts: list[EvalPrompt]
                    ) -> dict[str, Any]:
     return {
@@ -279,9 +291,11 @@ def version_report(ref: VersionRef, records: list[SampleRecord], prompts: list[E
         "path": str(ref.path),
         "metrics": summarise(records),
         "statuses": dict(Counter(r.status for r in records)),
-        "per_prompt": [{"prompt": p.index, "name": p.name,
-                        "metrics": summarise([r for r in records if r.prompt == p.index])}
-                       for p in prompts],
+        "per_prompt": [{"prompt": p.index, "name": p.name, "stage": p.stage,
+                        "metrics": summarise(mine),
+                        "speed_of_correct": speed_of_correct(mine)}
+                       for p in prompts
+                       for mine in ([r for r in records if r.prompt == p.index],)],
         "samples": [asdict(r) for r in records],
     }
 

@@ -1,0 +1,27 @@
+// Fixed parent of the evaluation set (stage 3): the i-k-j loop with its innermost loop
+// vectorised by hand with AVX2 + FMA intrinsics (4 doubles per vector, which every host the
+// benchmarker accepts runs), a scalar loop for the columns left over. Correct for any M, N, K.
+#include <immintrin.h>
+
+void matmul_optimized(double *A, double *B, double *C, int M, int N, int K) {
+    int n4 = N - N % 4;
+    for (int i = 0; i < M; i++) {
+        double *crow = &C[(long)i * N];
+        for (int j = 0; j < N; j++) {
+            crow[j] = 0.0;
+        }
+        for (int k = 0; k < K; k++) {
+            const double *brow = &B[(long)k * N];
+            __m256d a = _mm256_set1_pd(A[(long)i * K + k]);
+            int j = 0;
+            for (; j < n4; j += 4) {
+                __m256d c = _mm256_loadu_pd(crow + j);
+                c = _mm256_fmadd_pd(a, _mm256_loadu_pd(brow + j), c);
+                _mm256_storeu_pd(crow + j, c);
+            }
+            for (; j < N; j++) {
+                crow[j] += A[(long)i * K + k] * brow[j];
+            }
+        }
+    }
+}
