@@ -63,8 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompts", default=None, metavar="I,J,...",
                         help="evaluate only these prompt indices (default: the whole set)")
     parser.add_argument("--dtype", default="auto", help="weights dtype (default: the model's)")
-    parser.add_argument("--max-model-len", type=_positive, default=4096,
-                        help="prompt + completion tokens (default 4096)")
+    parser.add_argument("--max-model-len", type=_positive, default=None,
+                        help="prompt + completion tokens (default: the model's "
+                        "max_position_embeddings)")
     parser.add_argument("--kv-cache-gib", type=_positive, default=4,
                         help="vLLM on CPU: KV cache size in GiB (default 4)")
     parser.add_argument("--device", default="cpu", help="transformers: torch device")
@@ -103,6 +104,12 @@ def host_isa() -> str:
     return detect().prompt_isa
 
 
+def _positions(model: Path) -> int:
+    """The longest sequence the model was built for (vLLM refuses a longer max_model_len)."""
+    config = json.loads((model / "config.json").read_text())
+    return int(config.get("max_position_embeddings") or 4096)
+
+
 def setup(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Evaluation:
     """Check every argument before anything heavy is imported (exit 2 on a mistake)."""
     if not (args.model / "config.json").is_file():
@@ -124,7 +131,7 @@ def setup(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Evaluati
                                  temperature=args.temperature, top_p=args.top_p,
                                  max_tokens=args.max_tokens),
         backend=BackendOptions(backend=args.backend, dtype=args.dtype,
-                               max_model_len=args.max_model_len,
+                               max_model_len=args.max_model_len or _positions(args.model),
                                kv_cache_space_gib=args.kv_cache_gib, device=args.device),
         resamples=args.resamples,
     )
