@@ -214,10 +214,7 @@ def wait_for_learner(learner: Service, checkpoints: Path, data: dict[str, Any],
 def write_report(run_dir: Path, data: dict[str, Any], db: Path, checkpoints: Path,
                  corpus_best: dict[str, Any] | None,
                  overlap: dict[str, Any] | None = None) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import demo_plots  # beside this script; imports matplotlib
 
     run_dir.mkdir(parents=True, exist_ok=True)
     export(Store(db), run_dir / "kernels")
@@ -235,28 +232,14 @@ def write_report(run_dir: Path, data: dict[str, Any], db: Path, checkpoints: Pat
         writer = csv.DictWriter(handle, fieldnames=columns, restval="")
         writer.writeheader()
         writer.writerows(rows)
-    its = [r["iteration"] for r in rows]
-    figure, axis = plt.subplots(figsize=(6, 4))
-    axis.plot(its, [r["reward_mean"] for r in rows], marker="o", label="mean reward")
-    axis.plot(its, [r["reward_max"] for r in rows], marker="s", label="max reward")
-    axis.set(xlabel="iteration", ylabel="reward", title="Reward per iteration")
-    axis.legend()
-    figure.tight_layout()
-    figure.savefig(run_dir / "reward_curve.png", dpi=120)
-    figure, axis = plt.subplots(figsize=(6, 4))
-    stages = sorted({int(s) for it in data["iterations"] for s in it["pool"]})
-    for stage in stages:
-        axis.plot(its, [it["pool"].get(str(stage), {}).get("best_gflops")
-                        for it in data["iterations"]], marker="o", label=f"stage {stage}")
-    axis.set(xlabel="iteration", ylabel="best GFLOPS", title="Best GFLOPS per iteration")
-    if stages:
-        axis.legend()
-    figure.tight_layout()
-    figure.savefig(run_dir / "best_gflops.png", dpi=120)
-    plt.close("all")
+    demo_plots.reward_curve(rows, run_dir / "reward_curve.png")
+    demo_plots.best_gflops(data["iterations"], corpus_best, run_dir / "best_gflops.png")
+    demo_plots.learner_health(learner["versions"], run_dir / "learner.png")
+    print_headline(evaluation, data, corpus_best)
     print_summary(data, learner, corpus_best)
     print_overlap(console, overlap)
     print_evaluation(evaluation, learner["sampler_kl"])
+    print_learner_health(learner["versions"])
 
 
 def iteration_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
@@ -308,6 +291,39 @@ def print_summary(data: dict[str, Any], learner: dict[str, Any],
                           f"{blas['gflops']:.2f} GFLOPS; the run's best is "
                           f"{best['gflops'] / blas['gflops']:.1%} of it and "
                           f"{best['gflops'] / corpus_best['gflops']:.0%} of the catalogue's best")
+
+
+def print_headline(evaluation: dict[str, Any] | None, data: dict[str, Any],
+                   corpus_best: dict[str, Any] | None) -> None:
+    """What the run is for, in three lines: v0 -> final on the fixed set with CIs, and the
+    best kernel against OpenBLAS timed in the same run."""
+    comparison = (evaluation or {}).get("comparison")
+    if comparison is not None:
+        parts = []
+        for name in ("share_correct", "mean_gflops"):
+            g = comparison["metrics"][name]
+            parts.append(f"{evaluation['metric_labels'][name]} {g['before']:.3g} -> "
+                         f"{g['after']:.3g} ({g['gain']:+.3g}, 95 % CI [{g['low']:+.3g}, "
+                         f"{g['high']:+.3g}])")
+        console.print(f"[bold]v{comparison['before']} -> v{comparison['after']}:[/] "
+                      + "; ".join(parts))
+    best, blas = data.get("best"), (corpus_best or {}).get("openblas")
+    if best is not None and blas:
+        console.print(f"[bold]best kernel:[/] {best['gflops']:.1f} GFLOPS (stage "
+                      f"{best['stage']}) = {best['gflops'] / blas['gflops']:.0%} of OpenBLAS "
+                      f"dgemm ({blas['gflops']:.1f} GFLOPS, same run)")
+
+
+def print_learner_health(versions: list[dict[str, Any]]) -> None:
+    """The last step's optimisation figures beside their range over the run."""
+    cells = []
+    for key in ("entropy", "kl", "clip_fraction", "grad_norm", "zero_variance_fraction"):
+        values = [v[key] for v in versions
+                  if isinstance(v.get(key), int | float) and v[key] == v[key]]  # not NaN
+        if values:
+            cells.append(f"{key} {values[-1]:.3g} (range {min(values):.3g}-{max(values):.3g})")
+    if cells:
+        console.print("learner, last step: " + "; ".join(cells) + " (learner.png)")
 
 
 # --- the fixed evaluation set (hpcrl-evaluate): did this run's training help? ------------
@@ -549,14 +565,18 @@ def benchmark_corpus_best(config: SchedulerConfig, model_dir: Path) -> dict[str,
     rows = [row for row in json.loads(path.read_text()) if row["status"] == "success"]
     task = load_task(config.experiment.task)
     benchmarker = Benchmarker(BenchmarkerSection(pin_threads=False))
-    best = None
+    best, per_stage = None, {}
     for number in sorted({row["stage"] for row in rows}):
         top = max((row for row in rows if row["stage"] == number), key=lambda r: r["gflops"])
         verdict = benchmarker.evaluate(f"```c\n{top['source']}\n```", stage=number,
                                        opt_level=config.experiment.opt_level, task=task)
-        if verdict.status == "success" and (best is None or verdict.gflops > best["gflops"]):
+        if verdict.status != "success":
+            continue
+        per_stage[str(number)] = verdict.gflops
+        if best is None or verdict.gflops > best["gflops"]:
             best = {"gflops": verdict.gflops, "stage": number}
     if best is not None:
+        best["per_stage"] = per_stage
         best["openblas"] = openblas_gflops(task.sizes.reward)
     return best
 

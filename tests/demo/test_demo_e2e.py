@@ -52,7 +52,8 @@ def test_reduced_demo_runs_end_to_end(broker_settings, tmp_path):
     iteration = scheduler["iterations"][0]
     assert iteration["groups"] == 1 and iteration["closed"] == 1
     assert metrics["learner"]["policy_version"] == 1  # one group, one step, one version
-    for name in ("iterations.csv", "reward_curve.png", "best_gflops.png", "kernels/index.json"):
+    for name in ("iterations.csv", "reward_curve.png", "best_gflops.png", "learner.png",
+                 "kernels/index.json"):
         assert (run_dir / name).stat().st_size > 0, name
     for service in ("benchmarker", "learner", "generator", "scheduler"):
         assert (run_dir / "logs" / f"{service}.log").exists()
@@ -69,3 +70,9 @@ def test_reduced_demo_runs_end_to_end(broker_settings, tmp_path):
     assert metrics["evaluation"]["gains"]["mean_reward"] == \
         evaluation["comparison"]["metrics"]["mean_reward"]
     assert "Fixed evaluation set" in result.stdout and "sampler KL" in result.stdout
+    # The summary leads with v0 -> final and the best kernel against OpenBLAS.
+    headline = result.stdout.index("v0 -> v1:")
+    assert headline < result.stdout.index("SQD iterations")
+    assert "learner, last step: entropy" in result.stdout
+    corpus = metrics["corpus_best"]
+    assert corpus is None or set(corpus["per_stage"]) <= {str(s) for s in range(1, 7)}
