@@ -1,24 +1,39 @@
-"""Does the policy learn? The demo with learning rate 0 versus the demo's, per seed, each judged
-on the fixed evaluation set.
+"""The paper's Experiment 2: does the policy learn? The demo with learning rate 0 (no update)
+versus the demo's, per seed, on best GFLOPS per stage per iteration and on the fixed evaluation
+set.
 
-Runs `deploy/local/demo.py` (the four real services over the real broker) once per
-(learning rate, seed), each as its own experiment (own namespace, data dir and run dir). Every
-run ends with the demo's own evaluation (`hpcrl-evaluate`: version 0 and the final version
-sample the same fixed prompts with the same seeds; `evaluation.json`). Pools are not compared:
-their mix of prompts drifts with what the policy wrote. Printed, for share correct, mean raw
-reward and mean GFLOPS (failures count 0):
+By default: the demo's nine SQD iterations (`deploy/local/demo.toml`, scheduler.iterations) x
+seeds 0, 1, 2 x {no update (lr 0), trained (the demo's learning rate and reward mode)}, the two
+arms of a seed with the same sampling seeds. Runs `deploy/local/demo.py` (the four real services
+over the real broker) once per (arm, seed), each as its own experiment (own namespace, data dir
+and run dir under --runs). About 25 min per run on 2 cores with the policy cached, so the
+default 6 runs take about 2.5 h; --reuse resumes an interrupted bench.
 
-1. per run: final - v0, with its paired bootstrap 95 % CI (the demo's figure);
+Every run ends with the demo's own evaluation (`hpcrl-evaluate`: version 0 and the final version
+sample the same fixed prompts with the same seeds; `evaluation.json`) and its report
+(`metrics.json`: the scheduler's pools per iteration). Pools are compared only on their best
+kernels: their mix of prompts drifts with what the policy wrote. Printed:
+
+1. per run: final - v0 for share correct, mean raw reward and mean GFLOPS (failures count 0),
+   with its paired bootstrap 95 % CI (the demo's figure);
 2. per seed: the trained arm's gain minus the lr-0 arm's gain, with a 95 % CI from
    bootstrapping the paired samples of both arms together (all four evaluations of a seed
-   share prompts and sampling seeds, so sample i of prompt p is one resampling unit);
-3. across seeds: the mean of that difference and its spread (standard deviation, range).
+   share prompts and sampling seeds, so sample i of prompt p is one resampling unit); then
+   across seeds the mean of that difference and its spread (standard deviation, range);
+3. per seed: best GFLOPS of each stage's pool per iteration, trained / lr 0 (the paper's
+   Fig. 8), also plotted to <runs>/fig8-<trained run>.png (solid: trained, dashed: lr 0);
+4. the targets (issue 26, section 5), PASS or MISS: in each seed, trained gain - lr-0 gain
+   above 0 (its 95 % CI's low end) for share correct and for mean GFLOPS; and the run's best
+   GFLOPS higher with training in at least 2 of 3 seeds (two thirds of the seeds, rounded up),
+   by at least 16 % on average over the seeds (the paper's smallest gain; a run without a
+   correct kernel counts 0 GFLOPS).
 
-    .venv/bin/python bench/learning.py                 # 3 seeds x 2 learning rates
+    .venv/bin/python bench/learning.py                 # Experiment 2: 3 seeds x 2 arms, ~2.5 h
+    .venv/bin/python bench/learning.py --reuse         # resume it, or print its report again
     .venv/bin/python bench/learning.py --reward-modes parent_relative group_normalized
     .venv/bin/python bench/learning.py --seeds 0 --iterations 2 --eval-samples 4   # quicker
 
-With several reward modes, every (mode, learning rate) arm is compared with the same lr-0
+With several reward modes or learning rates, every trained arm is compared with the same lr-0
 run of its seed: at learning rate 0 the weights never move, whatever the rewards.
 """
 
@@ -86,6 +101,11 @@ def run_experiment(name: str, seed: int, arm: Arm, args: argparse.Namespace) -> 
         env["HPCRL__SCHEDULER__REWARD_MODE"] = arm.reward_mode
     finished = args.runs / name / "evaluation.json"
     if args.reuse and finished.is_file():
+        ran = iterations_run(args.runs / name)
+        if ran not in (None, args.iterations_total):  # never replace it silently
+            raise SystemExit(f"{name}: the finished run in {finished.parent} ran {ran} "
+                             f"iterations, not {args.iterations_total}; give --iterations "
+                             f"{ran} to report on it, or another --runs")
         console.print(f"--- {name}: reusing the finished run in {finished.parent}")
         return json.loads(finished.read_text())
     console.print(f"--- {name}: seed {seed}, {arm.label}")
@@ -99,6 +119,15 @@ def run_experiment(name: str, seed: int, arm: Arm, args: argparse.Namespace) -> 
     if evaluation["comparison"] is None:
         raise SystemExit(f"{name}: the learner took no step, so there is no final version")
     return evaluation
+
+
+def iterations_run(run_dir: Path) -> int | None:
+    """How many SQD iterations a finished run was set to (its metrics.json), or None."""
+    path = run_dir / "metrics.json"
+    if not path.is_file():
+        return None
+    total = json.loads(path.read_text()).get("scheduler", {}).get("iterations_total")
+    return None if total is None else int(total)
 
 
 def _ci(interval: Interval | dict[str, float]) -> str:
@@ -141,22 +170,24 @@ def per_run_table(runs: dict[Arm, list[dict[str, Any]]], seeds: list[int]) -> Ta
     return table
 
 
-def learning_table(runs: dict[Arm, list[dict[str, Any]]], seeds: list[int],
-                   control: Arm, trained: Arm) -> Table:
+def seed_differences(runs: dict[Arm, list[dict[str, Any]]], seeds: list[int], control: Arm,
+                     trained: Arm) -> list[dict[str, Interval]]:
+    """Per seed, the difference of gains of every shown metric, with its CI."""
+    return [{metric: difference_of_gains(t_eval, c_eval, metric, seed) for metric in SHOWN}
+            for seed, t_eval, c_eval in zip(seeds, runs[trained], runs[control], strict=True)]
+
+
+def learning_table(differences: list[dict[str, Interval]], seeds: list[int],
+                   trained: Arm) -> Table:
     """Per seed, the difference of gains with its CI; then the mean and spread over seeds."""
     table = Table(title=f"Learning gain: ({trained.label} gain) - (lr 0 gain), per seed "
                         "[95 % CI], then across seeds")
     table.add_column("seed")
     for label in SHOWN.values():
         table.add_column(label)
-    estimates: dict[str, list[float]] = {m: [] for m in SHOWN}
-    for seed, t_eval, c_eval in zip(seeds, runs[trained], runs[control], strict=True):
-        cells = []
-        for metric in SHOWN:
-            interval = difference_of_gains(t_eval, c_eval, metric, seed)
-            estimates[metric].append(interval.estimate)
-            cells.append(_ci(interval))
-        table.add_row(str(seed), *cells)
+    for seed, intervals in zip(seeds, differences, strict=True):
+        table.add_row(str(seed), *(_ci(intervals[m]) for m in SHOWN))
+    estimates = {m: [intervals[m].estimate for intervals in differences] for m in SHOWN}
     table.add_section()
     table.add_row("mean over seeds", *(f"{statistics.fmean(estimates[m]):+.3g}" for m in SHOWN))
     table.add_row("std over seeds", *(f"{_stdev(estimates[m]):.3g}" for m in SHOWN))
@@ -169,42 +200,259 @@ def _stdev(values: list[float]) -> float:
     return statistics.stdev(values) if len(values) > 1 else 0.0
 
 
+# --- the paper's Fig. 8 and the run's best kernel, from each run's metrics.json -----------
+
+# Issue 26, section 5: in each seed, trained gain - lr-0 gain above 0 (95 % CI) for these ...
+CI_TARGETS = ("share_correct", "mean_gflops")
+# ... and the run's best GFLOPS higher with training in two thirds of the seeds (2 of 3), by
+# at least this much on average over the seeds (the paper's smallest gain, +16 %).
+BEST_SHARE_OF_SEEDS = (2, 3)
+BEST_MIN_MEAN_GAIN = 0.16
+
+
+def read_metrics(run_dir: Path) -> dict[str, Any] | None:
+    """A run's metrics.json (the demo's report), or None where the run has none."""
+    path = run_dir / "metrics.json"
+    if not path.is_file():
+        console.print(f"[yellow]{path} is missing: no best GFLOPS for this run[/]")
+        return None
+    return json.loads(path.read_text())
+
+
+def stage_bests(metrics: dict[str, Any]) -> dict[int, dict[int, float | None]]:
+    """{stage: {iteration: best GFLOPS of that stage's pool}} for every stage any iteration's
+    pool holds, over every iteration (None: no correct kernel of the stage in that pool)."""
+    iterations = metrics["scheduler"]["iterations"]
+    stages = sorted({int(stage) for it in iterations for stage in it["pool"]})
+    return {stage: {int(it["iteration"]): it["pool"].get(str(stage), {}).get("best_gflops")
+                    for it in iterations}
+            for stage in stages}
+
+
+def run_best(metrics: dict[str, Any] | None) -> float | None:
+    """The run's best GFLOPS (its best correct kernel, the seed kernel excluded), or None."""
+    best = (metrics or {}).get("scheduler", {}).get("best")
+    return None if best is None else float(best["gflops"])
+
+
+@dataclass(frozen=True)
+class BestComparison:
+    """The run's best GFLOPS of one seed, trained and lr 0 (None: no correct kernel)."""
+
+    seed: int
+    trained: float | None
+    control: float | None
+
+    @property
+    def higher(self) -> bool:
+        return (self.trained or 0.0) > (self.control or 0.0)
+
+    @property
+    def relative_gain(self) -> float:
+        """trained / lr 0 - 1; a run without a correct kernel counts 0 GFLOPS."""
+        trained, control = self.trained or 0.0, self.control or 0.0
+        if control > 0:
+            return trained / control - 1.0
+        return float("inf") if trained > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class BestVerdict:
+    higher: int  # seeds where the trained run's best beat the lr-0 run's
+    required: int  # of len(seeds), two thirds rounded up
+    seeds: int
+    mean_gain: float  # the mean relative gain over the seeds
+
+    @property
+    def passed(self) -> bool:
+        return self.higher >= self.required and self.mean_gain >= BEST_MIN_MEAN_GAIN
+
+
+def best_verdict(comparisons: list[BestComparison]) -> BestVerdict:
+    if not comparisons:
+        raise ValueError("no seeds to judge")
+    num, den = BEST_SHARE_OF_SEEDS
+    n = len(comparisons)
+    return BestVerdict(higher=sum(c.higher for c in comparisons), required=-(-num * n // den),
+                       seeds=n, mean_gain=statistics.fmean(c.relative_gain
+                                                           for c in comparisons))
+
+
+def ci_verdicts(differences: list[dict[str, Interval]]) -> list[dict[str, bool]]:
+    """Per seed and target metric: is the difference of gains above 0, its CI included?"""
+    return [{metric: intervals[metric].low > 0 for metric in CI_TARGETS}
+            for intervals in differences]
+
+
+def _verdict(passed: bool) -> str:
+    return "[green]PASS[/]" if passed else "[red]MISS[/]"
+
+
+def _gflops(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _percent(gain: float) -> str:
+    return f"{gain:+.0%}" if gain != float("inf") else "+inf"
+
+
+def stage_table(trained: dict[str, Any], control: dict[str, Any], seed: int,
+                arm: Arm) -> Table:
+    """Fig. 8 as numbers: best GFLOPS per stage per iteration, trained/lr 0."""
+    t_bests, c_bests = stage_bests(trained), stage_bests(control)
+    stages = sorted(set(t_bests) | set(c_bests))
+    iterations = sorted({i for bests in (t_bests, c_bests) for per in bests.values()
+                         for i in per})
+    table = Table(title=f"Seed {seed}: best GFLOPS per stage per iteration, {arm.label}/lr 0 "
+                        "(Fig. 8)")
+    table.add_column("t")
+    for stage in stages:
+        table.add_column(f"stage {stage}", no_wrap=True)
+    for i in iterations:
+        table.add_row(str(i), *(f"{_gflops(t_bests.get(s, {}).get(i), 1)}/"
+                                f"{_gflops(c_bests.get(s, {}).get(i), 1)}" for s in stages))
+    return table
+
+
+def plot_stage_bests(trained: dict[str, Any], control: dict[str, Any], out: Path,
+                     title: str, trained_label: str = "trained") -> None:
+    """The paper's Fig. 8 for one seed: a line per stage, solid trained, dashed lr 0."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import MaxNLocator
+
+    t_bests, c_bests = stage_bests(trained), stage_bests(control)
+    stages = sorted(set(t_bests) | set(c_bests))
+    colours = plt.get_cmap("tab10")
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    for k, stage in enumerate(stages):
+        for bests, style in ((t_bests, "-"), (c_bests, "--")):
+            per = bests.get(stage, {})
+            its = sorted(per)
+            axis.plot(its, [float("nan") if per[i] is None else per[i] for i in its],
+                      linestyle=style, marker="o", markersize=3, color=colours(k % 10))
+    handles = [Line2D([], [], color=colours(k % 10), label=f"stage {stage}")
+               for k, stage in enumerate(stages)]
+    handles += [Line2D([], [], color="black", linestyle="-", label=trained_label),
+                Line2D([], [], color="black", linestyle="--", label="no update (lr 0)")]
+    axis.set(xlabel="SQD iteration", ylabel="best GFLOPS of the stage's pool", title=title)
+    axis.xaxis.set_major_locator(MaxNLocator(integer=True))
+    axis.legend(handles=handles, fontsize="small")
+    figure.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(out, dpi=120)
+    plt.close(figure)
+
+
+def targets_table(differences: list[dict[str, Interval]], comparisons: list[BestComparison],
+                  arm: Arm) -> Table:
+    """Per seed: the run's best GFLOPS, trained against lr 0, and the CI targets met or not."""
+    table = Table(title=f"Experiment 2 targets: {arm.label} against no update (lr 0); "
+                        "gain - lr-0 gain on the fixed set [95 % CI], above 0?")
+    for column in ("seed", "best GFLOPS, lr 0", "trained", "gain"):
+        table.add_column(column)
+    for metric in CI_TARGETS:
+        table.add_column(SHOWN[metric].split(" (")[0])
+        table.add_column("> 0", no_wrap=True)
+    for intervals, verdicts, c in zip(differences, ci_verdicts(differences), comparisons,
+                                      strict=True):
+        table.add_row(str(c.seed), _gflops(c.control), _gflops(c.trained),
+                      _percent(c.relative_gain),
+                      *(cell for m in CI_TARGETS
+                        for cell in (_ci(intervals[m]), _verdict(verdicts[m]))))
+    return table
+
+
+def print_best_verdict(verdict: BestVerdict) -> None:
+    console.print(f"best GFLOPS of the run higher with training in {verdict.higher} of "
+                  f"{verdict.seeds} seeds (target >= {verdict.required}), by "
+                  f"{_percent(verdict.mean_gain)} on average (target >= "
+                  f"{BEST_MIN_MEAN_GAIN:.0%}): {_verdict(verdict.passed)}")
+
+
+def report_best_gflops(runs: Path, seeds: list[int], control: Arm, trained: Arm,
+                       differences: list[dict[str, Interval]]) -> None:
+    """Fig. 8 per seed (printed and plotted), then the best-GFLOPS and CI targets."""
+    comparisons, unread = [], []
+    for seed in seeds:
+        t_metrics = read_metrics(runs / trained.run_name(seed))
+        c_metrics = read_metrics(runs / control.run_name(seed))
+        comparisons.append(BestComparison(seed, run_best(t_metrics), run_best(c_metrics)))
+        if t_metrics is None or c_metrics is None:
+            unread.append(seed)
+            continue
+        console.print(stage_table(t_metrics, c_metrics, seed, trained))
+        out = runs / f"fig8-{trained.run_name(seed)}.png"
+        plot_stage_bests(t_metrics, c_metrics, out,
+                         f"Seed {seed}: best GFLOPS per stage per iteration (Fig. 8)",
+                         f"trained ({trained.label})")
+        console.print(f"figure: {out}")
+    console.print(targets_table(differences, comparisons, trained))
+    if unread:  # a missing report is no evidence of a run without a correct kernel
+        console.print(f"best GFLOPS target not judged: no metrics.json for seed(s) "
+                      f"{' '.join(map(str, unread))}")
+    else:
+        print_best_verdict(best_verdict(comparisons))
+
+
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    demo_learner = load_config(LearnerConfig, CONFIG, env={}).learner
+    demo_scheduler = load_config(SchedulerConfig, CONFIG, env={}).scheduler
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
+                        help="experiment seeds, one run per arm each (default: 0 1 2)")
     parser.add_argument("--iterations", type=int, default=None,
-                        help="override scheduler.iterations of the demo config")
+                        help="SQD iterations per run (default: the demo's scheduler.iterations, "
+                        f"{demo_scheduler.iterations}, the paper's; HPCRL__SCHEDULER__ITERATIONS "
+                        "overrides it too)")
     parser.add_argument("--learning-rate", type=float, nargs="+", default=None,
-                        help="the learning rate(s) compared with 0 (default: the demo's); "
-                        "several make a sweep, each compared with the same lr-0 runs")
+                        help="the learning rate(s) compared with 0 (default: the demo's, "
+                        f"{demo_learner.learning_rate:g}); several make a sweep, each compared "
+                        "with the same lr-0 runs")
     parser.add_argument("--reward-modes", nargs="+", default=None,
                         choices=("parent_relative", "group_normalized", "raw"),
                         help="train each learning rate under each of these reward modes "
-                        "(default: the demo's scheduler.reward_mode, group_normalized)")
+                        "(default: the demo's scheduler.reward_mode, "
+                        f"{demo_scheduler.reward_mode})")
     parser.add_argument("--reuse", action="store_true",
                         help="reuse runs that already finished (their evaluation.json) instead "
-                        "of running them again: resume an interrupted bench, or add seeds")
+                        "of running them again: resume an interrupted bench, add seeds, or "
+                        "print the report again (a run of another number of iterations stops "
+                        "the bench)")
     parser.add_argument("--eval-samples", type=int, default=16,
                         help="completions per prompt and version in each run's evaluation "
                         "(default 16, the demo's)")
     parser.add_argument("--reevaluate", action="store_true",
                         help="train nothing: evaluate each run's finished checkpoints again "
                         "(e.g. with more --eval-samples), results under --runs")
-    parser.add_argument("--runs", type=Path, default=ROOT / "runs" / "bench-learning")
+    parser.add_argument("--runs", type=Path, default=ROOT / "runs" / "bench-learning",
+                        help="where the runs' reports and the Fig. 8 PNGs go "
+                        "(default: runs/bench-learning)")
     args = parser.parse_args()
+    # What each run gets: --iterations, else the demo config as the environment overlays it.
+    args.iterations_total = (args.iterations if args.iterations is not None
+                             else load_config(SchedulerConfig, CONFIG).scheduler.iterations)
 
-    default_lr = load_config(LearnerConfig, CONFIG, env={}).learner.learning_rate
-    default_mode = load_config(SchedulerConfig, CONFIG, env={}).scheduler.reward_mode
-    modes = args.reward_modes or [default_mode]
+    modes = args.reward_modes or [demo_scheduler.reward_mode]
     control = Arm(0.0)
-    trained = [Arm(lr, mode) for mode in modes for lr in args.learning_rate or [default_lr]]
+    trained = [Arm(lr, mode) for mode in modes
+               for lr in args.learning_rate or [demo_learner.learning_rate]]
     runs: dict[Arm, list[dict[str, Any]]] = {arm: [] for arm in (control, *trained)}
+    console.print(f"[bold]Experiment 2:[/] {args.iterations_total} iterations x seeds "
+                  f"{' '.join(map(str, args.seeds))} x {{{', '.join(a.label for a in runs)}}}: "
+                  f"{len(args.seeds) * len(runs)} runs, about 25 min each on 2 cores")
     for seed in args.seeds:  # seed by seed, so an interrupted bench has whole seeds
         for arm in runs:
             runs[arm].append(run_experiment(arm.run_name(seed), seed, arm, args))
     console.print(per_run_table(runs, args.seeds))
     for arm in trained:
-        console.print(learning_table(runs, args.seeds, control, arm))
+        differences = seed_differences(runs, args.seeds, control, arm)
+        console.print(learning_table(differences, args.seeds, arm))
+        report_best_gflops(args.runs, args.seeds, control, arm, differences)
     return 0
 
 

@@ -1,0 +1,190 @@
+"""bench/learning.py's report (the paper's Experiment 2): the per-iteration bests per stage read
+out of a run's metrics.json, the run's best GFLOPS trained against lr 0, and the target
+verdicts, on synthetic metrics dicts shaped as deploy/local/demo.py writes them."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+import math
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+from rich.console import Console
+
+from hpcrl_evaluate.stats import Interval
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def load_bench() -> ModuleType:
+    """bench/ is scripts, not a package: load bench/learning.py by its path."""
+    path = ROOT / "bench" / "learning.py"
+    spec = importlib.util.spec_from_file_location("bench_learning", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while it executes
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = load_bench()
+
+
+def stage(best: float | None) -> dict[str, Any]:
+    return {"count": 8, "best_gflops": best, "median_gflops": best, "status_share": {"ok": 1.0}}
+
+
+def metrics(pools: list[dict[str, float | None]], best: dict[str, Any] | None = None,
+            total: int | None = None) -> dict[str, Any]:
+    """A metrics.json: one pool per iteration, {stage: best GFLOPS}."""
+    iterations = [{"iteration": i, "pool": {s: stage(v) for s, v in pool.items()}}
+                  for i, pool in enumerate(pools)]
+    return {"scheduler": {"iterations": iterations, "best": best,
+                          "iterations_total": total or len(pools)},
+            "learner": {}, "evaluation": None}
+
+
+def render(table: Any) -> str:
+    out = io.StringIO()
+    Console(file=out, width=200, color_system=None).print(table)
+    return out.getvalue()
+
+
+def test_stage_bests_fills_every_iteration_of_every_stage() -> None:
+    data = metrics([{"1": 2.0}, {"1": 3.5, "2": None}, {"1": 3.5, "2": 7.0, "10": 1.0}])
+    assert bench.stage_bests(data) == {
+        1: {0: 2.0, 1: 3.5, 2: 3.5},
+        2: {0: None, 1: None, 2: 7.0},  # not reached, then no correct kernel, then 7
+        10: {0: None, 1: None, 2: 1.0},  # stages sort as numbers, not strings
+    }
+    assert list(bench.stage_bests(data)) == [1, 2, 10]
+
+
+def test_stage_bests_of_a_run_without_iterations() -> None:
+    assert bench.stage_bests(metrics([])) == {}
+
+
+def test_run_best() -> None:
+    best = {"id": 7, "gflops": 12.5, "stage": 3, "iteration": 4}
+    assert bench.run_best(metrics([{"1": 1.0}], best)) == 12.5
+    assert bench.run_best(metrics([{"1": 1.0}], None)) is None
+    assert bench.run_best(None) is None  # the run has no metrics.json
+
+
+def test_relative_gain_and_higher() -> None:
+    c = bench.BestComparison(0, trained=23.0, control=20.0)
+    assert c.higher and c.relative_gain == pytest.approx(0.15)
+    c = bench.BestComparison(0, trained=10.0, control=20.0)
+    assert not c.higher and c.relative_gain == pytest.approx(-0.5)
+    # a run without a correct kernel counts 0 GFLOPS
+    assert bench.BestComparison(0, trained=None, control=5.0).relative_gain == -1.0
+    assert bench.BestComparison(0, trained=5.0, control=None).relative_gain == math.inf
+    tie = bench.BestComparison(0, trained=None, control=None)
+    assert not tie.higher and tie.relative_gain == 0.0
+
+
+def comparisons(*pairs: tuple[float | None, float | None]) -> list[Any]:
+    return [bench.BestComparison(i, t, c) for i, (t, c) in enumerate(pairs)]
+
+
+def test_best_verdict_passes_two_of_three_by_sixteen_percent_on_average() -> None:
+    verdict = bench.best_verdict(comparisons((13.0, 10.0), (12.0, 10.0), (9.9, 10.0)))
+    assert (verdict.higher, verdict.required, verdict.seeds) == (2, 2, 3)
+    assert verdict.mean_gain == pytest.approx((0.3 + 0.2 - 0.01) / 3)
+    assert verdict.passed
+
+
+def test_best_verdict_misses_a_small_average() -> None:
+    verdict = bench.best_verdict(comparisons((11.0, 10.0), (12.0, 10.0), (10.0, 10.0)))
+    assert verdict.higher == 2 and verdict.mean_gain == pytest.approx(0.1)
+    assert not verdict.passed
+
+
+def test_best_verdict_misses_one_seed_however_large() -> None:
+    verdict = bench.best_verdict(comparisons((50.0, 10.0), (9.0, 10.0), (10.0, 10.0)))
+    assert verdict.higher == 1 and verdict.mean_gain > 1
+    assert not verdict.passed
+
+
+@pytest.mark.parametrize(("seeds", "required"), [(1, 1), (2, 2), (3, 2), (4, 3), (6, 4)])
+def test_best_verdict_wants_two_thirds_of_the_seeds(seeds: int, required: int) -> None:
+    verdict = bench.best_verdict(comparisons(*[(20.0, 10.0)] * seeds))
+    assert verdict.required == required and verdict.passed
+
+
+def test_best_verdict_without_seeds() -> None:
+    with pytest.raises(ValueError):
+        bench.best_verdict([])
+
+
+def differences(*lows: tuple[float, float]) -> list[dict[str, Interval]]:
+    """Per seed, (share correct, mean GFLOPS) CI low ends; mean reward always above 0."""
+    return [{"share_correct": Interval(sc + 0.1, sc, sc + 0.2),
+             "mean_reward": Interval(5.0, 1.0, 9.0),
+             "mean_gflops": Interval(gf + 1.0, gf, gf + 2.0)} for sc, gf in lows]
+
+
+def test_ci_verdicts_want_the_low_end_above_zero() -> None:
+    verdicts = bench.ci_verdicts(differences((0.01, 0.5), (0.0, 2.0), (-0.1, -0.2)))
+    assert verdicts == [
+        {"share_correct": True, "mean_gflops": True},
+        {"share_correct": False, "mean_gflops": True},  # a CI touching 0 is not above it
+        {"share_correct": False, "mean_gflops": False},
+    ]
+
+
+def test_iterations_run(tmp_path: Path) -> None:
+    assert bench.iterations_run(tmp_path) is None
+    (tmp_path / "metrics.json").write_text(json.dumps(metrics([{}] * 4, total=9)))
+    assert bench.iterations_run(tmp_path) == 9
+
+
+def test_stage_table_shows_trained_over_control() -> None:
+    trained = metrics([{"1": 2.0}, {"1": 4.0, "2": 8.0}])
+    control = metrics([{"1": 2.0}, {"1": 3.0}])
+    text = render(bench.stage_table(trained, control, 0, bench.Arm(2e-4, "group_normalized")))
+    assert "4.0/3.0" in text and "8.0/-" in text and "-/-" in text
+
+
+def test_targets_table_prints_pass_and_miss() -> None:
+    text = render(bench.targets_table(differences((0.01, 0.5), (-0.1, 0.5)),
+                                      comparisons((12.0, 10.0), (None, 10.0)),
+                                      bench.Arm(2e-4)))
+    assert "+20%" in text and "-100%" in text
+    assert text.count("PASS") == 3 and text.count("MISS") == 1
+
+
+def test_plot_writes_one_png(tmp_path: Path) -> None:
+    out = tmp_path / "fig8" / "seed0.png"
+    bench.plot_stage_bests(metrics([{"1": 2.0}, {"1": 4.0, "2": 8.0}]),
+                           metrics([{"1": 2.0}, {"1": 3.0}]), out, "seed 0")
+    assert out.read_bytes().startswith(b"\x89PNG")
+
+
+def test_report_plots_every_seed_and_judges(tmp_path: Path, capsys: Any) -> None:
+    control, trained = bench.Arm(0.0), bench.Arm(2e-4, "group_normalized")
+    for seed, (t_best, c_best) in enumerate([(12.0, 10.0), (13.0, 10.0), (9.0, 10.0)]):
+        for arm, best in ((trained, t_best), (control, c_best)):
+            run = tmp_path / arm.run_name(seed)
+            run.mkdir()
+            (run / "metrics.json").write_text(json.dumps(
+                metrics([{"1": best / 2}, {"1": best / 2, "2": best}],
+                        {"gflops": best, "stage": 2, "iteration": 1})))
+    bench.report_best_gflops(tmp_path, [0, 1, 2], control, trained,
+                             differences((0.1, 0.1), (0.1, 0.1), (0.1, 0.1)))
+    pngs = sorted(p.name for p in tmp_path.glob("fig8-*.png"))
+    assert pngs == [f"fig8-{trained.run_name(seed)}.png" for seed in range(3)]
+    assert "in 2 of 3 seeds" in capsys.readouterr().out
+
+
+def test_report_does_not_judge_a_run_without_metrics(tmp_path: Path, capsys: Any) -> None:
+    control, trained = bench.Arm(0.0), bench.Arm(2e-4)
+    bench.report_best_gflops(tmp_path, [0], control, trained, differences((0.1, 0.1)))
+    out = capsys.readouterr().out
+    assert "not judged" in out and "PASS" in out  # the CI targets still are
+    assert not list(tmp_path.glob("*.png"))
