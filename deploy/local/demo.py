@@ -295,7 +295,7 @@ def print_summary(data: dict[str, Any], learner: dict[str, Any],
 
 def print_headline(evaluation: dict[str, Any] | None, data: dict[str, Any],
                    corpus_best: dict[str, Any] | None) -> None:
-    """What the run is for, in three lines: v0 -> final on the fixed set with CIs, and the
+    """What the run is for, in two lines: v0 -> final on the fixed set with CIs, and the
     best kernel against OpenBLAS timed in the same run."""
     comparison = (evaluation or {}).get("comparison")
     if comparison is not None:
