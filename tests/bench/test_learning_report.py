@@ -4,35 +4,19 @@ verdicts, on synthetic metrics dicts shaped as deploy/local/demo.py writes them.
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import json
 import math
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 from rich.console import Console
 
 from hpcrl_evaluate.stats import Interval
+from tests.support.scripts import load_script
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def load_bench() -> ModuleType:
-    """bench/ is scripts, not a package: load bench/learning.py by its path."""
-    path = ROOT / "bench" / "learning.py"
-    spec = importlib.util.spec_from_file_location("bench_learning", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while it executes
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = load_bench()
+bench = load_script("bench/learning.py", "bench_learning")
 
 
 def stage(best: float | None) -> dict[str, Any]:

@@ -4,13 +4,10 @@ parser Prometheus's Python client ships; the ratio and its fallbacks."""
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import socket
-import sys
 import time
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -19,22 +16,12 @@ from rich.console import Console
 from hpcrl_common.checkpoints import CheckpointStore
 from hpcrl_common.metrics import BUSY_SECONDS_NAME, FIRST_BUSY_NAME, MetricsServer
 from hpcrl_scheduler.store import Store
+from tests.support.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def load_report() -> ModuleType:
-    """deploy/local/overlap_report.py is beside the demo script, not in a package."""
-    path = ROOT / "deploy" / "local" / "overlap_report.py"
-    spec = importlib.util.spec_from_file_location("overlap_report", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while it executes
-    spec.loader.exec_module(module)
-    return module
-
-
-report = load_report()
+report = load_script("deploy/local/overlap_report.py", "overlap_report")
 
 
 class Service:
