@@ -1,10 +1,14 @@
-"""Tokens/s of the generator's vLLM backend versus its transformers backend, in one run.
+"""Tokens/s of the generator's vLLM backend versus its transformers backend, in one run, and
+of vLLM sampling every group in one engine call versus one group per call.
 
 Both sample the same groups (G completions per prompt, same sampling settings) from the same
-tiny local Qwen2 model (built here unless --model is given). Sampling at temperature 1 with
-fixed seeds; tokens/s counts the completion tokens each backend actually produced.
+tiny local Qwen2 model (built here unless --model is given, e.g. the demo's policy). Sampling
+at temperature 1 with fixed seeds; tokens/s counts the completion tokens actually produced.
+The batched run is what the generator does with an iteration's requests
+(generator.max_batch_groups).
 
     .venv/bin/python bench/generation.py [--group-size 8] [--prompts 4] [--max-tokens 64]
+        [--model data/policy/bootstrap-<hash>/model]
 """
 
 from __future__ import annotations
@@ -34,6 +38,18 @@ def measure(sampler, prompts: list[list[int]], group: int, max_tokens: int) -> t
     for ids, p in zip(prompts, params, strict=True):
         tokens += sum(len(s.token_ids) for s in sampler.generate(ids, group, p))
     return tokens, time.perf_counter() - started
+
+
+def measure_batched(sampler, prompts: list[list[int]], group: int, max_tokens: int
+                    ) -> tuple[int, float]:
+    from hpcrl_generator.sampling import GroupJob
+
+    jobs = [GroupJob(ids, group, SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=i))
+            for i, ids in enumerate(prompts)]
+    started = time.perf_counter()
+    groups = sampler.generate_groups(jobs)
+    elapsed = time.perf_counter() - started
+    return sum(len(s.token_ids) for samples in groups for s in samples), elapsed
 
 
 def main() -> None:
@@ -68,13 +84,20 @@ def main() -> None:
     print(f"transformers: {hf_tokens} tokens in {hf_s:.2f} s = {hf_tokens / hf_s:.1f} tokens/s")
 
     started = time.perf_counter()
-    vllm = VLLMSampler(model, dtype="float32", max_model_len=512,
-                       max_num_seqs=max(8, args.group_size), kv_cache_space_gib=1)
+    context = max(512, max(map(len, prompts)) + args.max_tokens)
+    vllm = VLLMSampler(model, dtype="float32", max_model_len=context,
+                       max_num_seqs=max(8, args.group_size * args.prompts), kv_cache_space_gib=1)
     print(f"vllm engine start: {time.perf_counter() - started:.1f} s")
     vl_tokens, vl_s = measure(vllm, prompts, args.group_size, args.max_tokens)
+    print(f"vllm:         {vl_tokens} tokens in {vl_s:.2f} s = {vl_tokens / vl_s:.1f} tokens/s "
+          "(one group per engine call)")
+    vb_tokens, vb_s = measure_batched(vllm, prompts, args.group_size, args.max_tokens)
     vllm.close()
-    print(f"vllm:         {vl_tokens} tokens in {vl_s:.2f} s = {vl_tokens / vl_s:.1f} tokens/s")
+    print(f"vllm batched: {vb_tokens} tokens in {vb_s:.2f} s = {vb_tokens / vb_s:.1f} tokens/s "
+          f"({args.prompts} groups in one engine call)")
     print(f"vllm/transformers tokens/s ratio: {(vl_tokens / vl_s) / (hf_tokens / hf_s):.2f}")
+    print(f"vllm batched/one group per call tokens/s ratio: "
+          f"{(vb_tokens / vb_s) / (vl_tokens / vl_s):.2f}")
 
 
 if __name__ == "__main__":

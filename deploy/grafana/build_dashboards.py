@@ -367,8 +367,13 @@ def policy() -> DashboardSpec:
         ts("Generator tokens/s", "Completion tokens sampled per second by each generator.",
            q(f"sum by (instance) (rate(hpcrl_generator_tokens_total[{RATE}]))",
              "{{instance}}")),
-        ts("Request time", "Time to sample one request's G completions (median, 95th "
-           "percentile).", *quantiles("hpcrl_generator_request_seconds"), unit="s"),
+        ts("Request time", "Time of the engine call that sampled a request's G completions, "
+           "with the groups batched with it (median, 95th percentile).",
+           *quantiles("hpcrl_generator_request_seconds"), unit="s"),
+        ts("Groups per engine call", "Requests sampled together in one engine call (median, "
+           "95th percentile): near 1 while requests trickle in, up to "
+           "generator.max_batch_groups when an iteration's requests arrive together.",
+           *quantiles("hpcrl_generator_batch_groups")),
         ts("Requests by outcome", "Generate requests per second by outcome (done, rejected, "
            "version_timeout, failed).",
            q(f"sum by (outcome) (rate(hpcrl_generator_requests_total[{RATE}]))", "{{outcome}}"),
@@ -387,7 +392,7 @@ def policy() -> DashboardSpec:
         ts("Completions by finish reason", "Completions published per second by why they "
            "ended (stop, length).",
            q(f"sum by (finish_reason) (rate(hpcrl_generator_completions_total[{RATE}]))",
-             "{{finish_reason}}"), unit="ops", width=24),
+             "{{finish_reason}}"), unit="ops"),
     ]
     return DashboardSpec(
         "hpcrl-policy", "hpcrl: policy",

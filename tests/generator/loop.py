@@ -32,7 +32,7 @@ def run_weight_loop(sampler, models: dict[str, Path], broker_settings, raw_chann
         poll_manifest=False,  # the announcement alone must be enough
         version_poll_s=0.2, version_wait_s=120,
     )
-    consumer = Consumer(broker_settings, "generator-test", concurrency=section.concurrency)
+    consumer = Consumer(broker_settings, "generator-test", concurrency=section.handler_threads)
     generator = Generator(sampler, section, consumer.topology, replica="loop-test")
     generator.start()
     generator.attach(consumer)

@@ -126,3 +126,67 @@ def test_waiting_for_a_floor_or_for_the_engine_is_not_busy_time(tiny_models, tmp
     thread.join(60)
     assert done.is_set()
     assert busy.seconds() - before <= time.monotonic() - began - 0.4
+
+
+def queue_behind_the_engine(generator: Generator, requests) -> tuple[list[int], dict]:
+    """Send ``requests`` from handler threads while the engine is busy, then free it.
+    Returns the size of every engine call and each request's candidates (or exception)."""
+    calls: list[int] = []
+    sample_groups = generator.sampler.generate_groups
+
+    def counted(jobs):
+        calls.append(len(jobs))
+        return sample_groups(jobs)
+
+    generator.sampler.generate_groups = counted
+    outcomes: dict = {}
+
+    def send(req) -> None:
+        try:
+            outcomes[req.id] = [p.message for p in generator.on_request(req, None)]
+        except Exception as exc:  # the outcome under test
+            outcomes[req.id] = exc
+
+    threads = [threading.Thread(target=send, args=(req,)) for req in requests]
+    with generator._engine:  # another call samples meanwhile: these requests wait
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 30
+        while len(generator._waiting) < len(requests) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    for thread in threads:
+        thread.join(120)
+    return calls, outcomes
+
+
+def test_requests_waiting_for_the_engine_are_sampled_together(tiny_models, tmp_path):
+    generator = make(tiny_models, tmp_path, max_batch_groups=3)
+    requests = [request(f"r{i}", group_size=2, temperature=0.9, seed=i) for i in range(4)]
+    calls, outcomes = queue_behind_the_engine(generator, requests)
+    assert calls == [3, 1]  # oldest three together, the fourth in the next call
+    alone = make(tiny_models, tmp_path, max_batch_groups=1)
+    for req in requests:
+        got = outcomes[req.id]
+        assert [c.group_id for c in got] == [req.id] * 2
+        want = [p.message for p in alone.on_request(req, None)]
+        assert [tokens(c) for c in got] == [tokens(c) for c in want]
+
+
+def test_a_request_whose_floor_is_not_met_does_not_join_a_call(tiny_models, tmp_path):
+    generator = make(tiny_models, tmp_path, max_batch_groups=4, poll_manifest=False,
+                     version_wait_s=0.5)
+    calls, outcomes = queue_behind_the_engine(
+        generator, [request("now"), request("later", floor=1)])
+    assert calls == [1]
+    assert outcomes["now"][0].rollout.policy_version == 0
+    assert isinstance(outcomes["later"], VersionNotReady)
+
+
+def test_one_bad_request_in_a_call_is_rejected_alone(tiny_models):
+    generator = make(tiny_models, max_model_len=80, max_batch_groups=4)
+    long = [ChatMessage(role="user", content="register blocking " * 40)]
+    calls, outcomes = queue_behind_the_engine(
+        generator, [request("long", prompt=long), request("short")])
+    assert calls == [1]
+    assert isinstance(outcomes["long"], Reject)
+    assert len(outcomes["short"]) == 2

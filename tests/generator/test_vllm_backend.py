@@ -24,6 +24,7 @@ from hpcrl_common.topology import Topology
 from hpcrl_generator.backends.transformers import TransformersSampler
 from hpcrl_generator.config import GeneratorSection
 from hpcrl_generator.prompt import render_prompt
+from hpcrl_generator.sampling import GroupJob
 from hpcrl_generator.service import Generator
 
 from .conftest import commit_version
@@ -80,6 +81,19 @@ def test_sampled_logprobs_are_the_raw_distributions(engine, reference):
         assert sample.logprobs == pytest.approx(
             teacher_forced_logprobs(model, ids, sample.token_ids), abs=1e-3
         )
+
+
+def test_groups_sampled_in_one_call_are_what_each_gets_alone(engine):
+    """Batching across groups changes neither a group's samples nor their log-probs."""
+    short, long = (render_prompt(engine.tokenizer, p) for p in (PROMPT, LONG_PROMPT))
+    jobs = [GroupJob(short, 3, GREEDY), GroupJob(long, 4, SAMPLED),
+            GroupJob(short, 2, SAMPLED.model_copy(update={"seed": 9, "max_tokens": 6}))]
+    together = engine.generate_groups(jobs)
+    assert [len(group) for group in together] == [3, 4, 2]
+    assert all(len(s.token_ids) <= 6 for s in together[2])
+    for job, group in zip(jobs, together, strict=True):
+        assert_same_samples(group, engine.generate(job.prompt_token_ids, job.n, job.sampling),
+                            tol=1e-3)
 
 
 def test_hot_reload_equals_a_fresh_load_and_keeps_tied_embeddings_tied(

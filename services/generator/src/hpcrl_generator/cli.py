@@ -60,7 +60,7 @@ def serve(config_path: Path | None) -> int:
         sampler = make_sampler(section)
     except (OSError, ValueError) as exc:
         raise SystemExit(f"error: cannot start the {section.backend} backend: {exc}") from None
-    consumer = Consumer(config.broker, "generator", concurrency=section.concurrency)
+    consumer = Consumer(config.broker, "generator", concurrency=section.handler_threads)
     generator = Generator(sampler, section, consumer.topology)
     generator.start()
     generator.attach(consumer)

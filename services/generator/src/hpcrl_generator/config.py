@@ -69,10 +69,22 @@ class GeneratorSection(ServiceSection):
         "before it is returned to the queue (retried)"
     )
     version_poll_s: float = Field(1.0, gt=0, description="manifest poll interval while waiting")
-    concurrency: int = Field(
-        2, ge=2, description="handler threads (one samples; another takes weight "
-        "announcements meanwhile)"
+    max_batch_groups: int = Field(
+        8, ge=1, le=256, description="requests (groups) sampled together in one engine "
+        "call; vLLM decodes their sequences together (max_num_seqs bounds how many at once)"
     )
+    batch_window_s: float = Field(
+        0.05, ge=0, le=10, description="how long a free engine waits for more requests "
+        "to join its call (an iteration's requests arrive milliseconds apart)"
+    )
+    concurrency: int = Field(
+        2, ge=2, description="handler threads; at least max_batch_groups + 1 run (one per "
+        "request in a call, one more takes weight announcements meanwhile)"
+    )
+
+    @property
+    def handler_threads(self) -> int:
+        return max(self.concurrency, self.max_batch_groups + 1)
 
 
 class GeneratorConfig(ServiceConfig):

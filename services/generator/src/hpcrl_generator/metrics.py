@@ -24,9 +24,15 @@ REQUESTS = Counter(
 )
 REQUEST_SECONDS = Histogram(
     "hpcrl_generator_request_seconds",
-    "Time to sample one request's G completions (excludes waiting for a version)",
+    "Time of the engine call that sampled a request's G completions, with the other groups "
+    "batched with it (excludes waiting for a version or the engine)",
     ["backend"],
     buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600),
+)
+BATCH_GROUPS = Histogram(
+    "hpcrl_generator_batch_groups",
+    "Requests (groups) sampled together in one engine call",
+    buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64),
 )
 POLICY_VERSION = Gauge("hpcrl_generator_policy_version", "Policy version loaded in the engine")
 RELOADS = Counter(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol
@@ -27,6 +28,15 @@ class Sample:
             )
 
 
+@dataclass(frozen=True)
+class GroupJob:
+    """One group to sample: ``n`` completions of one prompt with one request's settings."""
+
+    prompt_token_ids: list[int]
+    n: int
+    sampling: SamplingParams
+
+
 class Sampler(Protocol):
     """A policy that samples completions and takes new weights without a restart.
 
@@ -45,6 +55,11 @@ class Sampler(Protocol):
     def generate(
         self, prompt_token_ids: list[int], n: int, sampling: SamplingParams
     ) -> list[Sample]: ...
+
+    def generate_groups(self, jobs: Sequence[GroupJob]) -> list[list[Sample]]:
+        """Every job's samples, in order, from one policy version (one engine call where
+        the backend batches, so several groups decode together)."""
+        ...
 
     def load_weights(self, path: Path, version: int, format: WeightFormat = "full") -> None:
         """Make ``path`` (already validated) the policy; set ``version`` on success."""

@@ -1,8 +1,10 @@
 """The generator service: generate-requests in, candidates on code-to-bench out.
 
-A thin shell around :class:`hpcrl_common.broker.Consumer`. One request samples at a time
-(under the engine lock), so every candidate of a group comes from one policy version; new
-versions are loaded between requests, after validation, without restarting the engine.
+A thin shell around :class:`hpcrl_common.broker.Consumer`. The engine samples one batch of
+requests at a time (under the engine lock): the requests waiting when it becomes free go
+into one engine call (:mod:`hpcrl_generator.batching`), so their groups decode together and
+every candidate of a group comes from one policy version. New versions are loaded between
+calls, after validation, without restarting the engine.
 """
 
 from __future__ import annotations
@@ -23,10 +25,11 @@ from hpcrl_common.messages import GenerateRequest, WeightUpdate
 from hpcrl_common.metrics import BusyTime
 from hpcrl_common.topology import CODE_TO_BENCH, GENERATE_REQUESTS, WEIGHT_UPDATES, Topology
 from hpcrl_generator import metrics
+from hpcrl_generator.batching import Sampled, Waiting, WaitingRequests
 from hpcrl_generator.candidates import build_candidates
 from hpcrl_generator.config import GeneratorSection
 from hpcrl_generator.prompt import PromptError, completion_budget, render_prompt
-from hpcrl_generator.sampling import Sampler
+from hpcrl_generator.sampling import GroupJob, Sampler
 from hpcrl_generator.weights import (
     CheckpointError,
     ModelSignature,
@@ -67,6 +70,7 @@ class Generator:
         self.signature = ModelSignature.of(section.model_path)
         self.tracker = VersionTracker(loaded=sampler.version)
         self._engine = threading.Lock()
+        self._waiting = WaitingRequests(clock)
         self._clock = clock
         # The consumer's (attach): a request waiting for the engine or a version is not work.
         self.busy = BusyTime()
@@ -187,39 +191,82 @@ class Generator:
             self._engine.release()
 
     def on_request(self, request: GenerateRequest, _delivery: Delivery) -> list[Publish]:
-        backend = self.sampler.backend
+        waiting = self._waiting.add(request)
         with self._engine_held():
+            if not waiting.done():
+                self._sample_waiting(waiting)
+        try:
+            sampled = waiting.result()
+        except Reject:
+            metrics.REQUESTS.labels("rejected").inc()
+            raise
+        except VersionNotReady:
+            metrics.REQUESTS.labels("version_timeout").inc()
+            raise
+        except Exception:
+            metrics.REQUESTS.labels("failed").inc()
+            raise
+        return self._publish(request, sampled)
+
+    def _sample_waiting(self, first: Waiting) -> None:
+        """Sample ``first`` and the other waiting requests the loaded version may serve,
+        in one engine call (engine lock held)."""
+        limit = self.section.max_batch_groups
+        if limit > 1:
+            with self.busy.idle():
+                self._waiting.gather(limit, self.section.batch_window_s)
+        try:
+            self._await_floor(first.floor)
+        except VersionNotReady as exc:
+            self._waiting.drop(first)
+            first.fail(exc)
+            return
+        batch = self._waiting.take(first, self.tracker.loaded, limit)
+        jobs, ready = [], []
+        for waiting in batch:
             try:
-                self._await_floor(request.min_policy_version)
-            except VersionNotReady:
-                metrics.REQUESTS.labels("version_timeout").inc()
-                raise
-            prompt_ids = render_prompt(self.sampler.tokenizer, request.prompt)
-            try:
-                budget = completion_budget(
-                    len(prompt_ids), request.sampling.max_tokens, self.sampler.max_model_len
-                )
-            except PromptError as exc:
-                metrics.REQUESTS.labels("rejected").inc()
-                raise Reject(str(exc)) from None
-            sampling = request.sampling.model_copy(update={"max_tokens": budget})
-            started = self._clock()
-            try:
-                samples = self.sampler.generate(prompt_ids, request.group_size, sampling)
-            except Exception:
-                metrics.REQUESTS.labels("failed").inc()
-                raise
-            version = self.sampler.version
-            elapsed = self._clock() - started
-        candidates = build_candidates(request, prompt_ids, samples, version, self.replica)
-        metrics.REQUEST_SECONDS.labels(backend).observe(elapsed)
-        metrics.PROMPT_TOKENS.labels(backend).inc(len(prompt_ids))
+                jobs.append(self._job(waiting.request))
+                ready.append(waiting)
+            except Reject as exc:
+                waiting.fail(exc)
+        started = self._clock()
+        try:
+            groups = self.sampler.generate_groups(jobs) if jobs else []
+        except Exception as exc:
+            for waiting in ready:
+                waiting.fail(exc)
+            return
+        elapsed = self._clock() - started
+        metrics.BATCH_GROUPS.observe(len(jobs))
+        for waiting, job, samples in zip(ready, jobs, groups, strict=True):
+            waiting.finish(Sampled(job.prompt_token_ids, samples, self.sampler.version,
+                                   elapsed, len(jobs)))
+
+    def _job(self, request: GenerateRequest) -> GroupJob:
+        prompt_ids = render_prompt(self.sampler.tokenizer, request.prompt)
+        try:
+            budget = completion_budget(
+                len(prompt_ids), request.sampling.max_tokens, self.sampler.max_model_len
+            )
+        except PromptError as exc:
+            raise Reject(str(exc)) from None
+        sampling = request.sampling.model_copy(update={"max_tokens": budget})
+        return GroupJob(prompt_ids, request.group_size, sampling)
+
+    def _publish(self, request: GenerateRequest, sampled: Sampled) -> list[Publish]:
+        backend = self.sampler.backend
+        samples = sampled.samples
+        candidates = build_candidates(request, sampled.prompt_ids, samples, sampled.version,
+                                      self.replica)
+        metrics.REQUEST_SECONDS.labels(backend).observe(sampled.seconds)
+        metrics.PROMPT_TOKENS.labels(backend).inc(len(sampled.prompt_ids))
         for sample in samples:
             metrics.TOKENS.labels(backend).inc(len(sample.token_ids))
             metrics.COMPLETIONS.labels(backend, sample.finish_reason or "none").inc()
         metrics.REQUESTS.labels("done").inc()
         log.info("group sampled", group_id=request.group_id, group_size=request.group_size,
-                 policy_version=version, seconds=round(elapsed, 3),
+                 policy_version=sampled.version, seconds=round(sampled.seconds, 3),
+                 groups_in_call=sampled.groups_in_call,
                  tokens=sum(len(s.token_ids) for s in samples))
         queue = self.topology.name(CODE_TO_BENCH)
         return [Publish(queue, candidate) for candidate in candidates]

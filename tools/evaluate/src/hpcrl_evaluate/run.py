@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
     from hpcrl_benchmarker.pipeline import Benchmarker
     from hpcrl_benchmarker.verdict import Verdict
-    from hpcrl_generator.sampling import Sample, Sampler
+    from hpcrl_generator.sampling import GroupJob, Sample, Sampler
 
 SCHEMA = "hpcrl-evaluation/1"
 ERROR_CHARS = 300  # enough to see why a sample failed; the full text is the benchmarker's
@@ -202,15 +202,20 @@ def make_judge(task_name: str, opt_level: str) -> Judge:
     return Judge(Benchmarker(BenchmarkerSection(pin_threads=False)), task, opt_level)
 
 
-def sample_prompt(sampler: Sampler, prompt: EvalPrompt, options: SamplingOptions
-                  ) -> list[Sample]:
+def sampling_job(sampler: Sampler, prompt: EvalPrompt, options: SamplingOptions) -> GroupJob:
     from hpcrl_generator.prompt import completion_budget, render_prompt
+    from hpcrl_generator.sampling import GroupJob
 
     ids = render_prompt(sampler.tokenizer, prompt.messages)
     budget = completion_budget(len(ids), options.max_tokens, sampler.max_model_len)
     params = SamplingParams(temperature=options.temperature, top_p=options.top_p,
                             max_tokens=budget, seed=prompt_seed(options.seed, prompt.index))
-    return sampler.generate(ids, options.samples, params)
+    return GroupJob(ids, options.samples, params)
+
+
+def prompts_per_call(options: SamplingOptions) -> int:
+    """As many prompts per engine call as the engine decodes sequences at once."""
+    return max(1, options.max_num_seqs // max(1, options.samples))
 
 
 def evaluate_version(sampler: Sampler, judge: Judge, prompts: list[EvalPrompt],
@@ -218,10 +223,14 @@ def evaluate_version(sampler: Sampler, judge: Judge, prompts: list[EvalPrompt],
                      label: str = "") -> list[SampleRecord]:
     """Sample every prompt first (the engine stays busy), then judge every completion."""
     drawn = []
+    step = prompts_per_call(options)
     with _task(progress, f"{label}: sampling", len(prompts)) as advance:
-        for prompt in prompts:
-            drawn.append((prompt, sample_prompt(sampler, prompt, options)))
-            advance()
+        for start in range(0, len(prompts), step):
+            chunk = prompts[start:start + step]
+            groups = sampler.generate_groups([sampling_job(sampler, p, options) for p in chunk])
+            for prompt, samples in zip(chunk, groups, strict=True):
+                drawn.append((prompt, samples))
+                advance()
     records = []
     total = sum(len(samples) for _, samples in drawn)
     with _task(progress, f"{label}: benchmarking", total) as advance:

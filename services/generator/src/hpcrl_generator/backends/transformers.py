@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from hpcrl_common.messages import SamplingParams
 from hpcrl_generator.prompt import require_chat_template
-from hpcrl_generator.sampling import Sample, WeightFormat, is_greedy, trim_completion
+from hpcrl_generator.sampling import (
+    GroupJob,
+    Sample,
+    WeightFormat,
+    is_greedy,
+    trim_completion,
+)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -114,6 +121,11 @@ class TransformersSampler:
                 )
             )
         return samples * n if greedy else samples
+
+    def generate_groups(self, jobs: Sequence[GroupJob]) -> list[list[Sample]]:
+        """One group after another: `generate` pads a batch to its longest prompt, and this
+        backend serves tiny models where batching buys little."""
+        return [self.generate(job.prompt_token_ids, job.n, job.sampling) for job in jobs]
 
     def load_weights(self, path: Path, version: int, format: WeightFormat = "full") -> None:
         if format == "full":

@@ -8,11 +8,12 @@ first (:func:`hpcrl_generator.weights.validate`).
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 from hpcrl_common.messages import SamplingParams
 from hpcrl_generator.prompt import require_chat_template
-from hpcrl_generator.sampling import Sample, WeightFormat, is_greedy
+from hpcrl_generator.sampling import GroupJob, Sample, WeightFormat, is_greedy
 
 EXTENSION = "hpcrl_generator.backends.vllm_worker.ReloadExtension"
 
@@ -69,40 +70,25 @@ class VLLMSampler:
     def generate(
         self, prompt_token_ids: list[int], n: int, sampling: SamplingParams
     ) -> list[Sample]:
-        from vllm import SamplingParams as VLLMSamplingParams
+        (samples,) = self.generate_groups([GroupJob(list(prompt_token_ids), n, sampling)])
+        return samples
 
-        greedy = is_greedy(sampling)
-        params = VLLMSamplingParams(
-            n=1 if greedy else n,  # vLLM refuses n > 1 with greedy sampling
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            max_tokens=sampling.max_tokens,
-            seed=sampling.seed,
-            logprobs=0,  # the sampled token's log-prob, from the raw distribution
-            skip_special_tokens=True,
-        )
-        (output,) = self.llm.generate(
-            [{"prompt_token_ids": list(prompt_token_ids)}],
-            params,
+    def generate_groups(self, jobs: Sequence[GroupJob]) -> list[list[Sample]]:
+        """All groups in one `generate` call: the engine schedules their sequences together
+        (continuous batching), which on CPU is most of the throughput for a small policy."""
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": list(job.prompt_token_ids)} for job in jobs],
+            [_vllm_params(job) for job in jobs],
             use_tqdm=False,
             lora_request=self._lora,
         )
-        samples = []
-        for completion in output.outputs:
-            tokens = list(completion.token_ids)
-            per_token = completion.logprobs or []
-            if len(per_token) != len(tokens):
-                raise RuntimeError(f"vLLM returned {len(per_token)} log-probs for "
-                                   f"{len(tokens)} tokens")
-            samples.append(
-                Sample(
-                    token_ids=tokens,
-                    logprobs=[float(per_token[i][t].logprob) for i, t in enumerate(tokens)],
-                    finish_reason=completion.finish_reason,
-                    text=completion.text,
-                )
-            )
-        return samples * n if greedy else samples
+        if len(outputs) != len(jobs):
+            raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(jobs)} groups")
+        groups = []
+        for job, output in zip(jobs, outputs, strict=True):
+            samples = [_sample(completion) for completion in output.outputs]
+            groups.append(samples * job.n if is_greedy(job.sampling) else samples)
+        return groups
 
     def load_weights(self, path: Path, version: int, format: WeightFormat = "full") -> None:
         if format == "lora" and not self.enable_lora:
@@ -151,3 +137,31 @@ class VLLMSampler:
         shutdown = getattr(getattr(engine, "engine_core", None), "shutdown", None)
         if callable(shutdown):
             shutdown()
+
+
+def _vllm_params(job: GroupJob):
+    from vllm import SamplingParams as VLLMSamplingParams
+
+    sampling = job.sampling
+    return VLLMSamplingParams(
+        n=1 if is_greedy(sampling) else job.n,  # vLLM refuses n > 1 with greedy sampling
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        max_tokens=sampling.max_tokens,
+        seed=sampling.seed,
+        logprobs=0,  # the sampled token's log-prob, from the raw distribution
+        skip_special_tokens=True,
+    )
+
+
+def _sample(completion) -> Sample:
+    tokens = list(completion.token_ids)
+    per_token = completion.logprobs or []
+    if len(per_token) != len(tokens):
+        raise RuntimeError(f"vLLM returned {len(per_token)} log-probs for {len(tokens)} tokens")
+    return Sample(
+        token_ids=tokens,
+        logprobs=[float(per_token[i][t].logprob) for i, t in enumerate(tokens)],
+        finish_reason=completion.finish_reason,
+        text=completion.text,
+    )
