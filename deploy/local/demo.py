@@ -3,10 +3,11 @@
 Bootstraps the embedded policy if it is missing, starts the four services as separate
 processes (the generator on vLLM's CPU build where it imports, else on transformers), runs the
 SQD experiment of ``deploy/local/demo.toml``, shows progress, stops the services cleanly,
-evaluates version 0 and the final version on a fixed prompt set (``hpcrl-evaluate``, same
-seeds) and writes a run directory: best kernels, metrics as JSON/CSV, plots, the evaluation,
-and a summary table, with how well the services overlapped (wall time against the busiest
-service's busy time, scraped from their /metrics: ``overlap_report.py``).
+evaluates version 0, the version after 4 iterations and the final one on a fixed prompt set
+(``hpcrl-evaluate``, same seeds) and writes a run directory: best kernels, metrics as
+JSON/CSV, plots, the evaluation, and a summary table, with how well the services overlapped
+(wall time against the busiest service's busy time, scraped from their /metrics:
+``overlap_report.py``).
 Ctrl-C stops everything; running it again resumes the unfinished run (``--fresh`` starts over).
 """
 
@@ -307,11 +308,37 @@ def print_headline(evaluation: dict[str, Any] | None, data: dict[str, Any],
                          f"{g['high']:+.3g}])")
         console.print(f"[bold]v{comparison['before']} -> v{comparison['after']}:[/] "
                       + "; ".join(parts))
+        print_gain_held(evaluation)
     best, blas = data.get("best"), (corpus_best or {}).get("openblas")
     if best is not None and blas:
         console.print(f"[bold]best kernel:[/] {best['gflops']:.1f} GFLOPS (stage "
                       f"{best['stage']}) = {best['gflops'] / blas['gflops']:.0%} of OpenBLAS "
                       f"dgemm ({blas['gflops']:.1f} GFLOPS, same run)")
+
+
+def gain_text(gain: dict[str, float]) -> str:
+    return f"{gain['gain']:+.3g} [{gain['low']:+.3g}, {gain['high']:+.3g}]"
+
+
+def print_gain_held(evaluation: dict[str, Any]) -> None:
+    """Did the final version keep the gain of the version after HELD_AFTER iterations, and
+    did any prompt of the fixed set lose share correct (its 95 % CI below 0)?"""
+    comparisons = evaluation.get("comparisons") or []
+    final = comparisons[-1] if comparisons else evaluation["comparison"]
+    if len(comparisons) > 1:
+        middle = comparisons[0]
+        cells = []
+        for name in ("share_correct", "mean_gflops"):
+            early, late = middle["metrics"][name], final["metrics"][name]
+            verdict = "kept" if late["gain"] >= early["gain"] else "[yellow]not kept[/]"
+            cells.append(f"{evaluation['metric_labels'][name]} {gain_text(early)} -> "
+                         f"{gain_text(late)} {verdict}")
+        console.print(f"gain after {HELD_AFTER} iterations (v{middle['after']}) -> final "
+                      f"(v{final['after']}): " + "; ".join(cells))
+    lost = [p["name"] for p in final["per_prompt"]
+            if p["metrics"]["share_correct"]["high"] < 0]
+    console.print("prompts that lost share correct (95 % CI below 0): "
+                  + (", ".join(lost) if lost else "none"))
 
 
 def print_learner_health(versions: list[dict[str, Any]]) -> None:
@@ -329,13 +356,17 @@ def print_learner_health(versions: list[dict[str, Any]]) -> None:
 # --- the fixed evaluation set (hpcrl-evaluate): did this run's training help? ------------
 
 EVAL_ROWS = ("share_correct", "mean_reward", "mean_gflops", "best_gflops")
+# The gain a run shows after this many iterations (the length of the old demo, past which
+# runs used to lose it) is evaluated too, to show whether the final version kept it.
+HELD_AFTER = 4
 
 
 def run_evaluation(args: argparse.Namespace, config: SchedulerConfig, model_dir: Path,
                    backend: str, checkpoints: Path, run_dir: Path) -> bool:
-    """Version 0 and the final version on the fixed evaluation set, same sampling seeds, with
-    the generator backend the services used; run after they stopped, so timings have the
-    CPU. Writes evaluation.json and evaluation.png; False if the evaluation failed."""
+    """Version 0, the version after HELD_AFTER iterations and the final version on the fixed
+    evaluation set, same sampling seeds, with the generator backend the services used; run
+    after they stopped, so timings have the CPU. Writes evaluation.json and evaluation.png;
+    False if the evaluation failed."""
     for name in ("evaluation.json", "evaluation.png"):
         (run_dir / name).unlink(missing_ok=True)  # never report another run's figures
     if args.no_eval:
@@ -364,8 +395,13 @@ def evaluation_command(args: argparse.Namespace, config: SchedulerConfig, model_
     generator = load_config(GeneratorConfig, args.config).generator
     exp, sampling = config.experiment, config.scheduler
     # Only version 0 when the learner took no step: there is no final version to compare.
-    trained = CheckpointStore(checkpoints).latest() is not None
-    versions = ["--checkpoints", str(checkpoints), "--versions", "0,latest"] if trained else []
+    latest = CheckpointStore(checkpoints).latest()
+    middle = version_after_iterations((ROOT / config.db_path).resolve(), checkpoints,
+                                      HELD_AFTER)
+    kept = [] if middle is None or latest is None or not 0 < middle < latest.version \
+        else [str(middle)]
+    versions = ["--checkpoints", str(checkpoints),
+                "--versions", ",".join(["0", *kept, "latest"])] if latest is not None else []
     return [
         str(BIN / "hpcrl-evaluate"), "--model", str(model_dir), *versions,
         "--samples", str(args.eval_samples), "--seed", str(exp.seed),
@@ -376,6 +412,21 @@ def evaluation_command(args: argparse.Namespace, config: SchedulerConfig, model_
         "--kv-cache-gib", str(generator.kv_cache_space_gib),
         "--json", str(run_dir / "evaluation.json"), "--plot", str(run_dir / "evaluation.png"),
     ]
+
+
+def version_after_iterations(db: Path, checkpoints: Path, iterations: int) -> int | None:
+    """The newest policy version committed by the time the run's first ``iterations``
+    iterations had all closed; None if the run was not longer than that."""
+    if not db.exists():
+        return None
+    store = Store(db)
+    closed = [g.closed_at for g in store.groups_of_iteration(iterations - 1)]
+    if not closed or None in closed or not store.groups_of_iteration(iterations):
+        return None
+    cutoff = max(c for c in closed if c is not None)
+    committed = [v.version for v in CheckpointStore(checkpoints).versions()
+                 if v.created_at <= cutoff]
+    return max(committed, default=None)
 
 
 def read_evaluation(run_dir: Path) -> dict[str, Any] | None:

@@ -85,15 +85,19 @@ def test_identical_versions_show_no_gain_and_seeds_repeat(policy, tmp_path: Path
 
     # Version 1 holds the base weights: same seeds, same samples, so nothing gains. In this
     # process (torch is already imported here): the seeds must repeat across processes too.
-    assert main(["--model", str(model), "--checkpoints", str(checkpoints), "--versions", "0,1",
-                 *COMMON, "--json", str(tmp_path / "b.json")]) == 0
+    # A version between the first and the last is compared with the first too.
+    assert main(["--model", str(model), "--checkpoints", str(checkpoints), "--versions",
+                 "0,1,latest", *COMMON, "--json", str(tmp_path / "b.json")]) == 0
     same = json.loads((tmp_path / "b.json").read_text())
     assert completions(same["versions"][0]) == completions(report["versions"][0])
     assert completions(same["versions"][1]) == completions(same["versions"][0])
-    for name, gain in same["comparison"]["metrics"].items():
+    middle, last = same["comparisons"]
+    assert (middle["after"], last["after"]) == (1, 2) and last == same["comparison"]
+    assert last["metrics"] == report["comparison"]["metrics"]
+    for name, gain in middle["metrics"].items():
         assert gain["gain"] == 0.0, name
         assert gain["low"] <= 0.0 <= gain["high"], name
-    for entry in same["comparison"]["per_prompt"]:
+    for entry in middle["per_prompt"]:
         assert all(g["gain"] == 0.0 for g in entry["metrics"].values())
 
 

@@ -213,17 +213,18 @@ def sampling_job(sampler: Sampler, prompt: EvalPrompt, options: SamplingOptions)
     return GroupJob(ids, options.samples, params)
 
 
-def prompts_per_call(options: SamplingOptions) -> int:
+def prompts_per_call(backend: BackendOptions, sampling: SamplingOptions) -> int:
     """As many prompts per engine call as the engine decodes sequences at once."""
-    return max(1, options.max_num_seqs // max(1, options.samples))
+    return max(1, backend.max_num_seqs // max(1, sampling.samples))
 
 
 def evaluate_version(sampler: Sampler, judge: Judge, prompts: list[EvalPrompt],
                      options: SamplingOptions, progress: Progress | None = None,
-                     label: str = "") -> list[SampleRecord]:
-    """Sample every prompt first (the engine stays busy), then judge every completion."""
+                     label: str = "", per_call: int = 1) -> list[SampleRecord]:
+    """Sample every prompt first, ``per_call`` prompts per engine call (decoded together),
+    then judge every completion."""
     drawn = []
-    step = prompts_per_call(options)
+    step = max(1, per_call)
     with _task(progress, f"{label}: sampling", len(prompts)) as advance:
         for start in range(0, len(prompts), step):
             chunk = prompts[start:start + step]
@@ -375,17 +376,20 @@ class Evaluation:
             for ref in self.refs:
                 load_version(sampler, ref, self.model)
                 records = evaluate_version(sampler, judge, self.prompts, self.sampling,
-                                           progress, label=f"v{ref.version}")
+                                           progress, label=f"v{ref.version}",
+                                           per_call=prompts_per_call(self.backend,
+                                                                     self.sampling))
                 versions.append(version_report(ref, records, self.prompts))
         finally:
             sampler.close()
         return self.report(versions, judge)
 
     def report(self, versions: list[dict[str, Any]], judge: Judge) -> dict[str, Any]:
-        comparison = None
-        if len(versions) > 1:
-            comparison = comparison_report(versions[0], versions[-1], self.prompts,
-                                           seed=self.sampling.seed, resamples=self.resamples)
+        # Every later version against the first: whether a gain made early is kept.
+        comparisons = [comparison_report(versions[0], later, self.prompts,
+                                         seed=self.sampling.seed, resamples=self.resamples)
+                       for later in versions[1:]]
+        comparison = comparisons[-1] if comparisons else None
         return {
             "schema": SCHEMA,
             "model": str(self.model),
@@ -402,4 +406,5 @@ class Evaluation:
             "metric_labels": {name: label for name, (_, _, label) in METRICS.items()},
             "versions": versions,
             "comparison": comparison,
+            "comparisons": comparisons,
         }
