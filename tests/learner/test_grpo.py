@@ -31,6 +31,15 @@ def test_degenerate_groups_get_zero_advantage():
     assert group_advantages([3.0, 3.0], eps=0.0).tolist() == [0.0, 0.0]
 
 
+def test_unscaled_advantages_are_centred_rewards():
+    # Dr. GRPO: no division by the group's std, so a group of near-equal rewards stays small
+    assert group_advantages([1.0, 2.0, 3.0], scale=False).tolist() == [-1.0, 0.0, 1.0]
+    assert group_advantages([5.0, 5.0, 5.0], scale=False).tolist() == [0.0, 0.0, 0.0]
+    close = group_advantages([1.0, 1.001], scale=False).tolist()
+    assert close == pytest.approx([-0.0005, 0.0005])
+    assert group_advantages([1.0, 1.001], eps=0.0).tolist() == pytest.approx([-1.0, 1.0])
+
+
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
 def test_non_finite_rewards_are_rejected(bad):
     with pytest.raises(ValueError, match="finite"):
@@ -77,6 +86,19 @@ def test_clipping_on_both_sides(ratio, advantage, loss, grad, clipped):
     assert got_loss == pytest.approx(loss)
     assert got_grad == pytest.approx(grad)
     assert stats.clipped_tokens == clipped and stats.masked_tokens == 0
+
+
+def test_clip_higher_raises_only_the_upper_bound():
+    wider = LossSettings(clip_eps=0.2, clip_eps_high=0.28)
+    # A > 0 at rho 1.25: inside [0.8, 1.28], so it still learns (clipped at 1.2 by default)
+    loss, grad, stats = one_token(1.25, 1.0, wider)
+    assert (loss, grad, stats.clipped_tokens) == (pytest.approx(-1.25), pytest.approx(-1.25), 0)
+    assert one_token(1.25, 1.0, LossSettings(clip_eps=0.2))[2].clipped_tokens == 1
+    # the lower bound is unchanged: A < 0 at rho 0.75 is clipped at 0.8
+    loss, grad, stats = one_token(0.75, -1.0, wider)
+    assert (loss, grad, stats.clipped_tokens) == (pytest.approx(0.8), 0.0, 1)
+    with pytest.raises(ValueError, match="clip_eps_high"):
+        LossSettings(clip_eps_high=1.5)
 
 
 def test_beta_zero_needs_no_reference_and_beta_positive_adds_k3():

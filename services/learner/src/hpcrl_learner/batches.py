@@ -59,6 +59,7 @@ def prepare_group(
     current_version: int,
     *,
     adv_eps: float,
+    scale_advantages: bool = True,
     vocab_size: int,
     max_sequence_tokens: int,
 ) -> PreparedGroup:
@@ -69,7 +70,7 @@ def prepare_group(
     if any(abs(reward) > MAX_ABS_REWARD for reward in rewards):
         raise BadBatch(f"rewards outside +-{MAX_ABS_REWARD:g}: {rewards}")
     try:
-        advantages = group_advantages(rewards, eps=adv_eps).tolist()
+        advantages = group_advantages(rewards, eps=adv_eps, scale=scale_advantages).tolist()
     except ValueError as exc:
         raise BadBatch(str(exc)) from None
     lag = staleness(batch, current_version)

@@ -54,6 +54,13 @@ class LearnerSettings(ServiceSection):
     beta: float = Field(0.0, ge=0, description="KL coefficient against the base model (k3 "
                         "estimator); 0 loads no reference model")
     clip_eps: float = Field(0.2, gt=0, lt=1, description="delta of the clipped objective")
+    clip_eps_high: float | None = Field(
+        None, gt=0, lt=1, description="DAPO clip-higher: the ratio's upper clip is "
+        "1 + clip_eps_high (unset: clip_eps)"
+    )
+    scale_advantages: bool = Field(
+        True, description="A = (R - mean) / (std + adv_eps); false: A = R - mean (Dr. GRPO)"
+    )
     skip_zero_variance_groups: bool = Field(
         False, description="DAPO: do not train on a group whose rewards are all equal (no "
         "forward/backward, not in the loss's normaliser; still acked and counted as trained); "

@@ -26,8 +26,10 @@ Aggregation = Literal["token", "sequence"]
 _STAT_LOG_RATIO_LIMIT = 20.0
 
 
-def group_advantages(rewards: Sequence[float] | torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
-    """A_i = (R_i - mean R) / (std R + eps) for one group, in float64.
+def group_advantages(rewards: Sequence[float] | torch.Tensor, eps: float = 1e-4,
+                     *, scale: bool = True) -> torch.Tensor:
+    """A_i = (R_i - mean R) / (std R + eps) for one group, in float64; with ``scale`` False,
+    A_i = R_i - mean R (Dr. GRPO: a group whose rewards barely differ is not amplified).
 
     ``std`` is the population standard deviation (divide by G, not G - 1): it is defined for
     every G >= 1 and is what "std of the group" means when the group is all there is.
@@ -50,6 +52,10 @@ def group_advantages(rewards: Sequence[float] | torch.Tensor, eps: float = 1e-4)
     std = values.std(correction=0)
     if float(std) == 0.0:
         return torch.zeros_like(values)
+    if not scale:
+        if not bool(torch.isfinite(centred).all()):
+            raise ValueError(f"rewards too large to centre: {values.tolist()}")
+        return centred
     denominator = std + eps
     if float(denominator) == 0.0:
         return torch.zeros_like(values)
@@ -62,6 +68,9 @@ def group_advantages(rewards: Sequence[float] | torch.Tensor, eps: float = 1e-4)
 @dataclass(frozen=True)
 class LossSettings:
     clip_eps: float = 0.2  # delta of the clipped objective
+    # DAPO's clip-higher: the upper bound 1 + clip_eps_high (None: clip_eps), so that rare
+    # tokens with a positive advantage can gain probability and entropy does not collapse.
+    clip_eps_high: float | None = None
     beta: float = 0.0  # KL coefficient against the reference model; 0 skips it entirely
     aggregation: Aggregation = "token"
     max_log_ratio: float = 2.0  # |log rho| above this: importance weight 0 (token masked)
@@ -69,6 +78,8 @@ class LossSettings:
     def __post_init__(self) -> None:
         if not 0 < self.clip_eps < 1:
             raise ValueError(f"clip_eps must be in (0, 1), got {self.clip_eps}")
+        if self.clip_eps_high is not None and not 0 < self.clip_eps_high < 1:
+            raise ValueError(f"clip_eps_high must be in (0, 1), got {self.clip_eps_high}")
         if self.beta < 0 or not math.isfinite(self.beta):
             raise ValueError(f"beta must be finite and >= 0, got {self.beta}")
         if self.aggregation not in ("token", "sequence"):
@@ -164,7 +175,8 @@ def grpo_loss(
     used = keep.to(logp.dtype)
     # exp() only of kept tokens: a masked token's ratio may be astronomically large.
     ratio = torch.exp(torch.where(keep, log_ratio, torch.zeros_like(log_ratio)))
-    low, high = 1.0 - settings.clip_eps, 1.0 + settings.clip_eps
+    upper = settings.clip_eps if settings.clip_eps_high is None else settings.clip_eps_high
+    low, high = 1.0 - settings.clip_eps, 1.0 + upper
     objective = torch.minimum(ratio * adv, torch.clamp(ratio, low, high) * adv) * used
 
     kl = None

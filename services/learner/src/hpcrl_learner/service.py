@@ -122,6 +122,7 @@ class Learner:
             try:
                 group = prepare_group(
                     batch, self.version, adv_eps=self.settings.adv_eps,
+                    scale_advantages=self.settings.scale_advantages,
                     vocab_size=self.backend.vocab_size,
                     max_sequence_tokens=self.settings.max_sequence_tokens,
                 )

@@ -122,7 +122,8 @@ class TorchTrainer:
         self.autocast = resolve_autocast(settings.autocast, self.device)
         self._reference_cache: OrderedDict[bytes, np.ndarray] = OrderedDict()
         self.loss_settings = LossSettings(
-            clip_eps=settings.clip_eps, beta=settings.beta, aggregation=settings.aggregation,
+            clip_eps=settings.clip_eps, clip_eps_high=settings.clip_eps_high,
+            beta=settings.beta, aggregation=settings.aggregation,
             max_log_ratio=settings.max_log_ratio,
         )
         self.model = self._load_policy(resume_from)

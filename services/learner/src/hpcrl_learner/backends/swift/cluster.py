@@ -39,6 +39,7 @@ def megatron_args(settings: LearnerSettings, *, tp: int = 1, pp: int = 1,
         "tuner_type": "lora" if lora.enabled else "full",
         "loss_type": "dapo",
         "epsilon": settings.clip_eps,
+        "epsilon_high": settings.clip_eps_high,  # None: ms-swift uses epsilon
         "beta": settings.beta,
         "delta": math.exp(settings.max_log_ratio),
         "temperature": settings.logprob_temperature,
