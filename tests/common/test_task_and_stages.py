@@ -1,4 +1,4 @@
-"""Task files are data; the stage table is SPEC Table I."""
+"""Task files are data; the stage table is docs/SPEC.md Table I."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ each work queue has its own direct exchange ``<queue>.in`` and no role gets ``am
 Exchange names differ from queue names so that a role's write right on an exchange never
 becomes a right to bind (or fill) a queue of the same name.
 
-Roles (SPEC's four services):
+Roles (the four services of docs/SPEC.md section 2; docs/DESIGN.md section 3):
 
 ==========  =========================  ===============================  ====================
 role        consumes                   publishes                        configures

@@ -1,4 +1,4 @@
-"""The reward table (SPEC section 4) and the bounds every boundary holds numbers to.
+"""The reward table (docs/SPEC.md section 4) and the bounds every boundary holds numbers to.
 
 Pure: no I/O. The benchmarker assigns rewards with :func:`reward_for_status`; message
 validation uses the same function to refuse a result whose reward does not follow from its

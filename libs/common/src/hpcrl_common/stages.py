@@ -1,4 +1,4 @@
-"""The stages of the SQD search (SPEC Table I): which techniques each stage allows."""
+"""The stages of the SQD search (docs/SPEC.md, Table I): which techniques each stage allows."""
 
 from __future__ import annotations
 

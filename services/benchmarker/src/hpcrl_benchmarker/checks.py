@@ -46,7 +46,7 @@ _FOR_STEP = re.compile(
 
 
 def detect_techniques(source: str, preprocessed_main: str = "") -> set[str]:
-    """The optimisation techniques the code uses (SPEC Table I names)."""
+    """The optimisation techniques the code uses (the names of docs/SPEC.md Table I)."""
     found: set[str] = set()
     for text in (source, preprocessed_main):
         if not text:

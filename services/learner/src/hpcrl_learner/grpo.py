@@ -1,6 +1,6 @@
 """GRPO maths: group advantages and the clipped token-level loss. Pure torch, no I/O.
 
-Notation follows SPEC section 7: for a group of G completions of one prompt with rewards R,
+Notation follows docs/SPEC.md section 7: for a group of G completions of one prompt with rewards R,
 A_i = (R_i - mean R) / (std R + eps); per completion token the ratio
 rho = exp(log pi_theta - log pi_sampling) enters min(rho A, clip(rho, 1 - delta, 1 + delta) A),
 and beta > 0 adds a k3 estimate of KL(pi_theta || pi_ref). The loss is the negated objective.

@@ -37,7 +37,7 @@ from hpcrl_scheduler.normalize import source_key
 
 RewardMode = Literal["raw", "group_normalized", "parent_relative"]
 
-# SPEC section 4: the mildest failure penalty is verification_error, -10. A slow but correct
+# docs/SPEC.md section 4: the mildest failure penalty is verification_error, -10. A slow but correct
 # child must still out-score every wrong one, so parent-relative successes stop just above.
 PARENT_RELATIVE_FLOOR = -9.0
 # A child 100x its parent is already a discovery; beyond it the ratio of a near-zero parent
