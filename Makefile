@@ -9,11 +9,12 @@ TOOLS := tools/bootstrap tools/evaluate
 PACKAGES := libs/common $(SERVICES) $(TOOLS)
 PYPROJECTS := $(addsuffix /pyproject.toml,$(PACKAGES))
 
-.PHONY: install install-swift system test lint demo clean help
+.PHONY: install install-swift system test test-fast lint demo clean help
 
 help:
 	@echo "make install  - system packages, RabbitMQ, .venv with every package (editable)"
 	@echo "make test     - install, then run the whole test suite"
+	@echo "make test-fast - the fast tier (about 2 min on 2 cores): no broker, no vLLM, no demo, no drills"
 	@echo "make lint     - ruff"
 	@echo "make demo     - install, then run the whole system locally (DEMO_ARGS=--fresh to restart)"
 	@echo "make install-swift - optional: the ms-swift learner backend's own venv (.venv-swift)"
@@ -44,7 +45,20 @@ install-swift: install
 test: install
 	$(BIN)/python -m pytest
 
-lint: install
+# The fast tier: tests marked neither `slow` nor `broker` (so no RabbitMQ is needed), less the
+# suites that train a model, time the sandbox again and again, fuzz the lexer against gcc or
+# build a measured catalogue. `make test` runs all of them; CI runs `make test`.
+FAST_LEAVE_OUT := tests/fleet tests/demo/test_demo_e2e.py tests/generator/test_vllm_backend.py \
+	tests/observability/test_prometheus.py tests/scheduler/test_integration.py \
+	tests/learner/test_trainer.py tests/benchmarker/test_fast_path.py \
+	tests/benchmarker/test_replicas.py tests/common/test_csource_gcc.py \
+	tests/bootstrap/test_tokenizer.py tests/bootstrap/test_examples.py \
+	tests/bootstrap/test_kernels_compile.py
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "not slow and not broker" $(addprefix --ignore=,$(FAST_LEAVE_OUT))
+
+lint: $(STAMP)
 	$(BIN)/ruff check .
 
 demo: install
