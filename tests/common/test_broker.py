@@ -24,6 +24,7 @@ from hpcrl_common.topology import (
 )
 
 from ..conftest import RunningConsumer, close_connections
+from ..support.waiting import wait_for
 from .strategies import (
     bench_results,
     candidates,
@@ -35,15 +36,6 @@ from .strategies import (
 )
 
 pytestmark = pytest.mark.broker
-
-
-def wait_for(predicate, timeout: float = 20.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def drain(channel, queue: str) -> list[tuple[pika.BasicProperties, bytes]]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Callable
 
 import pytest
 from prometheus_client import REGISTRY
@@ -16,6 +15,7 @@ from hpcrl_common.metrics import BUSY_SECONDS_NAME, FIRST_BUSY_NAME, BusyTime
 from hpcrl_common.topology import GENERATE_REQUESTS, Topology
 
 from ..conftest import RunningConsumer
+from ..support.waiting import wait_for
 from .strategies import sample_request
 
 
@@ -70,13 +70,6 @@ class Item:
     def join(self) -> None:
         self._thread.join(5)
         assert not self._thread.is_alive()
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
 
 
 def test_overlapping_items_on_threads_count_once():

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import re
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -35,19 +34,11 @@ from hpcrl_common.topology import (
 )
 
 from ..conftest import RunningConsumer
+from ..support.waiting import wait_for
 
 pytestmark = pytest.mark.broker
 
 MIGRATE_HINT = "hpcrl-broker-admin migrate"
-
-
-def wait_for(predicate, timeout: float = 20.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def declare_as_before(channel: BlockingChannel, topology: Topology) -> None:

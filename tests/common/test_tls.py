@@ -38,6 +38,7 @@ from hpcrl_common.topology import CODE_TO_BENCH, Topology
 
 from ..conftest import RunningConsumer
 from ..support.rabbit_node import RabbitNode, require_rabbitmq
+from ..support.waiting import wait_for
 from .strategies import sample_candidate
 
 CLIENT_SUBJECT = "hpcrl test client"
@@ -142,15 +143,6 @@ def tls_broker(tmp_path_factory: pytest.TempPathFactory, pki: Pki):
 
     with RabbitNode(work, config) as node:
         yield TlsBroker(node, pki)
-
-
-def wait_for(predicate, timeout: float = 30.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def publish_one(settings: BrokerSettings, attempts: int = 2) -> None:

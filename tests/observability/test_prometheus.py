@@ -35,6 +35,7 @@ from hpcrl_common.topology import GENERATE_REQUESTS, Topology
 
 from ..conftest import RunningConsumer
 from ..scheduler.test_integration import scripted_generator
+from ..support.waiting import wait_for
 from .catalogue import PROMETHEUS_CONFIG, as_promql, dashboard_files, queries
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
@@ -139,14 +140,8 @@ class Run:
     ports: dict[str, int]
 
 
-def wait_for(what: str, check: Callable[[], object], logs: Path, timeout: float) -> object:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}; last logs:\n{logs.read_text()[-6000:]}")
+def last_logs(logs: Path) -> Callable[[], str]:
+    return lambda: "last logs:\n" + logs.read_text()[-6000:]
 
 
 @contextmanager
@@ -198,7 +193,7 @@ def run(broker_settings: BrokerSettings, tmp_path: Path) -> Iterator[Run]:
         stack.enter_context(RunningConsumer(generator))
         stack.enter_context(process(
             [str(BIN / "hpcrl-scheduler"), "serve", "--config", str(config)], log, env))
-        wait_for("Prometheus to be ready", api.ready, logs, 30)
+        wait_for(api.ready, 30, "Prometheus to be ready", last_logs(logs), every=0.5)
         yield Run(api, config, logs, ports)
 
 
@@ -214,8 +209,8 @@ def values(result: list[dict], label: str) -> dict[str, float]:
 
 def test_prometheus_serves_the_gflops_and_reward_series_of_a_real_run(run: Run):
     done = 'hpcrl_scheduler_iterations_done{job="hpcrl-scheduler"} == 1'
-    wait_for("the iteration to be done and scraped", lambda: run.api.query(done), run.logs,
-             DEADLINE_S)
+    wait_for(lambda: run.api.query(done), DEADLINE_S, "the iteration to be done and scraped",
+             last_logs(run.logs), every=0.5)
     # a few scrapes more, so that every gauge set when the iteration closed is in the TSDB
     time.sleep(2.5)
     check_series(run)

@@ -46,6 +46,7 @@ from hpcrl_common.topology import (
 from hpcrl_scheduler.store import Store
 from tests.support.models import chat_model
 from tests.support.rabbit_node import free_port
+from tests.support.waiting import wait_for
 
 BIN = Path(sys.executable).parent
 EXPERIMENT = "kill-drill"
@@ -88,17 +89,6 @@ class Kill:
     at_iteration: int
     run_done: bool
     extra: dict[str, Any] = field(default_factory=dict)
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float, what: str,
-             detail: Callable[[], object] = lambda: "", every: float = 0.1) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}: {detail()}")
 
 
 def system_rabbitmqctl(*args: str) -> str:
