@@ -53,7 +53,8 @@ def main() -> None:
             experiment={"name": "bench", "seed": 1},
             scheduler=SchedulerSection(iterations=args.iterations, group_size=args.group_size,
                                        node_budget=args.groups, max_staleness=0,
-                                       max_groups_in_flight=0, metrics_port=0),
+                                       max_groups_in_flight=0, metrics_port=0,
+                                       confirm_winners=False),
         )
         scheduler = Scheduler(config, Store(Path(tmp) / "bench.sqlite"))
         filed = 0

@@ -22,7 +22,13 @@ import pika
 import pika.exceptions
 import pytest
 
-from hpcrl_common.access import ROLES, definitions, publisher_allowed, role_permissions
+from hpcrl_common.access import (
+    ROLES,
+    SCHEDULER_SUBSCRIBER,
+    definitions,
+    publisher_allowed,
+    role_permissions,
+)
 from hpcrl_common.broker import Consumer, Publish, Publisher
 from hpcrl_common.config import BrokerSettings
 from hpcrl_common.messages import (
@@ -362,3 +368,90 @@ def test_the_admin_command_writes_definitions_rabbitmq_imports(tmp_path, rabbitm
     finally:
         for command in (["delete_vhost", vhost], *(["delete_user", user] for user in users)):
             subprocess.run(["rabbitmqctl", "-q", *command], capture_output=True)
+
+
+def refused_with(action) -> int | None:
+    """The reply code the broker closed the channel with (403 refused, 405 locked), or None."""
+    try:
+        action()
+    except pika.exceptions.ChannelClosedByBroker as exc:
+        return exc.reply_code
+    return None
+
+
+def test_no_role_keeps_delete_bind_or_dead_letter_rights_it_does_not_need(site: Site):
+    """Issue 28's residual rights: a generator deleted another replica's update queue, the
+    scheduler bound `weight-updates` into the generators' inbox, and any role could write into
+    any dead-letter queue (which an operator replaying dead letters would re-inject)."""
+    t = site.topology
+    admin = site.channel(None)
+    replica = Consumer(site.settings("generator"), "replica-a")
+    replica.subscribe_fanout(WEIGHT_UPDATES, "replica-a", lambda m, _d: [], durable=False)
+    scheduler = Consumer(site.settings("scheduler"), "sched")  # checks its queue, binds nothing
+    scheduler.subscribe_fanout(WEIGHT_UPDATES, SCHEDULER_SUBSCRIBER, lambda m, _d: [],
+                               durable=True)
+    with RunningConsumer(replica), RunningConsumer(scheduler):
+        queue = t.subscriber_queue(WEIGHT_UPDATES, "replica-a")
+        # Another replica (same role, other connection): its queue is exclusive.
+        assert refused_with(lambda: site.channel("generator").queue_delete(queue)) == 405
+        assert refused_with(lambda: site.channel("generator").queue_purge(queue)) == 405
+        assert replica.connected.is_set() and replica.healthy()[0]  # still consuming
+    forbidden = {
+        ("scheduler", "bind weight-updates into the generators' inbox"): lambda ch:
+            ch.exchange_bind(t.work_exchange(GENERATE_REQUESTS), t.name(WEIGHT_UPDATES)),
+        ("scheduler", "bind weight-updates into the learner's inbox"): lambda ch:
+            ch.exchange_bind(t.work_exchange(ROLLOUT_BATCHES), t.name(WEIGHT_UPDATES)),
+        ("scheduler", "delete its update queue"): lambda ch:
+            ch.queue_delete(t.subscriber_queue(WEIGHT_UPDATES, SCHEDULER_SUBSCRIBER)),
+        ("generator", "delete the update dead letters' inbox"): lambda ch:
+            ch.exchange_delete(t.dead_letter_inbox(WEIGHT_UPDATES)),
+        ("generator", "bind the update DLQ"): lambda ch:
+            ch.queue_bind(t.dlq(WEIGHT_UPDATES), t.name(WEIGHT_UPDATES)),
+    }
+    for role in ROLES:  # no role writes to the broker's own dead-letter path ...
+        forbidden[(role, "publish to the dead-letter exchange")] = lambda ch: ch.basic_publish(
+            t.dead_letter_exchange, t.name(ROLLOUT_BATCHES), b"x")
+    for role, base in (("benchmarker", ROLLOUT_BATCHES), ("learner", BENCH_RESULTS),
+                       ("generator", ROLLOUT_BATCHES), ("scheduler", CODE_TO_BENCH)):
+        # ... nor into the dead-letter queue of a queue it does not consume.
+        forbidden[(role, f"dead-letter into {base}.dlq")] = lambda ch, b=base: ch.basic_publish(
+            t.dead_letter_inbox(b), t.name(b), b"x")
+    failures = [f"{role}: {what}" for (role, what), action in forbidden.items()
+                if refused_with(lambda r=role, a=action: a(site.channel(r))) != 403]
+    assert not failures, f"still allowed: {failures}"
+    # What each role keeps: dead letters of its own input, through that queue's inbox.
+    site.channel("benchmarker").basic_publish(t.dead_letter_inbox(CODE_TO_BENCH),
+                                              t.name(CODE_TO_BENCH), b"bad", mandatory=True)
+    method, _props, body = admin.basic_get(t.dlq(CODE_TO_BENCH), auto_ack=True)
+    assert method is not None and body == b"bad"
+    for base in (GENERATE_REQUESTS, BENCH_RESULTS, ROLLOUT_BATCHES, WEIGHT_UPDATES):
+        assert admin.queue_declare(t.dlq(base), passive=True).method.message_count == 0
+
+
+def test_a_generators_binding_of_weight_updates_delivers_nothing(site: Site):
+    """A generator reads `weight-updates` to bind its replica queue, and may write to the
+    candidates' inbox, so RabbitMQ lets it bind the one into the other; nothing flows: the
+    learner publishes with routing key "" and the inbox routes only its queue's name."""
+    t = site.topology
+    generator = site.channel("generator")
+    generator.exchange_bind(t.work_exchange(CODE_TO_BENCH), t.name(WEIGHT_UPDATES))
+    try:
+        update = WeightUpdate(id="v9", version=9, parent_version=8, uri="/ckpt/v9",
+                              format="full", checksum="sha256:" + "ab" * 32)
+        Publisher(site.settings("learner"), "learner-pub").publish(
+            Publish("", update, exchange=t.name(WEIGHT_UPDATES), mandatory=False))
+        time.sleep(0.5)
+        admin = site.channel(None)
+        assert admin.queue_declare(t.name(CODE_TO_BENCH), passive=True).method.message_count == 0
+    finally:
+        generator.exchange_unbind(t.work_exchange(CODE_TO_BENCH), t.name(WEIGHT_UPDATES))
+
+
+def test_read_rights_include_purge(site: Site):
+    """What permissions cannot withhold (documented in hpcrl_common.access): RabbitMQ checks
+    queue.purge against *read*, like consuming, so a consumer may purge its own input."""
+    t = site.topology
+    assert refused_with(lambda: site.channel("benchmarker").queue_purge(
+        t.name(CODE_TO_BENCH))) is None
+    assert refused_with(lambda: site.channel("benchmarker").queue_purge(
+        t.name(BENCH_RESULTS))) == 403

@@ -23,8 +23,9 @@ class Clock:
 
 
 def make(tmp_path, clock=None, **section) -> Scheduler:
+    # Winners' second measurements (confirm_winners) are tested in test_trust.py.
     defaults = {"iterations": 2, "group_size": 3, "node_budget": 2, "max_staleness": 0,
-                "metrics_port": 0}
+                "metrics_port": 0, "confirm_winners": False}
     config = SchedulerConfig(
         experiment={"name": "unit", "seed": 7},
         scheduler=SchedulerSection(**{**defaults, **section}),

@@ -46,6 +46,7 @@ def test_results_batches_version_floor_and_pacing(broker_settings, raw_channel, 
     config = SchedulerConfig(
         broker=broker_settings, experiment={"name": "svc", "seed": 3},
         scheduler=SchedulerSection(iterations=2, group_size=2, node_budget=3, max_staleness=1,
+                                   confirm_winners=False,
                                    initial_groups_per_step=1, metrics_port=0, tick_s=0.1,
                                    reward_mode="raw", exit_when_done=False),
     )
@@ -95,6 +96,7 @@ def test_results_without_source_do_not_wedge_the_scheduler(broker_settings, raw_
     config = SchedulerConfig(
         broker=broker_settings, experiment={"name": "nosrc", "seed": 1},
         scheduler=SchedulerSection(iterations=3, group_size=2, node_budget=2, max_staleness=0,
+                                   confirm_winners=False,
                                    metrics_port=0, tick_s=0.1, exit_when_done=False),
     )
     scheduler = Scheduler(config, Store(tmp_path / "nosrc.sqlite"))

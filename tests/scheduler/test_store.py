@@ -253,6 +253,7 @@ def resume(path: Path, clock: Clock) -> Scheduler:
     config = SchedulerConfig(
         experiment={"name": "unit", "seed": 7},
         scheduler=SchedulerSection(iterations=2, group_size=3, node_budget=2, max_staleness=0,
+                                   confirm_winners=False,
                                    metrics_port=0),
     )
     return Scheduler(config, Store(path), clock=clock)

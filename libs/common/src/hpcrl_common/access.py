@@ -1,8 +1,11 @@
 """Who may do what on the broker: one user per role, each allowed only its own queues.
 
 Pure: no I/O. RabbitMQ checks three permissions per vhost, each a regex over resource names
-(queues and exchanges alike): *configure* (declare, delete), *write* (publish to an
-exchange, bind a queue) and *read* (consume, purge, be the source of a binding). Publishing
+(queues and exchanges alike): *configure* (declare, delete: ``queue.declare``,
+``queue.delete``, ``exchange.declare``, ``exchange.delete``; a passive declare needs none),
+*write* (``basic.publish`` to an exchange; the destination of ``queue.bind`` or
+``exchange.bind``; the dead-letter exchange of a declared queue) and *read* (``basic.get``,
+``basic.consume``, ``queue.purge``; the source exchange of a binding). Publishing
 through the default exchange needs write on ``amq.default``, which reaches every queue, so
 each work queue has its own direct exchange ``<queue>.in`` and no role gets ``amq.default``.
 Exchange names differ from queue names so that a role's write right on an exchange never
@@ -10,19 +13,35 @@ becomes a right to bind (or fill) a queue of the same name.
 
 Roles (the four services of docs/SPEC.md section 2; docs/DESIGN.md section 3):
 
-==========  =========================  ===============================  ====================
-role        consumes                   publishes                        configures
-==========  =========================  ===============================  ====================
-scheduler   bench-results, updates     generate-requests, batches       its update queue
-generator   generate-requests, updates code-to-bench                    its replica's queue
-benchmarker code-to-bench              bench-results                    nothing
-learner     rollout-batches            weight-updates                   nothing
-==========  =========================  ===============================  ====================
+==========  =========================  ================================  ====================
+role        consumes                   publishes                         configures
+==========  =========================  ================================  ====================
+scheduler   bench-results, updates     generate-requests, batches,       nothing
+                                       code-to-bench (confirmations)
+generator   generate-requests, updates code-to-bench                     its replica's queue
+benchmarker code-to-bench              bench-results                     nothing
+learner     rollout-batches            weight-updates                    nothing
+==========  =========================  ================================  ====================
 
-Every role may also publish to the dead-letter exchange (consumers dead-letter bad input).
+Each role may also publish into the dead-letter queues of what it consumes, through each
+one's inbox ``<queue>.dlq.in``; none may publish to the shared dead-letter exchange (the
+broker's own path from the work queues), so no role can fill another's dead-letter queue.
+The scheduler's update queue is made and bound by the admin (``hpcrl-broker-admin``): the
+scheduler only checks it, so it needs no configure right and no read right on the
+``weight-updates`` exchange, whose read right would let it bind the exchange into another
+role's inbox. A generator replica binds its own queue, so it reads the exchange; its queue is
+exclusive (no other connection may delete, purge or read it), and a binding of
+``weight-updates`` into an exchange it may write delivers nothing (updates are published with
+routing key "", which no binding of those direct exchanges has; and a consumer refuses a
+message whose publisher's role may not publish into its queue).
+
+What the read right cannot withhold: RabbitMQ checks ``queue.purge`` against read, as it does
+consuming, so a role may purge its own input queue; consuming and acking every message would
+drop them as surely.
+
 Publishers are authenticated by the ``user_id`` property, which RabbitMQ checks against the
-connection's user: :func:`publisher_allowed` tells a consumer whether that user holds the
-role that alone may publish to the queue.
+connection's user: :func:`publisher_allowed` tells a consumer whether that user holds a
+role that may publish to the queue.
 """
 
 from __future__ import annotations
@@ -52,13 +71,14 @@ Role = Literal["scheduler", "generator", "benchmarker", "learner"]
 ROLES: tuple[Role, ...] = ROLE_NAMES  # type: ignore[assignment]
 SCHEDULER_SUBSCRIBER = "scheduler"
 
-# The one role that may publish into each queue or exchange (by base name).
-PUBLISHER_ROLE: dict[str, Role] = {
-    GENERATE_REQUESTS: "scheduler",
-    CODE_TO_BENCH: "generator",
-    BENCH_RESULTS: "benchmarker",
-    ROLLOUT_BATCHES: "scheduler",
-    WEIGHT_UPDATES: "learner",
+# The roles that may publish into each queue or exchange (by base name). The scheduler
+# sends a group's winner to code-to-bench again, to be confirmed (hpcrl_scheduler.confirm).
+PUBLISHER_ROLES: dict[str, tuple[Role, ...]] = {
+    GENERATE_REQUESTS: ("scheduler",),
+    CODE_TO_BENCH: ("generator", "scheduler"),
+    BENCH_RESULTS: ("benchmarker",),
+    ROLLOUT_BATCHES: ("scheduler",),
+    WEIGHT_UPDATES: ("learner",),
 }
 NOTHING = "^$"
 
@@ -73,38 +93,44 @@ class Permissions:
 def role_permissions(topology: Topology, role: Role) -> Permissions:
     """The regexes that let ``role`` do its work in the experiment's vhost, and no more."""
     t = topology
-    dlx = re.escape(t.dead_letter_exchange)
     updates = re.escape(t.name(WEIGHT_UPDATES))
     scheduler_queue = re.escape(t.subscriber_queue(WEIGHT_UPDATES, SCHEDULER_SUBSCRIBER))
-    # A generator replica names its own auto-deleted update queue (hostname-pid by default),
-    # anything under the exchange's name except the scheduler's queue and the DLQ, and the
-    # holding queues `hpcrl-broker-admin migrate` puts beside those.
+    # A generator replica names its own auto-deleted update queue (hostname-pid by default):
+    # anything under the exchange's name except the scheduler's queue, the DLQ and its
+    # inbox, and the holding queues `hpcrl-broker-admin migrate` puts beside those.
     replica_queue = (f"{updates}\\.(?!(?:{re.escape(SCHEDULER_SUBSCRIBER)}|dlq)"
-                     f"(?:\\.migrating)?$).+")
+                     f"(?:\\.|$)).+")
 
     def inbox(base: str) -> str:
         return re.escape(t.work_exchange(base))
+
+    def dead_letters(base: str) -> str:
+        return re.escape(t.dead_letter_inbox(base))
 
     def queue(base: str) -> str:
         return re.escape(t.name(base))
 
     if role == "scheduler":
         return Permissions(
-            configure=_any(scheduler_queue),
-            write=_any(inbox(GENERATE_REQUESTS), inbox(ROLLOUT_BATCHES), dlx, scheduler_queue),
-            read=_any(queue(BENCH_RESULTS), updates, scheduler_queue),
+            configure=NOTHING,
+            write=_any(inbox(GENERATE_REQUESTS), inbox(ROLLOUT_BATCHES), inbox(CODE_TO_BENCH),
+                       dead_letters(BENCH_RESULTS), dead_letters(WEIGHT_UPDATES)),
+            read=_any(queue(BENCH_RESULTS), scheduler_queue),
         )
     if role == "generator":
         return Permissions(
             configure=_any(replica_queue),
-            write=_any(inbox(CODE_TO_BENCH), dlx, replica_queue),
+            write=_any(inbox(CODE_TO_BENCH), dead_letters(GENERATE_REQUESTS),
+                       dead_letters(WEIGHT_UPDATES), replica_queue),
             read=_any(queue(GENERATE_REQUESTS), updates, replica_queue),
         )
     if role == "benchmarker":
-        return Permissions(configure=NOTHING, write=_any(inbox(BENCH_RESULTS), dlx),
+        return Permissions(configure=NOTHING,
+                           write=_any(inbox(BENCH_RESULTS), dead_letters(CODE_TO_BENCH)),
                            read=_any(queue(CODE_TO_BENCH)))
     if role == "learner":
-        return Permissions(configure=NOTHING, write=_any(updates, dlx),
+        return Permissions(configure=NOTHING,
+                           write=_any(updates, dead_letters(ROLLOUT_BATCHES)),
                            read=_any(queue(ROLLOUT_BATCHES)))
     raise ValueError(f"unknown role {role!r} (known: {', '.join(ROLES)})")
 
@@ -120,13 +146,15 @@ def publisher_allowed(queue_base: str, user_id: str | None,
     The role's user is ``role_users[role]``; several users of one role (benchmarkers at
     two sites) are ``<user>.<site>``.
     """
-    role = PUBLISHER_ROLE[queue_base]
-    user = role_users[role]
-    if user_id is not None and (user_id == user or user_id.startswith(user + ".")):
+    roles = PUBLISHER_ROLES[queue_base]
+    users = [role_users[role] for role in roles]
+    if user_id is not None and any(user_id == user or user_id.startswith(user + ".")
+                                   for user in users):
         return None
     who = "an unauthenticated publisher" if not user_id else f"user {user_id!r}"
-    return (f"{who} may not publish to {queue_base}: only the {role} role "
-            f"(user {user!r} or {user!r}.<name>) may")
+    named = " or ".join(f"user {user!r} or {user!r}.<name>" for user in users)
+    return (f"{who} may not publish to {queue_base}: only the {' or '.join(roles)} role "
+            f"({named}) may")
 
 
 def password_hash(password: str, salt: bytes | None = None) -> str:
@@ -183,6 +211,9 @@ def topology_definitions(topology: Topology, vhost: str) -> dict[str, list[dict[
     exchange(topology.dead_letter_exchange, "direct")
     for dead_letters in topology.dead_letter_queues():
         durable(dead_letters)
+    for base in [*WORK_QUEUES, *FANOUT_EXCHANGES]:
+        exchange(topology.dead_letter_inbox(base), "direct")
+        bind(topology.dead_letter_inbox(base), topology.dlq(base), topology.name(base))
     for base in WORK_QUEUES:
         queue(topology.name(base), topology.work_queue_arguments(base))
         exchange(topology.work_exchange(base), "direct")

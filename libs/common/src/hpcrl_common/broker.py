@@ -696,6 +696,13 @@ class Consumer:
 
     def _declare_subscriber(self, connection: pika.BlockingConnection, base: str,
                             subscriber: str, durable: bool) -> None:
+        if durable and not self.settings.declare_topology:
+            # Made (and bound) by the admin with the topology: a role user may neither
+            # declare it nor bind the exchange (hpcrl_common.access), only check it is there.
+            channel = connection.channel()
+            channel.queue_declare(self.topology.subscriber_queue(base, subscriber), passive=True)
+            channel.close()
+            return
         declare = partial(self.topology.declare_subscriber, exchange_base=base,
                           subscriber=subscriber, durable=durable)
         queues = [self.topology.durable_subscriber_queue(base, subscriber)] if durable else []
@@ -857,8 +864,9 @@ class Consumer:
             headers=headers,
             message_id=delivery.message_id or None,
         )
+        # The dead-letter queue's own inbox: the shared dead-letter exchange is the broker's.
         self._require_channel().basic_publish(
-            self.topology.dead_letter_exchange, sub.dead_letter_key, delivery.body,
+            self.topology.dead_letter_inbox(sub.base), sub.dead_letter_key, delivery.body,
             properties=properties, mandatory=True,
         )
 

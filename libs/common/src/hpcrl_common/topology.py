@@ -7,6 +7,13 @@ dead-letter queue ``<queue>.dlq`` bound to the dead-letter exchange with the que
 routing key; consumers also dead-letter explicitly, with the reason in a header.
 ``weight-updates`` is a fanout exchange: every subscriber gets its own queue.
 
+Two paths lead into a dead-letter queue, and no broker user may write into either at will:
+the broker's own dead-lettering (a work queue's ``x-dead-letter-exchange``: the shared
+``dead-letter`` exchange, which no role may publish to) and a consumer's explicit dead
+letter, published to the dead-letter queue's own inbox ``<queue>.dlq.in``, which only the
+role that consumes ``<queue>`` may write (see :mod:`hpcrl_common.access`). So a role can put
+messages only into the dead-letter queues of what it consumes.
+
 Every durable queue is a quorum queue, replicated on each node of a clustered broker, so that
 losing a node loses none of them: a classic queue lives on the node that declared it and can
 be neither used nor redeclared while that node is down. Only the auto-deleted queues of
@@ -134,6 +141,10 @@ class Topology:
     def dead_letter_exchange(self) -> str:
         return self.name(DEAD_LETTER_EXCHANGE)
 
+    def dead_letter_inbox(self, base: str) -> str:
+        """The exchange consumers of ``base`` publish their explicit dead letters to."""
+        return inbox_of(self.dlq(base))
+
     def work_exchange(self, base: str) -> str:
         """The exchange that publishers of work queue ``base`` write to."""
         return inbox_of(self.name(base))
@@ -158,6 +169,10 @@ class Topology:
         for base in FANOUT_EXCHANGES:
             channel.exchange_declare(self.name(base), exchange_type="fanout", durable=True)
             self._declare_dlq(channel, base, classic)
+        for base in [*WORK_QUEUES, *FANOUT_EXCHANGES]:
+            inbox = self.dead_letter_inbox(base)
+            channel.exchange_declare(inbox, exchange_type="direct", durable=True)
+            channel.queue_bind(self.dlq(base), inbox, routing_key=self.name(base))
 
     def dead_letter_queue(self, base: str) -> DurableQueue:
         return DurableQueue(self.dlq(base), bindings=((self.dead_letter_exchange,
@@ -193,6 +208,10 @@ class Topology:
             exchange = self.name(base)
             checks.append((f"exchange {exchange}",
                            lambda ch, e=exchange: ch.exchange_declare(e, passive=True)))
+        for base in [*WORK_QUEUES, *FANOUT_EXCHANGES]:
+            inbox = self.dead_letter_inbox(base)
+            checks.append((f"exchange {inbox}",
+                           lambda ch, e=inbox: ch.exchange_declare(e, passive=True)))
         channel = open_channel()
         for what, check in checks:
             try:
@@ -214,16 +233,20 @@ class Topology:
 
         Durable subscribers (the scheduler) get every update even across their restarts, in
         a quorum queue (kept as it is when named in ``classic``); ephemeral ones (generator
-        replicas) get an auto-deleted classic queue and read the checkpoint manifest on
-        start instead.
+        replicas) get an exclusive auto-deleted classic queue (no other connection, another
+        replica's included, may delete, purge or read it) and read the checkpoint manifest
+        on start instead. Their dead letters go through the dead-letter queue's inbox, which
+        the generator role may write, not the shared dead-letter exchange.
         """
         if durable:
             queue = self.durable_subscriber_queue(exchange_base, subscriber)
             queue.declare(channel, classic=queue.name in classic)
             return queue.name
         name = self.subscriber_queue(exchange_base, subscriber)
-        channel.queue_declare(name, durable=False, auto_delete=True,
-                              arguments=self.dead_letter_arguments(exchange_base))
+        channel.queue_declare(name, durable=False, auto_delete=True, exclusive=True,
+                              arguments={
+                                  "x-dead-letter-exchange": self.dead_letter_inbox(exchange_base),
+                                  "x-dead-letter-routing-key": self.name(exchange_base)})
         channel.queue_bind(name, self.name(exchange_base))
         return name
 
@@ -262,6 +285,7 @@ class Topology:
             else:
                 channel.exchange_delete(self.name(base))
             channel.queue_delete(self.dlq(base))
+            channel.exchange_delete(self.dead_letter_inbox(base))
         channel.exchange_delete(self.dead_letter_exchange)
 
 

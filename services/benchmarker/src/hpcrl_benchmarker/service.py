@@ -30,13 +30,18 @@ from hpcrl_benchmarker.metrics import (
 from hpcrl_benchmarker.pipeline import Benchmarker, Events
 from hpcrl_benchmarker.steps import InternalError
 from hpcrl_benchmarker.verdict import Verdict
-from hpcrl_common.broker import Consumer, Delivery, Publish, Reject
+from hpcrl_common import confirmation
+from hpcrl_common.broker import DEFER, Consumer, Delivery, Publish, Reject
 from hpcrl_common.messages import BenchResult, Candidate, Message
 from hpcrl_common.task import TaskError, TaskSpec, builtin_tasks, load_task
 from hpcrl_common.topology import BENCH_RESULTS, CODE_TO_BENCH
 
 log = structlog.get_logger("hpcrl.benchmarker")
 
+
+
+class HandedBack(RuntimeError):
+    """A confirmation given back to the queue for another replica (not a failure)."""
 
 
 class TaskCatalogue:
@@ -64,16 +69,26 @@ class TaskCatalogue:
 class BenchHandler:
     def __init__(self, benchmarker: Benchmarker, section: BenchmarkerSection,
                  results_queue: str, name: str,
-                 stopping: Callable[[], bool] = lambda: False) -> None:
+                 stopping: Callable[[], bool] = lambda: False,
+                 hand_back: Callable[[Delivery, Exception], None] | None = None) -> None:
         self.benchmarker = benchmarker
+        self.hand_back = hand_back
         self.section = section
         self.results_queue = results_queue
         self.name = name
         self.tasks = TaskCatalogue(section.tasks)
         self.stopping = stopping
 
-    def __call__(self, message: Message, delivery: Delivery) -> list[Publish]:
+    def __call__(self, message: Message, delivery: Delivery) -> list[Publish] | object:
         assert isinstance(message, Candidate)
+        if self.hand_back is not None and confirmation.prefer_another(
+                message.generator, self.name, self.benchmarker.host.host_class,
+                delivery.attempt):
+            # A scheduler's re-measurement of a winner this replica (or another class of
+            # host) measured: once back to the queue, for another replica of the class.
+            log.info("confirmation handed back for another replica", candidate=message.id)
+            self.hand_back(delivery, HandedBack(f"{message.id}: for another replica"))
+            return DEFER
         task = self.tasks.get(message.bench.task)
         if message.bench.opt_level not in task.compile.opt_levels:
             raise Reject(f"task {task.name!r} has no opt level {message.bench.opt_level!r}")
@@ -159,7 +174,7 @@ def build_consumer(config: BenchmarkerConfig, benchmarker: Benchmarker) -> Consu
     name = replica_name()
     consumer = Consumer(config.broker, name, concurrency=section.concurrency)
     handler = BenchHandler(benchmarker, section, consumer.topology.name(BENCH_RESULTS), name,
-                           stopping=lambda: consumer.stopping)
+                           stopping=lambda: consumer.stopping, hand_back=consumer.fail)
     consumer.subscribe(CODE_TO_BENCH, handler)
     HOST.info({"host_class": benchmarker.host.host_class, "cpu_model": benchmarker.host.cpu_model,
                "isa": ",".join(benchmarker.host.isa), "compiler": benchmarker.host.compiler,

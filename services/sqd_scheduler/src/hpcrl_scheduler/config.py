@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
@@ -69,6 +69,24 @@ class SchedulerSection(ServiceSection):
     tick_s: float = Field(0.5, gt=0, le=60, description="period of the scheduling loop "
                           "(plan, admit, deadlines, outbox)")
     exit_when_done: bool = Field(True, description="serve exits 0 once all T iterations end")
+    host_peaks: dict[str, Annotated[float, Field(gt=0)]] = Field(
+        {}, description="the operator's peak GFLOPS per host class (key: the class, or the CPU "
+        "model for all its classes); wins over what results report. Unlisted classes: the "
+        "lowest peak reported, capped by cores x max_clock_ghz x FLOPs/cycle of the ISA; a "
+        "result above its class's peak is dead-lettered")
+    max_clock_ghz: float = Field(6.0, gt=0, le=20, description="clock of the peak formula for "
+                                 "host classes not in host_peaks (an upper bound)")
+    max_host_cores: int = Field(1024, ge=1, description="cores counted at most by the peak "
+                                "formula, whatever a result reports")
+    confirm_winners: bool = Field(
+        True, description="a group's best success is benchmarked again (another replica "
+        "first, then any) before the group's rewards, pool and lineage take it; a "
+        "disagreement drops it and marks both results and the host suspect")
+    confirm_tolerance: float = Field(
+        0.5, ge=0, description="a winner disagrees when its GFLOPS exceed the second "
+        "measurement's by more than this share (0.5: 1.5x)")
+    confirm_rounds: int = Field(3, ge=1, le=16, description="re-measurements per group at "
+                                "most (each dropped winner's successor is confirmed too)")
 
     @model_validator(mode="after")
     def _ratios(self) -> SchedulerSection:

@@ -12,7 +12,8 @@ LAG_BUCKETS = (0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
 RESULTS = Counter("hpcrl_scheduler_results_total",
                   "Benchmark results filed, by outcome status", ["status"])
 RESULTS_IGNORED = Counter("hpcrl_scheduler_results_ignored_total",
-                          "Results not filed: duplicate, late (group already closed)",
+                          "Results not filed: duplicate, late (group already closed), "
+                          "above_peak (above the host class's peak: dead-lettered)",
                           ["reason"])
 UPDATES_IGNORED = Counter("hpcrl_scheduler_weight_updates_ignored_total",
                           "Weight announcements that set no floor: other_experiment, "
@@ -21,6 +22,14 @@ EXCLUDED = Counter("hpcrl_scheduler_results_excluded_total",
                    "Results left out of their group because of a minority host class")
 NO_ROLLOUT = Counter("hpcrl_scheduler_samples_without_rollout_total",
                      "Filed results that carried no token data (not sent to the learner)")
+CONFIRMATIONS = Counter(
+    "hpcrl_scheduler_confirmations_total",
+    "Second measurements of group winners: requested; answered agreed, disagreed (winner "
+    "dropped, host suspect) or inconclusive (another host class); winners dropped timed_out "
+    "or unconfirmed (rounds spent); no_source (not re-measurable)", ["outcome"])
+SUSPECT_RESULTS = Counter("hpcrl_scheduler_suspect_results_total",
+                          "Results marked suspect: a winner and the second measurement that "
+                          "disagreed with it")
 GROUPS_CLOSED = Counter("hpcrl_scheduler_groups_closed_total",
                         "Groups closed, by reason (complete, deadline)", ["reason"])
 BATCHES = Counter("hpcrl_scheduler_batches_total",
@@ -71,4 +80,7 @@ ITERATIONS_DONE = Gauge("hpcrl_scheduler_iterations_done", "Iterations completed
 POLICY_VERSION = Gauge("hpcrl_scheduler_policy_version", "Latest policy version announced")
 GROUPS_TRAINED = Gauge("hpcrl_scheduler_groups_trained",
                        "Groups the learner reports done: trained, or dropped as stale")
+SUSPECT_HOSTS = Gauge("hpcrl_scheduler_suspect_hosts",
+                      "Benchmark hosts whose winners a second measurement contradicted "
+                      "(/healthz: suspect_hosts)")
 UNSENT = Gauge("hpcrl_scheduler_outbox_unsent", "Messages written but not yet confirmed")

@@ -31,11 +31,13 @@ from hpcrl_common.prompts import Templates, build_prompt, failure_text, load_tem
 from hpcrl_common.stages import FIRST_STAGE
 from hpcrl_common.task import TaskSpec, load_task
 from hpcrl_common.task import builtin_seed as task_seed
-from hpcrl_common.topology import GENERATE_REQUESTS, ROLLOUT_BATCHES
+from hpcrl_common.topology import CODE_TO_BENCH, GENERATE_REQUESTS, ROLLOUT_BATCHES
+from hpcrl_scheduler import confirm
 from hpcrl_scheduler import metrics as m
 from hpcrl_scheduler.config import SchedulerConfig
-from hpcrl_scheduler.groups import Parent, close_group
+from hpcrl_scheduler.groups import Parent, close_group, majority_class
 from hpcrl_scheduler.pacing import PacingState, hold_reason, outstanding
+from hpcrl_scheduler.peaks import PeakBook
 from hpcrl_scheduler.selection import SEED_ID, Program, Ratios, dedupe, select
 from hpcrl_scheduler.store import BatchOutcome, CloseReason, GroupRow, Store
 
@@ -92,6 +94,8 @@ class Scheduler:
                                                    else None)
         self.ratios = Ratios(self.section.ratio_deepen, self.section.ratio_improve,
                              self.section.ratio_repair)
+        self.peaks = PeakBook(self.section.host_peaks, max_clock_ghz=self.section.max_clock_ghz,
+                              max_cores=self.section.max_host_cores)
         self._init_store()
 
     # --- set-up ---------------------------------------------------------------------
@@ -226,7 +230,7 @@ class Scheduler:
         for group in self.store.overdue_groups(now - self.section.group_deadline_s):
             log.warning("group deadline passed; closing it short", group=group.id,
                         results=self.store.count_results(group.id), expected=group.group_size)
-            self._close(group, now, "deadline")
+            self._close(group, now, "deadline", overdue=True)
 
     # --- messages -------------------------------------------------------------------
 
@@ -238,9 +242,20 @@ class Scheduler:
                 return
             group = s.group(result.group_id)
             if group is None:
+                owner = s.get(confirm.INDEX_PREFIX + result.group_id)
+                if owner is not None:
+                    self._handle_confirmation(str(owner), result, now)
+                    return
                 raise Reject(f"result {result.id} belongs to no group of this scheduler")
             if result.index >= group.group_size:
                 raise Reject(f"result index {result.index} >= group size {group.group_size}")
+            refused = self.peaks.admit(s, result)
+            if refused is not None:
+                m.RESULTS_IGNORED.labels("above_peak").inc()
+                log.warning("result above its host class's peak refused", result=result.id,
+                            host=result.host.hostname, benchmarker=result.benchmarker,
+                            reason=refused)
+                raise Reject(refused)
             late = group.state == "closed"
             s.add_result(result, received_at=now, late=late)
             if late:
@@ -280,9 +295,121 @@ class Scheduler:
                 s.set("groups_per_step", max(1, int(update.metrics["groups_per_step"])))
         log.info("policy version seen", version=update.version, metrics=update.metrics)
 
-    def _close(self, group: GroupRow, now: float, reason: CloseReason) -> None:
+    # --- winners confirmed (see confirm.py) -------------------------------------------
+
+    def _confirming(self, group: GroupRow, results: list[BenchResult], now: float,
+                    reason: CloseReason, overdue: bool) -> bool:
+        """True while the group waits for its winner's second measurement (or one was just
+        requested); False once it may close with ``results`` less those dropped."""
+        s, key = self.store, confirm.STATE_PREFIX + group.id
+        state = confirm.ConfirmState.of(s.get(key))
+        ranked = [r for r in results if r.status == "success" and r.gflops is not None
+                  and r.id not in state.dropped]
+        if ranked:
+            majority = majority_class([r for r in results if r.id not in state.dropped])
+            ranked = [r for r in ranked if r.host.host_class == majority]
+        if not ranked:
+            return False
+        winner = max(ranked, key=lambda r: (r.gflops or 0.0, -r.index))
+        if winner.id in state.confirmed:
+            return False
+        if state.waiting == winner.id and not overdue:
+            return True  # asked already; its answer is on the way
+        if state.waiting == winner.id or state.round >= self.section.confirm_rounds:
+            outcome = "timed_out" if state.waiting == winner.id else "unconfirmed"
+            m.CONFIRMATIONS.labels(outcome).inc()
+            log.warning("group winner dropped unconfirmed", group=group.id, result=winner.id,
+                        gflops=winner.gflops, why=outcome, rounds=state.round)
+            state.dropped.append(winner.id)
+            state.waiting = None
+            s.set(key, state.to_json())
+            return False
+        if winner.source is None:
+            m.CONFIRMATIONS.labels("no_source").inc()
+            return False  # nothing to measure again (benchmarker.include_source = false)
+        state.round += 1
+        state.waiting = winner.id
+        state.reason = reason
+        candidate = confirm.confirmation(winner, group.id, state.round)
+        state.confirm_group = candidate.group_id
+        s.set(key, state.to_json())
+        s.set(confirm.INDEX_PREFIX + candidate.group_id, group.id)
+        s.enqueue(CODE_TO_BENCH, candidate)
+        s.note_progress(group.id, now)  # the deadline runs from the request
+        m.CONFIRMATIONS.labels("requested").inc()
+        log.info("group winner sent for a second measurement", group=group.id,
+                 result=winner.id, gflops=winner.gflops, round=state.round,
+                 benchmarker=winner.benchmarker)
+        return True
+
+    def _handle_confirmation(self, group_id: str, result: BenchResult, now: float) -> None:
+        s = self.store
+        key = confirm.STATE_PREFIX + group_id
+        state = confirm.ConfirmState.of(s.get(key))
+        group = s.group(group_id)
+        if (group is None or group.state == "closed" or state.waiting is None
+                or state.confirm_group != result.group_id):
+            m.RESULTS_IGNORED.labels("duplicate").inc()  # answered already, or superseded
+            return
+        refused = self.peaks.admit(s, result)
+        if refused is not None:
+            m.RESULTS_IGNORED.labels("above_peak").inc()
+            raise Reject(refused)
+        first = next((r for r in s.results_of(group_id) if r.id == state.waiting), None)
+        if first is None:  # cannot be: the winner was stored before it was sent
+            raise Reject(f"confirmation {result.id}: result {state.waiting} is not stored")
+        verdict, why = confirm.judge(first, result, self.section.confirm_tolerance)
+        m.CONFIRMATIONS.labels(verdict).inc()
+        if verdict == "agreed":
+            state.confirmed.append(first.id)
+            log.info("group winner confirmed", group=group_id, result=first.id, detail=why,
+                     by=result.benchmarker)
+        elif verdict == "disagreed":
+            state.dropped.append(first.id)
+            self._mark_suspect(first, result, why, now)
+        else:
+            log.info("group winner's second measurement not comparable; another round",
+                     group=group_id, result=first.id, detail=why)
+        state.waiting = None
+        s.set(key, state.to_json())
+        s.note_progress(group_id, now)
+        self._close(group, now, state.reason)  # type: ignore[arg-type]
+
+    def _mark_suspect(self, first: BenchResult, second: BenchResult, why: str,
+                      now: float) -> None:
+        s = self.store
+        m.SUSPECT_RESULTS.inc(2)
+        suspects: dict[str, dict] = s.get(confirm.SUSPECTS_KEY, {})
+        host = confirm.host_key(first)
+        entry = suspects.get(host, {"count": 0})
+        entry.update(count=int(entry["count"]) + 1, last_result=first.id,
+                     second_result=second.id, second_by=confirm.host_key(second),
+                     reason=why[:500], at=now)
+        suspects[host] = entry
+        if len(suspects) > confirm.MAX_SUSPECT_HOSTS:
+            del suspects[min(suspects, key=lambda h: suspects[h].get("at", 0))]
+        s.set(confirm.SUSPECTS_KEY, suspects)
+        m.SUSPECT_HOSTS.set(len(suspects))
+        log.warning("a winner's second measurement disagrees: both results and the reporting "
+                    "host are suspect", result=first.id, gflops=first.gflops, host=host,
+                    second=second.id, second_status=second.status, second_gflops=second.gflops,
+                    second_host=confirm.host_key(second), reason=why)
+
+    def suspect_hosts(self) -> dict[str, dict]:
+        return dict(self.store.get(confirm.SUSPECTS_KEY, {}))
+
+    def _close(self, group: GroupRow, now: float, reason: CloseReason,
+               overdue: bool = False) -> None:
         s, exp = self.store, self.config.experiment
-        closed = close_group(group.id, s.results_of(group.id), experiment=exp.name,
+        results = s.results_of(group.id)
+        if self.section.confirm_winners:
+            if self._confirming(group, results, now, reason, overdue):
+                return
+            dropped = set(confirm.ConfirmState.of(s.get(confirm.STATE_PREFIX + group.id)).dropped)
+        else:
+            dropped = set()
+        results = [r for r in results if r.id not in dropped]
+        closed = close_group(group.id, results, experiment=exp.name,
                              iteration=group.iteration, reward_mode=self.section.reward_mode,
                              parent=parent_of(s.program(group.parent_id)))
         for result in closed.kept:
@@ -303,7 +430,8 @@ class Scheduler:
         else:
             outcome = "no_rollout" if closed.kept else "empty"
         s.mark_closed(group.id, at=now, reason=reason, outcome=outcome,
-                      host_class=closed.host_class, excluded=len(closed.excluded),
+                      host_class=closed.host_class,
+                      excluded=len(closed.excluded) + len(dropped),
                       reward_mean=closed.reward_mean, reward_max=closed.reward_max)
         m.GROUPS_CLOSED.labels(reason).inc()
         m.BATCHES.labels(outcome).inc()

@@ -89,5 +89,9 @@ class SchedulerService:
                 self._pending[seq] = self.consumer.publish(Publish(topology.name(queue), message))
 
     def health(self) -> tuple[bool, dict[str, Any]]:
-        return True, {"iteration": self.scheduler.iteration(), "finished": self.finished,
-                      "unconfirmed": len(self._pending)}
+        detail: dict[str, Any] = {"iteration": self.scheduler.iteration(),
+                                  "finished": self.finished, "unconfirmed": len(self._pending)}
+        suspects = self.scheduler.suspect_hosts()
+        if suspects:  # the operator's to judge: a host whose winners did not reproduce
+            detail["suspect_hosts"] = suspects
+        return True, detail

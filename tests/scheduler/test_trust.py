@@ -1,0 +1,164 @@
+"""Issue 28: one benchmarker credential must not steer training. On the real RabbitMQ, with
+the scheduler service in process and results published straight onto ``bench-results``:
+
+* a result above its host class's peak is dead-lettered, whatever peak it claims;
+* a group's winner is measured a second time before its rewards, pool and batch take
+  effect; a second measurement far below the claim drops the winner and marks the results
+  and the host suspect (metric, /healthz), and the next best is confirmed in turn.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from prometheus_client import REGISTRY
+
+from hpcrl_common.broker import Consumer, Publish, Publisher
+from hpcrl_common.messages import (
+    BenchResult,
+    Candidate,
+    GenerateRequest,
+    HostInfo,
+    RolloutBatch,
+)
+from hpcrl_common.topology import (
+    BENCH_RESULTS,
+    CODE_TO_BENCH,
+    GENERATE_REQUESTS,
+    REASON_HEADER,
+    ROLLOUT_BATCHES,
+    Topology,
+)
+from hpcrl_scheduler.config import SchedulerConfig, SchedulerSection
+from hpcrl_scheduler.peaks import PeakBook
+from hpcrl_scheduler.scheduler import Scheduler
+from hpcrl_scheduler.service import SchedulerService
+from hpcrl_scheduler.store import Store
+
+from ..conftest import RunningConsumer
+from .helpers import result
+from .test_service_broker import take
+
+CLASS = "amd-epyc/avx512f/gcc12/0123456789ab"
+
+
+def host(peak: float, cores: int = 2, hostname: str = "node1") -> HostInfo:
+    return HostInfo(hostname=hostname, cpu_model="AMD EPYC", isa=["avx512f", "avx2"],
+                    cores=cores, compiler="gcc 12", host_class=CLASS, peak_gflops=peak)
+
+
+def bench_result(group_id: str, index: int, gflops: float | None, *, peak: float = 384.0,
+                 benchmarker: str = "benchmarker-a", status: str = "success",
+                 hostname: str = "node1") -> BenchResult:
+    base = result(group_id, index, status, gflops, source=f"/* kernel {index} */ void k(){{}}")
+    return BenchResult.model_validate({**base.model_dump(), "host": host(peak, hostname=hostname),
+                                       "benchmarker": benchmarker})
+
+
+def service(broker_settings, tmp_path, name: str, **section) -> tuple[Scheduler, Consumer,
+                                                                       SchedulerService]:
+    config = SchedulerConfig(
+        broker=broker_settings, experiment={"name": name, "seed": 1},
+        scheduler=SchedulerSection(**{"iterations": 1, "group_size": 2, "node_budget": 1,
+                                      "max_staleness": 0, "metrics_port": 0, "tick_s": 0.1,
+                                      "exit_when_done": False, **section}),
+    )
+    scheduler = Scheduler(config, Store(tmp_path / f"{name}.sqlite"))
+    consumer = Consumer(broker_settings, f"scheduler-{name}", concurrency=2)
+    return scheduler, consumer, SchedulerService(scheduler, consumer)
+
+
+def dead_letters(channel, queue: str, expect: int, timeout: float = 20.0) -> list[str]:
+    found: list[str] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and len(found) < expect:
+        method, props, _body = channel.basic_get(queue, auto_ack=True)
+        if method is None:
+            time.sleep(0.05)
+            continue
+        found.append(props.headers[REASON_HEADER])
+    return found
+
+
+pytestmark = pytest.mark.broker
+
+
+def test_a_result_above_its_host_classs_peak_is_refused(broker_settings, raw_channel,
+                                                          tmp_path):
+    """The issue's forgery: 5,000 GFLOPS claiming a peak of 1e6 on a class whose hosts report
+    384. Also one under the formula's bound (2 cores x 6 GHz x 32 = 384) but above what the
+    class's genuine host reported (200): a message can only lower its class's peak."""
+    topology = Topology(broker_settings.namespace, broker_settings.delivery_limit)
+    scheduler, consumer, _service = service(broker_settings, tmp_path, "peak",
+                                            reward_mode="raw", confirm_winners=False)
+    with RunningConsumer(consumer), Publisher(broker_settings) as publisher:
+        [request] = take(raw_channel, topology.name(GENERATE_REQUESTS), GenerateRequest)
+        genuine = bench_result(request.id, 0, 1.7, peak=200.0)
+        forged = [bench_result(request.id, 1, 5000.0, peak=1e6, benchmarker="evil"),
+                  bench_result(request.id, 1, 300.0, peak=1e6, benchmarker="evil")]
+        publisher.publish(Publish(topology.name(BENCH_RESULTS), genuine))
+        time.sleep(0.5)  # the genuine host's report first
+        reasons = []
+        for each in forged:  # one at a time: the same id twice at once is one delivery
+            publisher.publish(Publish(topology.name(BENCH_RESULTS), each))
+            reasons += dead_letters(raw_channel, topology.dlq(BENCH_RESULTS), expect=1)
+        assert len(reasons) == 2, reasons
+        assert all("above the peak of host class" in r for r in reasons), reasons
+        assert all("200 GFLOPS (seen; the result claims 1e+06)" in r for r in reasons), reasons
+        publisher.publish(Publish(topology.name(BENCH_RESULTS),
+                                  bench_result(request.id, 1, 1.5, peak=384.0)))
+        [batch] = take(raw_channel, topology.name(ROLLOUT_BATCHES), RolloutBatch)
+    assert [s.reward for s in batch.samples] == [1.7, 1.5]
+    assert max(p.gflops or 0 for p in scheduler.store.all_programs()) == 1.7
+    assert REGISTRY.get_sample_value("hpcrl_scheduler_results_ignored_total",
+                                     {"reason": "above_peak"}) >= 2
+
+
+def test_the_operators_registry_wins_over_what_hosts_report(tmp_path):
+    book = PeakBook({"AMD EPYC": 50.0}, max_clock_ghz=6.0, max_cores=1024)
+    store = Store(tmp_path / "peaks.sqlite")
+    with store.tx():
+        assert book.admit(store, bench_result("g.s0.t0.g0000", 0, 40.0, peak=1e6)) is None
+        refused = book.admit(store, bench_result("g.s0.t0.g0000", 1, 60.0, peak=1e6))
+    assert refused is not None and "50 GFLOPS (registry" in refused
+
+
+def test_a_winner_that_does_not_reproduce_is_dropped_and_its_host_suspect(
+        broker_settings, raw_channel, tmp_path):
+    """The issue's case under the peak: 300 GFLOPS claimed where the kernel does ~2. Its
+    second measurement (another replica) finds 1.9: the claim is dropped and both results
+    and the host are marked suspect; the next best (2.0) is confirmed (2.1) and only then
+    does the group's batch go out, normalised by the confirmed maximum."""
+    topology = Topology(broker_settings.namespace, broker_settings.delivery_limit)
+    scheduler, consumer, svc = service(broker_settings, tmp_path, "confirm",
+                                       reward_mode="group_normalized")
+    with RunningConsumer(consumer), Publisher(broker_settings) as publisher:
+        [request] = take(raw_channel, topology.name(GENERATE_REQUESTS), GenerateRequest)
+        honest = bench_result(request.id, 0, 2.0, benchmarker="benchmarker-b", hostname="node2")
+        forged = bench_result(request.id, 1, 300.0, benchmarker="evil")
+        publisher.publish(*(Publish(topology.name(BENCH_RESULTS), r) for r in (honest, forged)))
+        [check] = take(raw_channel, topology.name(CODE_TO_BENCH), Candidate)
+        assert check.group_id == f"{request.id}.confirm1" and check.rollout is None
+        assert check.generator == f"confirm|evil|{CLASS}"
+        assert "/* kernel 1 */" in check.completion
+        assert take(raw_channel, topology.name(ROLLOUT_BATCHES), RolloutBatch, timeout=1.0) == []
+        second = bench_result(check.group_id, 0, 1.9, benchmarker="benchmarker-b",
+                              hostname="node2")
+        publisher.publish(Publish(topology.name(BENCH_RESULTS), second))
+        [again] = take(raw_channel, topology.name(CODE_TO_BENCH), Candidate)
+        assert again.group_id == f"{request.id}.confirm2"
+        assert again.generator == f"confirm|benchmarker-b|{CLASS}"
+        assert "/* kernel 0 */" in again.completion
+        publisher.publish(Publish(topology.name(BENCH_RESULTS), bench_result(
+            again.group_id, 0, 2.1, benchmarker="benchmarker-a")))
+        [batch] = take(raw_channel, topology.name(ROLLOUT_BATCHES), RolloutBatch)
+        healthy, detail = svc.health()
+    assert [(s.candidate_id, s.reward) for s in batch.samples] == [(honest.id, 100.0)]
+    assert [p.id for p in scheduler.store.all_programs() if p.id != "seed"] == [honest.id]
+    assert healthy and list(detail["suspect_hosts"]) == ["node1/evil"]
+    assert "300 GFLOPS claimed, 1.9 measured" in detail["suspect_hosts"]["node1/evil"]["reason"]
+    assert REGISTRY.get_sample_value("hpcrl_scheduler_suspect_results_total") >= 2
+    assert REGISTRY.get_sample_value("hpcrl_scheduler_suspect_hosts") >= 1
+    group = scheduler.store.group(request.id)
+    assert group is not None and group.excluded == 1
