@@ -46,14 +46,15 @@ test: install
 	$(BIN)/python -m pytest
 
 # The fast tier: tests marked neither `slow` nor `broker` (so no RabbitMQ is needed), less the
-# suites that train a model, time the sandbox again and again, fuzz the lexer against gcc or
-# build a measured catalogue. `make test` runs all of them; CI runs `make test`.
+# suites that train or load a model, drill the sandbox (timing, threads), fuzz the lexer
+# against gcc or build a measured catalogue. `make test` runs all of them; CI runs `make test`.
 FAST_LEAVE_OUT := tests/fleet tests/demo/test_demo_e2e.py tests/generator/test_vllm_backend.py \
 	tests/observability/test_prometheus.py tests/scheduler/test_integration.py \
-	tests/learner/test_trainer.py tests/benchmarker/test_fast_path.py \
-	tests/benchmarker/test_replicas.py tests/common/test_csource_gcc.py \
-	tests/bootstrap/test_tokenizer.py tests/bootstrap/test_examples.py \
-	tests/bootstrap/test_kernels_compile.py
+	tests/learner/test_trainer.py tests/generator/test_transformers_backend.py \
+	tests/benchmarker/test_fast_path.py tests/benchmarker/test_replicas.py \
+	tests/benchmarker/test_sandbox.py tests/benchmarker/test_threads.py \
+	tests/common/test_csource_gcc.py tests/bootstrap/test_tokenizer.py \
+	tests/bootstrap/test_examples.py tests/bootstrap/test_kernels_compile.py
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "not slow and not broker" $(addprefix --ignore=,$(FAST_LEAVE_OUT))
