@@ -8,6 +8,7 @@ kernel had fooled them, so that what is tested is the run-time defence alone."""
 
 from __future__ import annotations
 
+import dataclasses
 import platform
 from collections.abc import Callable
 from pathlib import Path
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 
 from hpcrl_benchmarker import gemm, runner, sandbox, steps
-from hpcrl_benchmarker.pipeline import Benchmarker
+from hpcrl_benchmarker.pipeline import READY_ENV, Benchmarker
 from hpcrl_benchmarker.steps import StepFailure
 from hpcrl_benchmarker.verdict import Verdict
 from hpcrl_common.task import TaskSpec
@@ -226,3 +227,198 @@ def test_the_harness_environment_at_a_stage_without_threads(bench: Benchmarker) 
     env = bench.harness_env(threads=False)
     assert env["OMP_NUM_THREADS"] == "1" and env["HPCRL_NO_THREADS"] == "1"
     assert "HPCRL_NO_THREADS" not in bench.harness_env()
+
+
+# --- issue 27, class 2: no thread works outside its call ------------------------------------
+
+@pytest.mark.parametrize("stage", [4, 6])
+def test_a_worker_left_in_an_open_openmp_region_is_refused(judge: Judge, stage: int) -> None:
+    # Its first call opens a region with GOMP_parallel_start, never closes it and puts back
+    # the main thread's libgomp state: omp_in_parallel() reads false and the thread count is
+    # the pool's. The worker waits for the next job's seed and computes C before the clock
+    # starts: every C right, a success before (3-64 GFLOPS against 4-7 for ikj_omp.c here).
+    verdict = judge(kernel("precompute_next_call.c"), stage=stage)
+    assert verdict.status == "stage_violation", verdict.error
+    assert "worked outside its calls" in verdict.error
+    assert "before run 2 of 4 (255x257x129)" in verdict.error  # its first chance
+    assert "time" not in verdict.durations_s  # never timed
+
+
+def test_a_raw_thread_in_the_place_of_a_pool_thread_is_refused(bench: Benchmarker,
+                                                               task: TaskSpec) -> None:
+    # Four OpenMP threads: a team of two lets libgomp's surplus pool threads go, and a thread
+    # made with pthread_create (found from malloc's address) takes the place of one, so the
+    # count stays within OMP_THREAD_LIMIT. It works ahead of each call like the one above.
+    four = Benchmarker(bench.settings.model_copy(update={"threads": 4}), HOST)
+    code = "#define RAW_THREAD 1\n" + kernel("precompute_next_call.c")
+    verdict = four.evaluate(code, stage=4, opt_level="O3", task=task)
+    assert verdict.status == "stage_violation", verdict.error
+    assert "worked outside its calls" in verdict.error
+
+
+# Honest: a buffer kept from call to call (packing B transposed), with and without OpenMP.
+PACKED = """#include <stdlib.h>
+static double *packed;
+static size_t room;
+void matmul_optimized(double *A, double *B, double *C, int M, int N, int K) {
+    size_t need = (size_t)K * N;
+    if (need > room) {
+        free(packed);
+        packed = malloc(need * sizeof(double));
+        room = need;
+    }
+    for (int k = 0; k < K; k++)
+        for (int j = 0; j < N; j++) packed[(size_t)j * K + k] = B[(size_t)k * N + j];
+    PRAGMA
+    for (int i = 0; i < M; i++)
+        for (int j = 0; j < N; j++) {
+            double s = 0.0;
+            for (int k = 0; k < K; k++) s += A[(size_t)i * K + k] * packed[(size_t)j * K + k];
+            C[(size_t)i * N + j] = s;
+        }
+}
+"""
+
+
+@pytest.mark.parametrize(("pragma", "stage"), [("", 1), ("_Pragma(\"omp parallel for\")", 4),
+                                               ("_Pragma(\"omp parallel for\")", 6)])
+def test_honest_kernels_with_threads_or_a_kept_buffer_succeed(judge: Judge, pragma: str,
+                                                              stage: int) -> None:
+    verdict = judge(PACKED.replace("PRAGMA", pragma), stage=stage)
+    assert verdict.status == "success", verdict.error
+    assert verdict.generalizes is True
+
+
+def test_ikj_omp_succeeds_at_stage_4(judge: Judge) -> None:
+    verdict = judge(kernel("ikj_omp.c"), stage=4)
+    assert verdict.status == "success", verdict.error
+
+
+def test_a_thread_rule_broken_at_an_extra_size_is_final(judge: Judge) -> None:
+    # Threads only at the sizes that decide `generalizes`: a stage violation there is the
+    # verdict, not a note (the timing runs, at the reward size alone, would make none).
+    code = kernel("hidden_pthread_create.c").replace(
+        "    char name[32];\n",
+        "    char name[32];\n    if (M == 256) {\n"
+        "        struct part all = {A, B, C, M, N, K, 0, M};\n"
+        "        rows(&all);\n        return;\n    }\n", 1)
+    assert code != kernel("hidden_pthread_create.c")
+    verdict = judge(code, stage=1)
+    assert verdict.status == "stage_violation", verdict.error
+    assert "255x257x129" in verdict.error
+
+
+def test_harness_runs_hand_shake_and_idle_threads_sleep(bench: Benchmarker,
+                                                        task: TaskSpec, tmp_path: Path) -> None:
+    env = bench.harness_env()
+    assert env["OMP_WAIT_POLICY"] == "passive" and env["GOMP_SPINCOUNT"] == "0"
+    assert READY_ENV not in env  # the bench's bare floor answers no READY
+    spec = bench.start_run(tmp_path, task, two_phases=True)
+    spec.cancel()
+    assert spec.spec.env[READY_ENV] == "1"
+
+
+def test_the_other_threads_cpu_time_is_read_from_outside(tmp_path: Path) -> None:
+    scratch = tmp_path / "scratch"
+    scratch.mkdir(mode=0o777)
+    scratch.chmod(0o777)
+    # A thread that sleeps, then works 40 ms and ends; the main thread reports before and
+    # after. A thread that has ended still counts (the process's CPU clock keeps its time).
+    code = ("import os, sys, threading, time\n"
+            "def work():\n"
+            "    time.sleep(0.2)\n"
+            "    end = time.thread_time() + 0.04\n"
+            "    while time.thread_time() < end: pass\n"
+            "t = threading.Thread(target=work)\n"
+            "t.start()\n"
+            "os.write(int(sys.argv[1]), b'a')\n"
+            "t.join()\n"
+            "time.sleep(0.1)\n"
+            "os.write(int(sys.argv[1]), b'b')\n"
+            "time.sleep(30)\n")
+    counter = runner.ThreadCount(limit=2)
+    idle = runner.IdleThreads(counter)
+    used: list[int | None] = []
+
+    def watch(channel: str, payload: bytes, at_ns: int) -> sandbox.Reply | None:
+        if payload == b"a":
+            idle.baseline()
+            used.append(idle.used())  # nothing yet: the thread sleeps
+            return None
+        used.append(idle.used())
+        return sandbox.Reply(stop=True)
+
+    spec = sandbox.Spec(scratch, sandbox.Limits(wall_s=20, cpu_s=20), extra_pipe=True)
+    sandbox.run(["/usr/bin/python3", "-c", code, "{fd}"], spec, watch=watch,
+                started=counter.started)
+    assert used[0] is not None and used[0] <= runner.IDLE_LIMIT_NS
+    assert used[1] is not None and used[1] >= 30_000_000, used
+
+
+class Used(runner.IdleThreads):
+    """The other threads' CPU time, as given, instead of /proc's."""
+
+    def __init__(self, used: int) -> None:
+        super().__init__(runner.ThreadCount(limit=2))
+        self.value = used
+
+    def baseline(self) -> None:
+        pass
+
+    def used(self) -> int | None:
+        return self.value
+
+
+def _mark(talk: runner.Conversation, job: int, kind: int, value: int = 0,
+          count: int = 0, at: int = 0) -> sandbox.Reply | None:
+    return talk.on_event(sandbox.MARK, gemm.MARK.pack(talk.nonce, job, kind, value, count), at)
+
+
+def test_a_call_begins_only_after_the_go() -> None:
+    talk = runner.Conversation(JOBS, 0, None, Counts(2), idle=Used(0))
+    talk.opening()
+    reply = _mark(talk, 0, gemm.MARK_READY, at=100)
+    assert reply is not None and reply.send == gemm.GO_LINE and reply.marks_after_data
+    _mark(talk, 0, gemm.MARK_BEGIN, 200, at=210)
+    _mark(talk, 0, gemm.MARK_RESULT, 300, 6, at=310)
+    talk.on_event(sandbox.DATA, np.zeros(6, dtype="<f8").tobytes(), 320)
+    reply = _mark(talk, 0, gemm.MARK_CHECK, at=330)
+    # The next job's line; its READY must be read as it comes.
+    assert reply is not None and reply.send == gemm.job_line(JOBS[1])
+    assert not reply.marks_after_data
+    assert talk.frames[0].go_ns > 0
+    # A BEGIN before its READY, or before the go, is tampering.
+    assert _mark(talk, 1, gemm.MARK_BEGIN, 400, at=410) == sandbox.Reply(stop=True)
+    assert "out of order" in talk.tampered
+    talk = runner.Conversation(JOBS, 0, None, Counts(2), idle=Used(0))
+    talk.opening()
+    talk.reader.mark(gemm.MARK.pack(talk.nonce, 0, gemm.MARK_READY, 0, 0), 100)
+    with pytest.raises(gemm.ProtocolError, match="before its go"):
+        talk.reader.mark(gemm.MARK.pack(talk.nonce, 0, gemm.MARK_BEGIN, 200, 0), 210)
+
+
+def test_a_start_before_the_go_is_a_tampered_timing() -> None:
+    frame = gemm.Frame(0, 0, np.zeros((1, 1)), t0_ns=1_000_000, t1_ns=2_000_000,
+                       sent_ns=500_000, go_ns=900_000, begin_ns=1_000_100,
+                       result_ns=2_000_100)
+    assert frame.timing_problem() == ""
+    early = dataclasses.replace(frame, go_ns=1_200_000)
+    assert "not between the job's dispatch" in early.timing_problem()
+
+
+def test_work_between_calls_stops_the_run_before_the_call() -> None:
+    talk = runner.Conversation(JOBS, 0, None, Counts(2),
+                               idle=Used(runner.IDLE_LIMIT_NS + 1))
+    talk.opening()
+    # The first call: no kernel code has run before it, nothing to read.
+    reply = _mark(talk, 0, gemm.MARK_READY, at=100)
+    assert reply is not None and reply.send == gemm.GO_LINE
+    _mark(talk, 0, gemm.MARK_BEGIN, 200, at=210)
+    _mark(talk, 0, gemm.MARK_RESULT, 300, 6, at=310)
+    talk.on_event(sandbox.DATA, np.zeros(6, dtype="<f8").tobytes(), 320)
+    _mark(talk, 0, gemm.MARK_CHECK, at=330)
+    reply = _mark(talk, 1, gemm.MARK_READY, at=400)
+    assert reply == sandbox.Reply(stop=True)  # no go: the call never begins
+    assert "worked outside its calls" in talk.worked_outside
+    failure = runner.ending(sandbox.Outcome(-9, b"", b"", False, 0.1, stopped=True), talk, 8.0)
+    assert failure is not None and failure.status == "stage_violation"

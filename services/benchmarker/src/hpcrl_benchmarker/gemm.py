@@ -22,7 +22,8 @@ from hpcrl_benchmarker.host import openblas_coretype
 from hpcrl_common.task import Sizes
 
 MARK = struct.Struct("<QIIQQ")  # nonce, job, type, value, count
-MARK_BEGIN, MARK_RESULT, MARK_CHECK, MARK_END = 1, 2, 3, 0x80000000
+MARK_BEGIN, MARK_RESULT, MARK_CHECK, MARK_READY, MARK_END = 1, 2, 3, 4, 0x80000000
+GO_LINE = b"g\n"  # the parent's answer to READY: the call may begin
 FLAG_INPUTS_MODIFIED = 1
 FLAG_CHANGED_AFTER_RETURN = 2
 FLAG_PARALLEL_LEFT_OPEN = 4
@@ -99,7 +100,8 @@ class Job:
     seed: int
 
     def line(self) -> str:
-        return f"{self.kind} {self.sizes['M']} {self.sizes['N']} {self.sizes['K']} {self.seed}"
+        """Two lines: the sizes (the harness allocates the buffers), then the seed."""
+        return f"{self.kind} {self.sizes['M']} {self.sizes['N']} {self.sizes['K']}\n{self.seed}"
 
 
 @dataclass(frozen=True)
@@ -112,6 +114,8 @@ class Frame:
     t0_ns: int = 0  # harness: just before the call (sent out before the kernel ran)
     t1_ns: int = 0  # harness: just after the call
     sent_ns: int = 0  # parent: when the job was sent (its inputs did not exist before)
+    # parent: when it let the call begin, after READY (0: a run without the handshake)
+    go_ns: int = 0
     begin_ns: int = 0  # host kernel: when the BEGIN mark was queued
     result_ns: int = 0  # host kernel: when the RESULT mark was queued
     # parent: threads of the process beyond what OpenMP may leave, still alive after the
@@ -128,9 +132,10 @@ class Frame:
         the parent's send and the BEGIN stamp, the end between the start and the RESULT
         stamp. Breaking this takes a forged or rewritten time."""
         tol = CLOCK_TOLERANCE_NS
-        if not self.sent_ns - tol <= self.t0_ns <= self.begin_ns + tol:
+        dispatch = max(self.sent_ns, self.go_ns)  # with the handshake, the go
+        if not dispatch - tol <= self.t0_ns <= self.begin_ns + tol:
             return (f"the reported start of the call is not between the job's dispatch and "
-                    f"its start message ({(self.t0_ns - self.sent_ns) / 1e6:.3f} ms after "
+                    f"its start message ({(self.t0_ns - dispatch) / 1e6:.3f} ms after "
                     f"dispatch, {(self.t0_ns - self.begin_ns) / 1e6:.3f} ms after the message)")
         if not self.t0_ns <= self.t1_ns <= self.result_ns + tol:
             return (f"the reported end of the call is not between its start and its result "
@@ -171,8 +176,10 @@ class RunReader:
     in order, on their own pipe).
 
     ``sent(job, at_ns)`` records that the parent sent a job; ``mark`` and ``data`` return the
-    frames completed by an event; ``on_result(job, c)`` sees each C as soon as all of it is
-    here (the harness then still checks its inputs and waits 2 ms before it reports the
+    frames completed by an event; with ``handshake``, each job's READY comes before its BEGIN
+    (``ready`` is then the job waiting for its go) and ``go(job, at_ns)`` records the go,
+    before which no BEGIN may come; ``on_result(job, c)`` sees each C as soon as all of it
+    is here (the harness then still checks its inputs and waits 2 ms before it reports the
     call complete: time in which no call runs). Anything out of protocol raises
     ProtocolError: a wrong size or nonce, a mark for a job not sent yet, marks out of order
     or repeated (a forged mark cannot replace the harness's own, which still follows), data
@@ -180,14 +187,19 @@ class RunReader:
     """
 
     def __init__(self, nonce: int, jobs: list[Job],
-                 on_result: Callable[[int, np.ndarray], None] | None = None) -> None:
+                 on_result: Callable[[int, np.ndarray], None] | None = None,
+                 *, handshake: bool = False) -> None:
         self.nonce = nonce
         self.jobs = jobs
         self.on_result = on_result
+        self.handshake = handshake
         self.frames: list[Frame] = []
         self.finished = False
+        self.ready: int | None = None  # the job whose READY came and that has no go yet
         self._sent: list[int] = []
-        self._expect = MARK_BEGIN
+        self._go: list[int] = []
+        self._first = MARK_READY if handshake else MARK_BEGIN  # each job's first mark
+        self._expect = self._first
         self._current: dict[str, int] = {}
         self._payload = bytearray()
         self._count = 0  # doubles of C still owed for the current job
@@ -196,6 +208,11 @@ class RunReader:
     def sent(self, job: int, at_ns: int) -> None:
         assert job == len(self._sent)
         self._sent.append(at_ns)
+
+    def go(self, job: int, at_ns: int) -> None:
+        assert self.ready == job == len(self._go)
+        self._go.append(at_ns)
+        self.ready = None
 
     def mark(self, message: bytes, at_ns: int) -> list[Frame]:
         if self.finished:
@@ -206,14 +223,19 @@ class RunReader:
         if nonce != self.nonce:
             raise ProtocolError("result stream corrupted (wrong nonce)")
         if kind == MARK_END:
-            if (self._expect != MARK_BEGIN or job != len(self.frames)
+            if (self._expect != self._first or job != len(self.frames)
                     or len(self.frames) != len(self.jobs) or self._payload):
                 raise ProtocolError("result stream corrupted (bad end marker)")
             self.finished = True
             return []
         if job != len(self.frames) or job >= len(self._sent) or kind != self._expect:
             raise ProtocolError("result stream corrupted (messages out of order)")
-        if kind == MARK_BEGIN:
+        if kind == MARK_READY:
+            self.ready = job
+            self._expect = MARK_BEGIN
+        elif kind == MARK_BEGIN:
+            if self.handshake and job >= len(self._go):
+                raise ProtocolError("result stream corrupted (a call began before its go)")
             self._current = {"t0": value, "begin": at_ns}
             self._expect = MARK_RESULT
         elif kind == MARK_RESULT:
@@ -266,11 +288,12 @@ class RunReader:
             return []
         job, cur = len(self.frames), self._current
         frame = Frame(job, cur["flags"], self._c, t0_ns=cur["t0"], t1_ns=cur["t1"],
-                      sent_ns=self._sent[job], begin_ns=cur["begin"], result_ns=cur["result"])
+                      sent_ns=self._sent[job], go_ns=self._go[job] if self.handshake else 0,
+                      begin_ns=cur["begin"], result_ns=cur["result"])
         self.frames.append(frame)
         self._c = None
         self._count = 0
-        self._expect = MARK_BEGIN
+        self._expect = self._first
         return [frame]
 
 

@@ -38,6 +38,10 @@ from hpcrl_common.stages import stage as stage_of
 from hpcrl_common.task import TaskSpec
 
 ERROR_CHARS = 60_000  # a failed verdict's error text is cut here
+# In a harness run's environment: READY before every call and a go from the parent, which
+# first checks that no other thread worked since the job was sent (runner.IdleThreads). Not
+# in harness_env: the bench's bare floor sends every job at once and answers no READY.
+READY_ENV = "HPCRL_READY"
 HARNESS_ARGV = ("./run", "{fd}", "{marks}")  # the harness linked in the scratch directory
 
 
@@ -281,10 +285,13 @@ class Benchmarker:
         # No thread but the main one and OpenMP's pool may outlive a call: the run's OpenMP
         # threads, which OMP_THREAD_LIMIT caps (harness_env); none without threads.
         count = runner.ThreadCount(self._cpu_set()[0] if threads else 1)
-        talk = runner.Conversation(jobs, verify_runs, watch, count,
-                                   on_result=self._checker(task, expected))
-        spec = self._run_spec(scratch, task, phases=2 if talk.two_phases else 1,
+        spec = self._run_spec(scratch, task, phases=2 if 0 < verify_runs < len(jobs) else 1,
                               threads=threads)
+        # The spec's HPCRL_READY=1 makes the harness wait for a go before every call: no
+        # thread may work between a job's line and that go (runner.IdleThreads).
+        idle = runner.IdleThreads(count) if spec.env.get(READY_ENV) == "1" else None
+        talk = runner.Conversation(jobs, verify_runs, watch, count,
+                                   on_result=self._checker(task, expected), idle=idle)
         if harness is None:
             harness = sandbox.start(HARNESS_ARGV, spec)
         elif harness.spec != spec:
@@ -331,7 +338,8 @@ class Benchmarker:
             address_space_mb=self.settings.address_space_mb,
         )
         confine = bool(self.cpus) or len(cpus) < len(allowed)
-        return sandbox.Spec(scratch, limits, env=self.harness_env(threads=allow_threads),
+        env = {**self.harness_env(threads=allow_threads), READY_ENV: "1"}
+        return sandbox.Spec(scratch, limits, env=env,
                             cpus=tuple(cpus) if confine else None,
                             extra_pipe=True, marks=True, marks_after_data=True,
                             start_limit_s=runner.START_LIMIT_S)
@@ -415,7 +423,10 @@ class Benchmarker:
         count, cpus, _ = self._cpu_set()
         # No team, nested ones included, gets more threads than the run has CPUs: a kernel
         # cannot oversubscribe its cores (num_threads(64) gets `threads`).
-        env = {"OMP_NUM_THREADS": str(count if threads else 1), "OMP_THREAD_LIMIT": str(count)}
+        env = {"OMP_NUM_THREADS": str(count if threads else 1), "OMP_THREAD_LIMIT": str(count),
+               # Idle OpenMP threads sleep at once rather than spin for a while: a thread
+               # that runs between calls is then the kernel's doing (runner.IdleThreads).
+               "OMP_WAIT_POLICY": "passive", "GOMP_SPINCOUNT": "0"}
         if not threads:
             env["HPCRL_NO_THREADS"] = "1"
         if self.settings.pin_threads:

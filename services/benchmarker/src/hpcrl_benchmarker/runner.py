@@ -5,7 +5,11 @@ A job's line is written only when the previous call is complete, so future input
 exist in the process; anything out of protocol (a forged, repeated or misordered message)
 ends the run as tampering. Nor is it written while the process has more threads than OpenMP
 may leave behind (``ThreadCount``): a thread the kernel started and left running ends the
-run, and its frame says so. Nothing here judges results: that is ``steps``.
+run, and its frame says so. With the handshake (the pipeline's runs) the harness fills a
+call's inputs, sends READY and waits; the call may begin only when the host's /proc shows
+that no thread but the harness's own has used CPU time since the previous call ended
+(``IdleThreads``): a thread that works on the next call's inputs before its clock starts
+ends the run as the rule violation it is. Nothing here judges results: that is ``steps``.
 """
 
 from __future__ import annotations
@@ -35,6 +39,19 @@ STRAY_GRACE_S = 0.05
 # (vLLM sampling beside the benchmarker, in the demo) seconds were seen, and they used to be
 # charged to the kernel: a correct kernel was judged a timeout.
 START_LIMIT_S = 60.0
+# CPU time that the harness's other threads may use, all together, between the end of one
+# call (its C is here) and the next call's go. Idle OpenMP workers sleep
+# (OMP_WAIT_POLICY=passive, harness_env) and use none: 0 ns in every one of 624 gaps
+# measured (6 kernels, 2 and 4 threads). A thread left behind that works on the next inputs,
+# or wakes once to plant something, uses more.
+IDLE_LIMIT_NS = 20_000
+# How long the parent waits for the threads to be off the CPUs before it reads their time
+# (exact then; a thread on a CPU is counted only up to its last tick or switch). Honest
+# threads are asleep at once (the main one in its 2 ms pause, or waiting for the go); one
+# still runnable after this was either working (its time has grown by the ticks since) or
+# waiting for a CPU on a busy node (it has not).
+SETTLE_GRACE_S = 0.05
+SETTLE_SPIN_S = 0.0005
 
 
 @dataclass(frozen=True)
@@ -99,6 +116,12 @@ class ThreadCount:
         """The sandbox's root pid (``sandbox.run``'s ``started``)."""
         self._root = root
 
+    def process(self) -> int | None:
+        """The harness's host pid; None once it has ended (or its number was reused)."""
+        if self._count() == 0 or self._command is None:
+            return None
+        return self._command[0]
+
     def stray(self) -> int:
         """Threads above the limit that are still alive ``grace_s`` after the first look; 0
         when there are none (or the process has ended: a dead process has no threads)."""
@@ -126,25 +149,80 @@ class ThreadCount:
             raise InternalError(f"cannot count the harness's threads: {exc}") from None
 
 
+class IdleThreads:
+    """CPU time that the harness's threads other than its main one use between two calls,
+    read from the host (the process's CPU clock, which counts threads that have ended too,
+    and the main thread's schedstat), where nothing in the sandbox can change it.
+
+    ``baseline`` is read when a call's C is here (the call is over: OpenMP's teams, and any
+    thread joined within the call, were done before it returned), ``used`` when the next
+    call's READY comes (its inputs are filled and the harness waits for the go). Each first
+    waits until the threads are off the CPUs, so that their times are exact (a thread on a
+    CPU is counted only up to its last tick or switch). ``used`` is then what the other
+    threads used in between, whichever they are: OpenMP's pool, a raw clone, one that
+    ended meanwhile."""
+
+    def __init__(self, count: ThreadCount, grace_s: float = SETTLE_GRACE_S) -> None:
+        self.count = count
+        self.grace_s = grace_s
+        self._base: int | None = None
+
+    def baseline(self) -> None:
+        self._base = self._others()
+
+    def used(self) -> int | None:
+        """ns used by the other threads since ``baseline``; None if it cannot be known (the
+        process ended, or there was no baseline)."""
+        if self._base is None:
+            return None
+        now = self._others()
+        return None if now is None else now - self._base
+
+    def _others(self) -> int | None:
+        pid = self.count.process()
+        if pid is None:
+            return None
+        started = time.monotonic()
+        pause = 0.0001
+        while sandbox.running_threads(pid) and (now := time.monotonic()) < started + self.grace_s:
+            # The main thread is usually on its way to its read or its pause: look again at
+            # once (a look takes ~30 us) for a while, then sleep between looks.
+            if now > started + SETTLE_SPIN_S:
+                time.sleep(pause)
+                pause = min(2 * pause, 0.005)
+        total = sandbox.process_cpu_ns(pid)
+        main = sandbox.thread_cpu_ns(pid, pid)
+        if total is None or main is None:
+            return None
+        return total - main
+
+
 class Conversation:
     """Feeds the harness its jobs one at a time and reads its marks and results; ``watch``
     sees each call of the first ``verify_runs`` as it completes and may end the run.
     With ``threads``, each completed call is followed by a count of the process's threads
-    before the next line is sent; a thread left running stops the run. ``on_result`` sees
-    each C as soon as it is here (``gemm.RunReader``): work done then is off the run's
-    critical path."""
+    before the next line is sent; a thread left running stops the run. With ``idle`` (the
+    harness runs with HPCRL_READY=1), each call begins only when the parent's go answers its
+    READY, after ``IdleThreads`` found that the other threads did not work meanwhile.
+    ``on_result`` sees each C as soon as it is here (``gemm.RunReader``): work done then is
+    off the run's critical path."""
 
     def __init__(self, jobs: list[gemm.Job], verify_runs: int,
                  watch: FrameWatch | None, threads: ThreadCount | None = None,
-                 on_result: Callable[[int, np.ndarray], None] | None = None) -> None:
+                 on_result: Callable[[int, np.ndarray], None] | None = None,
+                 idle: IdleThreads | None = None) -> None:
         self.jobs = jobs
         self.verify_runs = verify_runs
         self.two_phases = 0 < verify_runs < len(jobs)
         self.watch = watch
         self.threads = threads
+        self.idle = idle
         self.nonce = secrets.randbits(64)
-        self.reader = gemm.RunReader(self.nonce, jobs, on_result)
+        self.on_result = on_result
+        self.reader = gemm.RunReader(self.nonce, jobs, self._result,
+                                     handshake=idle is not None)
         self.tampered = ""
+        self.worked_outside = ""  # why the run was stopped at a READY, if it was
 
     @property
     def frames(self) -> list[gemm.Frame]:
@@ -161,6 +239,34 @@ class Conversation:
         self.reader.sent(job, time.monotonic_ns())
         return gemm.job_line(self.jobs[job])
 
+    def _result(self, job: int, c: np.ndarray) -> None:
+        """C of ``job`` is here: the call is over (its threads were joined before it returned),
+        and the harness checks its inputs and sleeps before it reports the call complete."""
+        if self.on_result is not None:
+            self.on_result(job, c)
+        if self.idle is not None and job + 1 < len(self.jobs):
+            # From now until the next call's go, no thread but the main one may run.
+            self.idle.baseline()
+
+    def on_ready(self, job: int) -> sandbox.Reply:
+        """The harness has filled job ``job``'s inputs and waits: let the call begin, unless
+        another thread worked since the job was sent."""
+        used = self.idle.used() if self.idle is not None and job > 0 else None
+        if used is not None and used > IDLE_LIMIT_NS:
+            self.worked_outside = (
+                f"a thread of the kernel worked outside its calls: threads other than the "
+                f"harness's own used {used / 1e6:.3f} ms of CPU time between the end of one "
+                f"call and the start of the next, {_where(self, 'before')}, where the next "
+                f"call's inputs existed before its clock started (at most "
+                f"{IDLE_LIMIT_NS / 1e6:g} ms is allowed: idle OpenMP threads sleep). A "
+                f"thread may work only within a call, at any stage: one left running (an "
+                f"OpenMP region never closed, a thread made by hand) is refused, whatever "
+                f"the thread count and omp_in_parallel() say")
+            return sandbox.Reply(stop=True)
+        self.reader.go(job, time.monotonic_ns())
+        # The call runs now: read no marks until its C comes (not on the kernel's cores).
+        return sandbox.Reply(send=gemm.GO_LINE, marks_after_data=True)
+
     def on_event(self, channel: str, payload: bytes, at_ns: int) -> sandbox.Reply | None:
         try:
             if channel == sandbox.MARK:
@@ -170,6 +276,8 @@ class Conversation:
         except gemm.ProtocolError as exc:
             self.tampered = self.tampered or str(exc)
             return sandbox.Reply(stop=True)
+        if self.reader.ready is not None:
+            return self.on_ready(self.reader.ready)
         for frame in frames:
             if self.threads is not None and (stray := self.threads.stray()):
                 frame = self.reader.amend(stray_threads=stray)
@@ -180,8 +288,10 @@ class Conversation:
                 # verdict is known (steps.frame_message), and the run ends here.
                 return sandbox.Reply(stop=True)
             new_phase = self.two_phases and frame.job == self.verify_runs - 1
+            # With the handshake the next mark is READY, which must be read as it comes.
             return sandbox.Reply(new_phase=new_phase, send=self.dispatch(frame.job + 1),
-                                 marks_after_data=frame.job + 1 < len(self.jobs))
+                                 marks_after_data=(frame.job + 1 < len(self.jobs)
+                                                   and self.idle is None))
         return None
 
 
@@ -194,6 +304,11 @@ def ending(outcome: sandbox.Outcome, talk: Conversation,
     if talk.tampered:
         return StepFailure("runtime_error",
                            f"the harness's output was tampered with: {talk.tampered}")
+    if talk.worked_outside:
+        # A rule broken, not a wrong result: no OpenMP pragma leaves a thread working after
+        # its call; it takes libgomp's entry points called by hand, its thread-local state
+        # rewritten or a thread made by hand. Like threads at a stage that forbids them.
+        return StepFailure("stage_violation", talk.worked_outside)
     reader = talk.reader
     if outcome.stopped or (reader.finished and outcome.returncode == 0
                            and not outcome.timed_out):
@@ -237,13 +352,13 @@ def _cpu_share(got: sandbox.Schedule | None) -> str:
     return f" ({got.text()})"
 
 
-def _where(talk: Conversation) -> str:
+def _where(talk: Conversation, when: str = "during") -> str:
     """Which call of which phase the process was in when it ended."""
     jobs, done = talk.jobs, len(talk.reader.frames)
     first, total = ((0, talk.verify_runs) if done < talk.verify_runs
                     else (talk.verify_runs, len(jobs)))
     current = min(done, len(jobs) - 1)
-    return (f"during run {current - first + 1} of {total - first} "
+    return (f"{when} run {current - first + 1} of {total - first} "
             f"({sizes_text(jobs[current].sizes)})")
 
 

@@ -271,6 +271,48 @@ def thread_count(pid: int, parent: int) -> int:
 _STATUS = re.compile(rb"\nPPid:\s*(?P<ppid>\d+)\n.*?\nThreads:\s*(?P<threads>\d+)\n", re.S)
 
 
+def process_cpu_ns(pid: int) -> int | None:
+    """CPU time of every thread that process ``pid`` has had, those that ended included, in
+    ns (its CPU-time clock, read from outside: nothing in the process can change it); None
+    once it has ended. A thread on a CPU as this is read is counted up to its last tick or
+    switch (up to a few ms behind); a sleeping or waiting one exactly."""
+    try:
+        return time.clock_gettime_ns(((~pid) << 3) | 2)  # CPUCLOCK_SCHED of the process
+    except OSError:
+        return None
+
+
+def thread_cpu_ns(pid: int, tid: int) -> int | None:
+    """CPU time of thread ``tid`` of ``pid`` in ns (its schedstat; behind like
+    ``process_cpu_ns`` while it is on a CPU); None once it has ended."""
+    try:
+        with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as stat:
+            return int(stat.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def running_threads(pid: int, tids: Sequence[int] | None = None) -> list[int]:
+    """The threads of ``pid`` (or those of ``tids`` still alive) that are running or waiting
+    for a CPU (state R), from the host's /proc."""
+    if tids is None:
+        try:
+            tids = [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
+        except OSError:
+            return []
+    running = []
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as stat:
+                text = stat.read()
+        except OSError:
+            continue  # ended
+        # "tid (comm) state ...": comm may hold anything but its last ')'
+        if text[text.rindex(b")") + 2:][:1] == b"R":
+            running.append(tid)
+    return running
+
+
 def schedule(root: int) -> Schedule | None:
     """The CPU time and run-queue wait of every thread of ``root`` and its descendants;
     None when the tree could not be walked (a process ended meanwhile)."""

@@ -19,6 +19,8 @@ from hpcrl_common.messages import Status, Timing
 from hpcrl_common.stages import Stage
 from hpcrl_common.task import TaskSpec
 
+# Statuses that say the rules were broken: final wherever they are found.
+RULES_BROKEN = frozenset({"format_violation", "library_violation", "stage_violation"})
 # The kernel's own lines after preprocessing (headers excluded); real kernels are far below.
 PREPROCESSED_LIMIT = 2 * 1024 * 1024
 
@@ -175,6 +177,10 @@ def verification_problems(jobs: list[gemm.Job], phase: Phase, watch: EarlyVerdic
     problems = [f"{sizes_text(jobs[f.job].sizes)}: {m}"
                 for f, m in zip(phase.frames, messages, strict=True) if m]
     if phase.failure is not None:
+        if phase.failure.status in RULES_BROKEN:
+            # A rule broken at any size (a thread at a stage without OpenMP, work outside a
+            # call) is the verdict, not a matter of generalisation.
+            raise phase.failure
         problems.append(f"{phase.failure.status}: {phase.failure.error}")
     return problems
 

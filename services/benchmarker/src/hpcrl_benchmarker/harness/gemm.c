@@ -7,6 +7,16 @@
  * parent relies on may therefore be in memory that the kernel can reach *before* it matters:
  *  - a job's seed arrives only when the parent sends that job (after the previous one was
  *    complete): future inputs are never in this process, so nothing can be precomputed;
+ *  - with HPCRL_READY=1 (the pipeline's runs), the harness fills a call's inputs, sends READY
+ *    and waits for the parent's go ("g") before it starts the clock: meanwhile the parent
+ *    reads, from the host's /proc, that no thread but this one has run since it sent the
+ *    job (a thread left behind by an earlier call cannot work on these inputs before the
+ *    clock starts). Nor can the kernel make this thread work for it then: a job is two
+ *    lines, sent together, its sizes and then its seed; the buffers are allocated between
+ *    them (malloc may call through libc's GOT, which is writable: Debian's libc is not
+ *    linked with -z now), and from the seed's line to the call this thread makes no call
+ *    through memory the kernel can write (the lines are parsed here, not by sscanf; the
+ *    fill is this file's code; memcpy is reached through this binary's read-only GOT);
  *  - the start time is sent out before the kernel is called, on a socket whose messages the
  *    host's kernel timestamps on arrival (SO_TIMESTAMPNS); the end time is sent right after
  *    the call returns. The parent checks both against those timestamps, so a kernel that
@@ -18,8 +28,10 @@
  *    so the harness's own code path after the call cannot be changed.
  *
  * argv:  <data fd> [<mark fd>] (without a mark fd, marks go to the data fd: bench floor only)
- * stdin: "<nonce>\n", then per job "<kind> <M> <N> <K> <seed>\n" (kind v|w|t), then "e\n".
+ * stdin: "<nonce>\n", then per job "<kind> <M> <N> <K>\n<seed>\n" (kind v|w|t) and, with
+ *        HPCRL_READY=1, "g\n" after its READY mark; then "e\n".
  * marks (32 bytes each, one per message): {u64 nonce, u32 job, u32 type, u64 value, u64 count}
+ *   READY  value = 0: the job's inputs are ready; the harness waits for "g" (HPCRL_READY=1)
  *   BEGIN  value = CLOCK_MONOTONIC ns just before the call
  *   RESULT value = CLOCK_MONOTONIC ns just after the call; count doubles of C follow on the
  *          data fd
@@ -56,6 +68,7 @@ void KERNEL_NAME(double *A, double *B, double *C, int M, int N, int K);
 #define MARK_BEGIN 1u
 #define MARK_RESULT 2u
 #define MARK_CHECK 3u
+#define MARK_READY 4u
 #define MARK_END 0x80000000u
 #define MAX_DIM 8192
 /* Exit statuses: defined once, in hpcrl_benchmarker/exitcodes.py (HarnessExit), which the
@@ -147,6 +160,35 @@ static int read_line(char *buf, size_t size) {
     }
     buf[n] = 0;
     return (int)n;
+}
+
+/* "<kind> <M> <N> <K>" (kind v|w|t) and "<seed>", read without libc: NULL if they are not. */
+static const char *parse_number(const char *p, uint64_t *out) {
+    if (*p < '0' || *p > '9') return NULL;
+    uint64_t v = 0;
+    for (int digits = 0; *p >= '0' && *p <= '9'; digits++) {
+        if (digits == 19) return NULL;
+        v = v * 10 + (uint64_t)(*p++ - '0');
+    }
+    *out = v;
+    return p;
+}
+
+static const char *parse_sizes(const char *p, int *m, int *n, int *k) {
+    uint64_t v[3];
+    if (*p != 'v' && *p != 'w' && *p != 't') return NULL;
+    p++;
+    for (int i = 0; i < 3; i++) {
+        if (*p++ != ' ' || !(p = parse_number(p, &v[i])) || v[i] < 1 || v[i] > MAX_DIM)
+            return NULL;
+    }
+    if (*p) return NULL;
+    *m = (int)v[0], *n = (int)v[1], *k = (int)v[2];
+    return p;
+}
+
+static const char *parse_seed(const char *p, uint64_t *seed) {
+    return (p = parse_number(p, seed)) != NULL && *p == 0 ? p : NULL;
 }
 
 #define ALLOW(nr) BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, (nr), 0, 1), \
@@ -242,6 +284,11 @@ int main(int argc, char **argv) {
      * thread; after the lock-down none can be started. */
     const char *no_threads_env = getenv("HPCRL_NO_THREADS");
     int no_threads = no_threads_env != NULL && no_threads_env[0] == '1';
+    /* HPCRL_READY=1: READY and the parent's go before every call. The kernel could clear
+     * this flag; the parent, which expects READY before every BEGIN and a start after its
+     * go, then ends the run as tampered with. */
+    const char *ready_env = getenv("HPCRL_READY");
+    int handshake = ready_env != NULL && ready_env[0] == '1';
     /* Start the OpenMP thread pool before the lock-down so that TSYNC covers its threads. */
     volatile int warm = 0;
 #pragma omp parallel
@@ -255,19 +302,19 @@ int main(int argc, char **argv) {
     }
     uint32_t j = 0;
     for (;; j++) {
-        char kind;
         int m, n, k;
         uint64_t seed;
         if (read_line(line, sizeof line) < 0) return HARNESS_EXIT_BAD_INPUT;
-        if (line[0] == 'e') break;
-        if (sscanf(line, " %c %d %d %d %lu", &kind, &m, &n, &k, &seed) != 5 || m < 1 || n < 1 ||
-            k < 1 || m > MAX_DIM || n > MAX_DIM || k > MAX_DIM)
-            return HARNESS_EXIT_BAD_INPUT;
+        if (line[0] == 'e' && line[1] == 0) break;
+        if (!parse_sizes(line, &m, &n, &k)) return HARNESS_EXIT_BAD_INPUT;
         size_t na = (size_t)m * k, nb = (size_t)k * n, nc = (size_t)m * n;
         /* Fresh buffers and fresh inputs for every call: nothing can be reused by pointer,
          * content or position, and C starts as NaN so nothing can be accumulated into it. */
         double *A = must_alloc(na), *B = must_alloc(nb), *C = must_alloc(nc);
         double *A0 = must_alloc(na), *B0 = must_alloc(nb), *out = must_alloc(nc);
+        /* The seed only now: whatever the kernel made malloc call cannot have read it. */
+        if (read_line(line, sizeof line) < 0 || !parse_seed(line, &seed))
+            return HARNESS_EXIT_BAD_INPUT;
         fill(A, na, seed);
         fill(B, nb, seed ^ 0x5DEECE66DA3B1F7Full);
         memcpy(A0, A, na * sizeof(double));
@@ -276,6 +323,13 @@ int main(int argc, char **argv) {
         /* Every call starts in the default FP environment (round to nearest, no FTZ/DAZ),
          * whatever an earlier call left behind. */
         fesetenv(FE_DFL_ENV);
+        if (handshake) {
+            /* The parent checks, from outside, that no other thread ran while these inputs
+             * existed, then lets the call begin. */
+            if (send_mark(MARK_FD, nonce, j, MARK_READY, 0, 0)) return HARNESS_EXIT_WRITE_FAILED;
+            if (read_line(line, sizeof line) < 0 || line[0] != 'g' || line[1] != 0)
+                return HARNESS_EXIT_BAD_INPUT;
+        }
         uint64_t t0 = mono_ns();
         if (send_mark(MARK_FD, nonce, j, MARK_BEGIN, t0, 0))
             return HARNESS_EXIT_WRITE_FAILED;
