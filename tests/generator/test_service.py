@@ -15,7 +15,7 @@ from hpcrl_common.metrics import BusyTime
 from hpcrl_common.topology import Topology
 from hpcrl_generator.backends.transformers import TransformersSampler
 from hpcrl_generator.config import GeneratorSection
-from hpcrl_generator.service import Generator, VersionNotReady
+from hpcrl_generator.service import Generator, SamplingFailed, VersionNotReady
 
 from .conftest import commit_version
 from .helpers import request, tokens
@@ -190,3 +190,20 @@ def test_one_bad_request_in_a_call_is_rejected_alone(tiny_models):
     assert calls == [1]
     assert isinstance(outcomes["long"], Reject)
     assert len(outcomes["short"]) == 2
+
+
+def test_a_failed_engine_call_fails_each_of_its_requests_on_its_own(tiny_models, tmp_path):
+    generator = make(tiny_models, tmp_path, max_batch_groups=4)
+
+    def broken(jobs):
+        raise RuntimeError("engine died")
+
+    generator.sampler.generate_groups = broken
+    threads_errors = []
+    for _ in range(2):  # the same failure twice: tracebacks must not pile up across calls
+        _calls, outcomes = queue_behind_the_engine(generator, [request("a"), request("b")])
+        threads_errors.append(outcomes)
+    for outcomes in threads_errors:
+        a, b = outcomes["a"], outcomes["b"]
+        assert isinstance(a, SamplingFailed) and isinstance(b, SamplingFailed) and a is not b
+        assert "engine died" in str(a)

@@ -96,6 +96,20 @@ def test_groups_sampled_in_one_call_are_what_each_gets_alone(engine):
                             tol=1e-3)
 
 
+def test_seeded_groups_longer_than_a_default_step_budget_are_sampled_together(engine):
+    """Seeded groups whose prompts overflow vLLM's default step budget (4,096 tokens on CPU):
+    a prompt prefilled in chunks rewinds its request's generator, which a CPU generator
+    cannot do, and the engine died. The CPU budget holds every sequence's whole context."""
+    ids = render_prompt(engine.tokenizer, [LONG_PROMPT[0], LONG_PROMPT[1].model_copy(
+        update={"content": LONG_PROMPT[1].content * 2})])
+    jobs = [GroupJob(ids, 4, SAMPLED.model_copy(update={"seed": seed})) for seed in (1, 2)]
+    assert sum(job.n for job in jobs) * len(ids) > 4096 and len(ids) + 10 <= MAX_MODEL_LEN
+    together = engine.generate_groups(jobs)
+    for job, group in zip(jobs, together, strict=True):
+        assert_same_samples(group, engine.generate(job.prompt_token_ids, job.n, job.sampling),
+                            tol=1e-3)
+
+
 def test_hot_reload_equals_a_fresh_load_and_keeps_tied_embeddings_tied(
     engine, reference, tiny_models
 ):

@@ -46,6 +46,10 @@ class VersionNotReady(RuntimeError):
     """The request's policy-version floor was not reached in time (it is retried)."""
 
 
+class SamplingFailed(RuntimeError):
+    """The engine call that held this request failed (the request is retried)."""
+
+
 def default_replica_name() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
@@ -233,8 +237,10 @@ class Generator:
         try:
             groups = self.sampler.generate_groups(jobs) if jobs else []
         except Exception as exc:
-            for waiting in ready:
-                waiting.fail(exc)
+            log.exception("engine call failed", groups=len(jobs), error=repr(exc))
+            for waiting in ready:  # each request's own exception: one traceback per thread
+                waiting.fail(SamplingFailed(f"the engine call for {len(jobs)} group(s) "
+                                            f"failed: {exc!r}"))
             return
         elapsed = self._clock() - started
         metrics.BATCH_GROUPS.observe(len(jobs))

@@ -45,6 +45,7 @@ class VLLMSampler:
         self.max_model_len = max_model_len
         self.enable_lora = enable_lora
         extra = {"max_lora_rank": max_lora_rank} if enable_lora else {}
+        extra.update(_cpu_scheduling(max_num_seqs, max_model_len))
         self.llm = LLM(
             model=str(self.model_path),
             dtype=dtype,
@@ -137,6 +138,22 @@ class VLLMSampler:
         shutdown = getattr(getattr(engine, "engine_core", None), "shutdown", None)
         if callable(shutdown):
             shutdown()
+
+
+def _cpu_scheduling(max_num_seqs: int, max_model_len: int) -> dict[str, int]:
+    """On vLLM's CPU build: a step's token budget that holds every sequence's whole prompt.
+
+    Several seeded groups in one call overflow the default budget, so the scheduler prefills
+    a prompt in chunks and rewinds that request's torch generator after each partial chunk;
+    CPU generators have no offset to rewind, and the engine dies ("CPU Generator does not use
+    offset"). With room for max_num_seqs full contexts no prompt is ever split. GPU builds
+    rewind their generators fine and keep vLLM's default budget.
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return {}
+    return {"max_num_batched_tokens": max_num_seqs * max_model_len}
 
 
 def _vllm_params(job: GroupJob):
