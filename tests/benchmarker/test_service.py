@@ -284,3 +284,35 @@ def test_a_kernel_killed_by_a_stop_signal_waits_for_the_services_own_signal(
     assert handler._shutting_down(Verdict(status=status, host=host, error=error)) is untrusted
     waited = time.monotonic() - started
     assert waited < (STOP_SIGNAL_WAIT_S if untrusted else 0.05), waited
+
+
+def test_a_confirmation_of_its_own_measurement_is_handed_back_once_then_measured(
+    broker_settings: BrokerSettings, replica: subprocess.Popen
+) -> None:
+    """The scheduler re-measures a group's winner (hpcrl_scheduler.confirm): a replica named
+    as the first measurement's hands it back once, for another replica of the class; alone,
+    it then measures it itself (a real second measurement). Another replica's is measured at
+    once."""
+    import socket
+
+    from hpcrl_benchmarker.host import detect
+    from hpcrl_common import confirmation
+
+    own = f"benchmarker-{socket.gethostname()}-{replica.pid}"
+    host_class = detect().host_class
+    code = f"```c\n{kernel('naive.c')}```"
+    sent = [candidate("g9.confirm1", 0, code), candidate("g8.confirm1", 0, code)]
+    sent = [message.model_copy(update={"generator": confirmation.label(name, host_class),
+                                       "rollout": None})
+            for message, name in zip(sent, (own, "benchmarker-elsewhere-1"), strict=True)]
+    with Publisher(broker_settings, "test-scheduler") as publisher:
+        for message in sent:
+            publisher.publish(Publish(publisher.topology.name(CODE_TO_BENCH), message))
+    results = {r.id: r for r in collect(broker_settings, len(sent), timeout=120)}
+    assert {r.status for r in results.values()} == {"success"}, results
+    assert all(r.benchmarker == own and r.gflops for r in results.values())
+    replica.send_signal(signal.SIGTERM)
+    replica.wait(30)
+    log = replica.stderr.read().decode() if replica.stderr else ""
+    handed = [line for line in log.splitlines() if "confirmation handed back" in line]
+    assert len(handed) == 1 and "g9.confirm1/0" in handed[0], handed

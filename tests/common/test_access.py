@@ -46,6 +46,7 @@ from hpcrl_common.topology import (
     BENCH_RESULTS,
     CODE_TO_BENCH,
     GENERATE_REQUESTS,
+    PUBLISHER_HEADER,
     REASON_HEADER,
     ROLLOUT_BATCHES,
     WEIGHT_UPDATES,
@@ -300,6 +301,7 @@ def test_a_message_from_the_wrong_role_is_dead_lettered(site: Site):
                         properties=pika.BasicProperties(user_id="guest"))
     admin.basic_publish(t.work_exchange(BENCH_RESULTS), t.name(BENCH_RESULTS), encode(forged))
     dead: list = []
+    publishers: list = []
     with RunningConsumer(consumer):
         deadline = time.monotonic() + 20
         while len(dead) < 2 and time.monotonic() < deadline:
@@ -308,10 +310,14 @@ def test_a_message_from_the_wrong_role_is_dead_lettered(site: Site):
                 time.sleep(0.1)
             else:
                 dead.append(props.headers[REASON_HEADER])
+                # Who dead-lettered it (broker-checked) and who had published it.
+                assert props.user_id == site.role_users["scheduler"]
+                publishers.append(props.headers.get(PUBLISHER_HEADER))
     assert handled == []
     assert len(dead) == 2
     assert "user 'guest' may not publish to bench-results" in dead[0]
     assert "unauthenticated publisher" in dead[1]
+    assert publishers == ["guest", None]
 
 
 def test_a_service_waits_for_the_topology_instead_of_declaring_it(site: Site):

@@ -162,3 +162,20 @@ def test_a_winner_that_does_not_reproduce_is_dropped_and_its_host_suspect(
     assert REGISTRY.get_sample_value("hpcrl_scheduler_suspect_hosts") >= 1
     group = scheduler.store.group(request.id)
     assert group is not None and group.excluded == 1
+
+
+def test_a_confirmed_winner_counts_at_the_lower_of_its_two_measurements():
+    from hpcrl_scheduler.confirm import ConfirmState, judge
+
+    group = "g.s0.t0.g0000"
+    results = [bench_result(group, i, g) for i, g in enumerate((2.0, 9.0, 1.0))]
+    results.append(bench_result(group, 3, 1.8))  # measured once, above the winner's 2nd
+    state = ConfirmState(adjusted={f"{group}/0": 1.5}, dropped=[f"{group}/1"])
+    applied = state.apply(results)
+    assert [(r.id, r.gflops, r.reward) for r in applied] == [
+        (f"{group}/0", 1.5, 1.5), (f"{group}/2", 1.0, 1.0), (f"{group}/3", 1.5, 1.5)]
+    second = bench_result(f"{group}.confirm1", 0, 0.9)
+    assert judge(results[0], second, 2.0)[0] == "agreed"  # 2.2x: noise on a busy node
+    assert judge(results[1], second, 2.0)[0] == "disagreed"  # 10x
+    failed = bench_result(f"{group}.confirm1", 0, None, status="runtime_error")
+    assert judge(results[0], failed, 2.0)[0] == "disagreed"

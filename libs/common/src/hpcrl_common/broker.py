@@ -53,6 +53,7 @@ from hpcrl_common.messages import Message, MessageError, decode, encode
 from hpcrl_common.metrics import BusyTime
 from hpcrl_common.topology import (
     CONSUMER_HEADER,
+    PUBLISHER_HEADER,
     REASON_HEADER,
     SOURCE_QUEUE_HEADER,
     DurableQueue,
@@ -848,6 +849,10 @@ class Consumer:
                     message_id=delivery.message_id)
         ours = {REASON_HEADER: reason[:4000], SOURCE_QUEUE_HEADER: sub.queue,
                 CONSUMER_HEADER: self.client}
+        if delivery.user_id is not None:
+            # Who published it (checked by the broker then); the dead letter's own user_id
+            # is the consumer's. An operator replaying it checks both (deploy/README.md).
+            ours[PUBLISHER_HEADER] = delivery.user_id
         try:
             self._publish_dead_letter(sub, delivery, {**delivery.headers, **ours})
         except (TypeError, ValueError, OverflowError, struct.error,
@@ -863,6 +868,7 @@ class Consumer:
             delivery_mode=pika.DeliveryMode.Persistent,
             headers=headers,
             message_id=delivery.message_id or None,
+            user_id=self._params[0].credentials.username,
         )
         # The dead-letter queue's own inbox: the shared dead-letter exchange is the broker's.
         self._require_channel().basic_publish(

@@ -67,6 +67,9 @@ INBOX_SUFFIX = ".in"
 REASON_HEADER = "x-hpcrl-reason"
 SOURCE_QUEUE_HEADER = "x-hpcrl-source-queue"
 CONSUMER_HEADER = "x-hpcrl-consumer"
+# The broker user that published a message a consumer dead-lettered (the dead letter's own
+# user_id property is the consumer's user).
+PUBLISHER_HEADER = "x-hpcrl-publisher"
 # The publisher's user_id of a message moved by `hpcrl-broker-admin migrate`: RabbitMQ refuses
 # a user_id other than the connection's own, so the property cannot travel as it is.
 ORIGINAL_USER_HEADER = "x-hpcrl-user-id"

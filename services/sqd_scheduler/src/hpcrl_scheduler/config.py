@@ -80,11 +80,13 @@ class SchedulerSection(ServiceSection):
                                 "formula, whatever a result reports")
     confirm_winners: bool = Field(
         True, description="a group's best success is benchmarked again (another replica "
-        "first, then any) before the group's rewards, pool and lineage take it; a "
-        "disagreement drops it and marks both results and the host suspect")
+        "first, then any) before the group's rewards, pool and lineage take it, at the lower "
+        "of its two measurements; a disagreement drops it and marks both results and the "
+        "host suspect")
     confirm_tolerance: float = Field(
-        0.5, ge=0, description="a winner disagrees when its GFLOPS exceed the second "
-        "measurement's by more than this share (0.5: 1.5x)")
+        2.0, ge=0, description="a winner is suspect (dropped, host marked) when its GFLOPS "
+        "exceed the second measurement's by more than this share (2.0: 3x; timing on a busy "
+        "node differs up to 2x); within it, the winner counts at the lower measurement")
     confirm_rounds: int = Field(3, ge=1, le=16, description="re-measurements per group at "
                                 "most (each dropped winner's successor is confirmed too)")
 

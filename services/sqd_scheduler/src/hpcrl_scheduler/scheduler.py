@@ -303,10 +303,12 @@ class Scheduler:
         requested); False once it may close with ``results`` less those dropped."""
         s, key = self.store, confirm.STATE_PREFIX + group.id
         state = confirm.ConfirmState.of(s.get(key))
-        ranked = [r for r in results if r.status == "success" and r.gflops is not None
-                  and r.id not in state.dropped]
+        if state.ceiling is not None:
+            return False  # a winner is confirmed; nothing else may beat it (state.apply)
+        results = state.apply(results)
+        ranked = [r for r in results if r.status == "success" and r.gflops is not None]
         if ranked:
-            majority = majority_class([r for r in results if r.id not in state.dropped])
+            majority = majority_class(results)
             ranked = [r for r in ranked if r.host.host_class == majority]
         if not ranked:
             return False
@@ -361,7 +363,12 @@ class Scheduler:
         verdict, why = confirm.judge(first, result, self.section.confirm_tolerance)
         m.CONFIRMATIONS.labels(verdict).inc()
         if verdict == "agreed":
+            # It counts at the lower of its two measurements, so no claim above what was
+            # measured again survives, within the tolerance or not; and no other result of
+            # the group above it (ConfirmState.apply).
             state.confirmed.append(first.id)
+            if result.gflops is not None and first.gflops is not None:
+                state.adjusted[first.id] = min(first.gflops, result.gflops)
             log.info("group winner confirmed", group=group_id, result=first.id, detail=why,
                      by=result.benchmarker)
         elif verdict == "disagreed":
@@ -402,13 +409,12 @@ class Scheduler:
                overdue: bool = False) -> None:
         s, exp = self.store, self.config.experiment
         results = s.results_of(group.id)
+        dropped = 0
         if self.section.confirm_winners:
             if self._confirming(group, results, now, reason, overdue):
                 return
-            dropped = set(confirm.ConfirmState.of(s.get(confirm.STATE_PREFIX + group.id)).dropped)
-        else:
-            dropped = set()
-        results = [r for r in results if r.id not in dropped]
+            state = confirm.ConfirmState.of(s.get(confirm.STATE_PREFIX + group.id))
+            dropped, results = len(state.dropped), state.apply(results)
         closed = close_group(group.id, results, experiment=exp.name,
                              iteration=group.iteration, reward_mode=self.section.reward_mode,
                              parent=parent_of(s.program(group.parent_id)))
@@ -431,7 +437,7 @@ class Scheduler:
             outcome = "no_rollout" if closed.kept else "empty"
         s.mark_closed(group.id, at=now, reason=reason, outcome=outcome,
                       host_class=closed.host_class,
-                      excluded=len(closed.excluded) + len(dropped),
+                      excluded=len(closed.excluded) + dropped,
                       reward_mean=closed.reward_mean, reward_max=closed.reward_max)
         m.GROUPS_CLOSED.labels(reason).inc()
         m.BATCHES.labels(outcome).inc()
@@ -465,6 +471,7 @@ class Scheduler:
         m.POLICY_VERSION.set(int(s.get("policy_version", 0)))
         m.GROUPS_TRAINED.set(pacing.groups_trained)
         m.UNSENT.set(s.count_unsent())
+        m.SUSPECT_HOSTS.set(len(self.suspect_hosts()))
         m.POOL.clear()
         for program in dedupe(s.pool(t)):
             m.POOL.labels(str(program.stage), program.status).inc()
