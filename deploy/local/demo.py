@@ -501,6 +501,10 @@ def learning_verdict(gain: dict[str, float]) -> str:
     return f"no clear change on the fixed set: the interval contains 0 ({interval})"
 
 
+def _interrupt(_signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, default=ROOT / "deploy/local/demo.toml",
@@ -530,6 +534,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="completions per prompt and version in that evaluation (default "
                         "16; with 8, the 95 %% interval of one seed's gain reached below 0)")
     args = parser.parse_args(argv)
+    # The services run in their own sessions (a Ctrl-C in the terminal must reach only this
+    # script, which stops them in order): a `kill` of this script must stop them too.
+    signal.signal(signal.SIGTERM, _interrupt)
     if args.eval_samples < 1:
         parser.error("--eval-samples must be at least 1")
 
