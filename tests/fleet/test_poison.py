@@ -43,6 +43,7 @@ from typing import Any
 import msgpack
 import pika
 import pika.data
+import pika.exceptions
 import pytest
 from pydantic import BaseModel
 
@@ -887,8 +888,12 @@ def test_poison_at_volume_is_dead_lettered_and_the_fleet_keeps_serving(
         for consumer, _ in services.values():
             stack.enter_context(RunningConsumer(consumer))
         assert dlq_depths() == dict.fromkeys(bases, 0)
-        for queue in subscribers:  # both subscribers of the fanout exchange are listening
-            assert depth(queue) == 0
+        # Both subscribers of the fanout exchange are listening; a generator replica's queue
+        # is exclusive to its connection (another one is refused with 405, RESOURCE_LOCKED).
+        assert depth(subscribers[0]) == 0
+        with pytest.raises(pika.exceptions.ChannelClosedByBroker) as locked:
+            raw_channel.connection.channel().queue_declare(subscribers[1], passive=True)
+        assert locked.value.reply_code == 405
 
         phase = time.monotonic()
         for item in poison:
