@@ -108,3 +108,17 @@ def test_a_compile_timeout_spent_waiting_for_a_cpu_is_handed_back(tmp_path: Path
     spun = sandbox.Outcome(-9, b"", b"", True, limit + 0.1, start_s=0.01,
                            schedule=sandbox.Schedule(0.9 * limit, 0.2, 3))
     assert "did not finish within" in build.result(spun, tmp_path, task).error
+
+
+@pytest.mark.parametrize("status", sorted(int(s) for s in HARNESS_REFUSALS))
+def test_a_kernel_that_exits_with_a_refusal_status_is_judged_not_handed_back(
+    judge, status: int
+) -> None:
+    """The harness's refusals to start are the benchmarker's fault and go back to the queue;
+    a kernel that exit()s with one of those statuses from inside a call must not pass for
+    one, or it would never be judged (and never penalised)."""
+    code = ("#include <stdlib.h>\n" + KERNEL.replace(
+        "for (int i", f"if (M > 0) exit({status});\n    for (int i"))
+    verdict = judge(code, stage=1)
+    assert verdict.status == "runtime_error"
+    assert f"exited early with status {status}" in verdict.error

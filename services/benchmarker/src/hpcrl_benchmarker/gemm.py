@@ -209,6 +209,12 @@ class RunReader:
         assert job == len(self._sent)
         self._sent.append(at_ns)
 
+    @property
+    def kernel_ran(self) -> bool:
+        """Whether the kernel may have run: a call had its go. Without the handshake the
+        parent cannot tell, and says no (the bench's bare floor only)."""
+        return self.handshake and bool(self._go)
+
     def go(self, job: int, at_ns: int) -> None:
         assert self.ready == job == len(self._go)
         self._go.append(at_ns)

@@ -337,7 +337,9 @@ def ending(outcome: sandbox.Outcome, talk: Conversation,
         return StepFailure("runtime_error", f"killed by {_signal_name(sig)}{hint} {where}")
     if outcome.returncode == HarnessExit.OUT_OF_MEMORY:
         return StepFailure("runtime_error", f"out of memory {where}")
-    if outcome.returncode in HARNESS_REFUSALS:
+    if outcome.returncode in HARNESS_REFUSALS and not talk.reader.kernel_ran:
+        # Once a call began, the kernel could have called exit() with the harness's own
+        # refusal status: handed back, it would never be judged (nor penalised).
         raise InternalError(f"harness refused to start (rc {outcome.returncode}): "
                             f"{outcome.stderr[-1000:].decode(errors='replace')}")
     return StepFailure("runtime_error", f"the process exited early with status "
