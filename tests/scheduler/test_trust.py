@@ -179,3 +179,42 @@ def test_a_confirmed_winner_counts_at_the_lower_of_its_two_measurements():
     assert judge(results[1], second, 2.0)[0] == "disagreed"  # 10x
     failed = bench_result(f"{group}.confirm1", 0, None, status="runtime_error")
     assert judge(results[0], failed, 2.0)[0] == "disagreed"
+
+
+def test_a_winner_is_not_confirmed_by_its_own_broker_user_where_another_has_the_class(
+        tmp_path):
+    """A benchmarker credential reads code-to-bench, so it could take the confirmation of its
+    own claim and agree with itself: where another user (site) has sent results of the class,
+    the second measurement must come from it."""
+    from hpcrl_common.topology import CODE_TO_BENCH
+
+    config = SchedulerConfig(experiment={"name": "users", "seed": 1}, scheduler=SchedulerSection(
+        iterations=1, group_size=2, node_budget=1, max_staleness=0, metrics_port=0))
+    scheduler = Scheduler(config, Store(tmp_path / "users.sqlite"))
+    scheduler.step()
+    [request] = [m for _, q, m in scheduler.store.unsent() if q == GENERATE_REQUESTS]
+
+    def confirmations() -> list[Candidate]:
+        return [m for _, q, m in scheduler.store.unsent() if q == CODE_TO_BENCH]
+
+    scheduler.handle_result(bench_result(request.id, 0, 2.0, benchmarker="b-site-b"),
+                            publisher="hpcrl-benchmarker.site-b")
+    scheduler.handle_result(bench_result(request.id, 1, 30.0, benchmarker="evil"),
+                            publisher="hpcrl-benchmarker.site-a")
+    [first] = confirmations()
+    scheduler.handle_result(bench_result(first.group_id, 0, 29.0, benchmarker="evil-2"),
+                            publisher="hpcrl-benchmarker.site-a")  # itself: not enough
+    assert scheduler.store.group(request.id).state != "closed"
+    second = confirmations()[-1]
+    assert second.group_id == f"{request.id}.confirm2" and "/* kernel 1 */" in second.completion
+    scheduler.handle_result(bench_result(second.group_id, 0, 2.2, benchmarker="b-site-b"),
+                            publisher="hpcrl-benchmarker.site-b")  # the other site: 13x less
+    assert "node1/evil" in scheduler.suspect_hosts()
+    third = confirmations()[-1]  # the next best, 2.0 from site b: another user confirms it
+    assert third.group_id == f"{request.id}.confirm3" and "/* kernel 0 */" in third.completion
+    scheduler.handle_result(bench_result(third.group_id, 0, 2.1, benchmarker="b2"),
+                            publisher="hpcrl-benchmarker.site-a")
+    group = scheduler.store.group(request.id)
+    assert group is not None and group.state == "closed" and group.excluded == 1
+    assert [p.id for p in scheduler.store.all_programs() if p.id != "seed"] == [
+        f"{request.id}/0"]

@@ -23,7 +23,11 @@ The group stays open (its rewards, pool children and rollout batch wait) until t
   are marked suspect (``hpcrl_scheduler_suspect_results_total``, a warning in the log, the
   host under ``suspect_hosts`` in ``/healthz``), and the group's next best is confirmed in
   turn (at most ``confirm_rounds`` re-measurements per group);
-* **inconclusive**: measured on another host class (not comparable): another round.
+* **inconclusive**: measured on another host class (not comparable), or confirmed by the
+  broker user (``user_id``) that sent the winner while another user has sent results of
+  the class (a benchmarker credential also reads ``code-to-bench``, and must not confirm
+  its own claim where another site could): another round. Where one user holds every host
+  of the class, its own second measurement is all there is, and is taken.
 
 The tolerance only decides what is *suspect*: between two processes on a busy 2-core node
 the same kernel's GFLOPS differ by up to 2x (``bench/confirm_cost.py`` saw 0.92 against
@@ -52,6 +56,9 @@ Verdict = Literal["agreed", "disagreed", "inconclusive"]
 STATE_PREFIX = "confirm/"
 INDEX_PREFIX = "confirming/"
 SUSPECTS_KEY = "suspect_hosts"
+PUBLISHER_PREFIX = "publisher/"  # result id -> the broker user that sent it
+CLASS_USERS_PREFIX = "class_users/"  # host class -> broker users that sent its results
+MAX_CLASS_USERS = 64
 MAX_SUSPECT_HOSTS = 100
 
 

@@ -234,7 +234,8 @@ class Scheduler:
 
     # --- messages -------------------------------------------------------------------
 
-    def handle_result(self, result: BenchResult) -> None:
+    def handle_result(self, result: BenchResult, publisher: str | None = None) -> None:
+        """File one result; ``publisher``: its broker user (``user_id``, broker-checked)."""
         now = self.clock()
         with self.store.tx() as s:
             if s.has_result(result.id):
@@ -244,7 +245,7 @@ class Scheduler:
             if group is None:
                 owner = s.get(confirm.INDEX_PREFIX + result.group_id)
                 if owner is not None:
-                    self._handle_confirmation(str(owner), result, now)
+                    self._handle_confirmation(str(owner), result, now, publisher)
                     return
                 raise Reject(f"result {result.id} belongs to no group of this scheduler")
             if result.index >= group.group_size:
@@ -256,6 +257,7 @@ class Scheduler:
                             host=result.host.hostname, benchmarker=result.benchmarker,
                             reason=refused)
                 raise Reject(refused)
+            self._note_publisher(result, publisher)
             late = group.state == "closed"
             s.add_result(result, received_at=now, late=late)
             if late:
@@ -344,7 +346,19 @@ class Scheduler:
                  benchmarker=winner.benchmarker)
         return True
 
-    def _handle_confirmation(self, group_id: str, result: BenchResult, now: float) -> None:
+    def _note_publisher(self, result: BenchResult, publisher: str | None) -> None:
+        """Which broker user sent a result, and which users have hosts of its class."""
+        if publisher is None:
+            return
+        s = self.store
+        s.set(confirm.PUBLISHER_PREFIX + result.id, publisher)
+        key = confirm.CLASS_USERS_PREFIX + result.host.host_class
+        users: list[str] = s.get(key, [])
+        if publisher not in users and len(users) < confirm.MAX_CLASS_USERS:
+            s.set(key, [*users, publisher])
+
+    def _handle_confirmation(self, group_id: str, result: BenchResult, now: float,
+                             publisher: str | None = None) -> None:
         s = self.store
         key = confirm.STATE_PREFIX + group_id
         state = confirm.ConfirmState.of(s.get(key))
@@ -360,7 +374,15 @@ class Scheduler:
         first = next((r for r in s.results_of(group_id) if r.id == state.waiting), None)
         if first is None:  # cannot be: the winner was stored before it was sent
             raise Reject(f"confirmation {result.id}: result {state.waiting} is not stored")
+        self._note_publisher(result, publisher)
         verdict, why = confirm.judge(first, result, self.section.confirm_tolerance)
+        first_user = s.get(confirm.PUBLISHER_PREFIX + first.id)
+        if (verdict == "agreed" and publisher is not None and publisher == first_user
+                and len(s.get(confirm.CLASS_USERS_PREFIX + first.host.host_class, [])) > 1):
+            # Another broker user has hosts of this class: a benchmarker credential must
+            # not be the one to confirm its own claim (it reads code-to-bench too).
+            verdict, why = "inconclusive", (f"confirmed by the same broker user {publisher!r} "
+                                            f"while another user has hosts of the class")
         m.CONFIRMATIONS.labels(verdict).inc()
         if verdict == "agreed":
             # It counts at the lower of its two measurements, so no claim above what was

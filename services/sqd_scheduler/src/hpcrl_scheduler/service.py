@@ -41,9 +41,9 @@ class SchedulerService:
                                   durable=True)
         consumer.every(scheduler.section.tick_s, self.tick)
 
-    def _on_result(self, message: Message, _delivery: Delivery) -> list[Publish]:
+    def _on_result(self, message: Message, delivery: Delivery) -> list[Publish]:
         assert isinstance(message, BenchResult)
-        self.scheduler.handle_result(message)
+        self.scheduler.handle_result(message, publisher=delivery.user_id)
         return []
 
     def _on_weight_update(self, message: Message, _delivery: Delivery) -> list[Publish]:
