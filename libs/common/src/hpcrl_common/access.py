@@ -21,7 +21,16 @@ scheduler   bench-results, updates     generate-requests, batches,       nothing
 generator   generate-requests, updates code-to-bench                     its replica's queue
 benchmarker code-to-bench              bench-results                     nothing
 learner     rollout-batches            weight-updates                    nothing
+client      its reward-verdicts queue  reward-requests                   nothing
 ==========  =========================  ================================  ====================
+
+A *client* is an outside trainer that uses the benchmarker fleet as a reward oracle
+(``hpcrl-reward-client``); benchmarkers also consume ``reward-requests`` and may write to
+``reward-verdicts.in``, which routes a verdict only to the queue its routing key names. A
+benchmarker names the queue of the request's authenticated publisher (its ``user_id``), so
+a client cannot direct verdicts to another client's queue; its own queue is made and bound
+by the admin with its user (:func:`definitions`), and it may neither bind nor read another.
+Client users are ``role_users["client"]`` (default ``hpcrl-client``) or ``<that>.<name>``.
 
 Each role may also publish into the dead-letter queues of what it consumes, through each
 one's inbox ``<queue>.dlq.in``; none may publish to the shared dead-letter exchange (the
@@ -50,7 +59,7 @@ import base64
 import hashlib
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -60,6 +69,7 @@ from hpcrl_common.topology import (
     CODE_TO_BENCH,
     FANOUT_EXCHANGES,
     GENERATE_REQUESTS,
+    REWARD_REQUESTS,
     ROLLOUT_BATCHES,
     WEIGHT_UPDATES,
     WORK_QUEUES,
@@ -70,15 +80,19 @@ from hpcrl_common.topology import (
 Role = Literal["scheduler", "generator", "benchmarker", "learner"]
 ROLES: tuple[Role, ...] = ROLE_NAMES  # type: ignore[assignment]
 SCHEDULER_SUBSCRIBER = "scheduler"
+# Not a service: an outside trainer's reward client (not in ROLES, which are the services').
+CLIENT_ROLE = "client"
+AnyRole = Role | Literal["client"]
 
 # The roles that may publish into each queue or exchange (by base name). The scheduler
 # sends a group's winner to code-to-bench again, to be confirmed (hpcrl_scheduler.confirm).
-PUBLISHER_ROLES: dict[str, tuple[Role, ...]] = {
+PUBLISHER_ROLES: dict[str, tuple[AnyRole, ...]] = {
     GENERATE_REQUESTS: ("scheduler",),
     CODE_TO_BENCH: ("generator", "scheduler"),
     BENCH_RESULTS: ("benchmarker",),
     ROLLOUT_BATCHES: ("scheduler",),
     WEIGHT_UPDATES: ("learner",),
+    REWARD_REQUESTS: (CLIENT_ROLE,),
 }
 NOTHING = "^$"
 
@@ -90,8 +104,11 @@ class Permissions:
     read: str
 
 
-def role_permissions(topology: Topology, role: Role) -> Permissions:
-    """The regexes that let ``role`` do its work in the experiment's vhost, and no more."""
+def role_permissions(topology: Topology, role: AnyRole, user: str = "") -> Permissions:
+    """The regexes that let ``role`` do its work in the experiment's vhost, and no more.
+
+    ``user``: the broker user, for the client role (it reads only its own verdict queue).
+    """
     t = topology
     updates = re.escape(t.name(WEIGHT_UPDATES))
     scheduler_queue = re.escape(t.subscriber_queue(WEIGHT_UPDATES, SCHEDULER_SUBSCRIBER))
@@ -126,8 +143,15 @@ def role_permissions(topology: Topology, role: Role) -> Permissions:
         )
     if role == "benchmarker":
         return Permissions(configure=NOTHING,
-                           write=_any(inbox(BENCH_RESULTS), dead_letters(CODE_TO_BENCH)),
-                           read=_any(queue(CODE_TO_BENCH)))
+                           write=_any(inbox(BENCH_RESULTS), dead_letters(CODE_TO_BENCH),
+                                      re.escape(t.reward_verdicts_exchange),
+                                      dead_letters(REWARD_REQUESTS)),
+                           read=_any(queue(CODE_TO_BENCH), queue(REWARD_REQUESTS)))
+    if role == CLIENT_ROLE:
+        if not user:
+            raise ValueError("the client role's permissions name its user")
+        return Permissions(configure=NOTHING, write=_any(inbox(REWARD_REQUESTS)),
+                           read=_any(re.escape(t.reply_queue(user))))
     if role == "learner":
         return Permissions(configure=NOTHING,
                            write=_any(updates, dead_letters(ROLLOUT_BATCHES)),
@@ -147,7 +171,7 @@ def publisher_allowed(queue_base: str, user_id: str | None,
     two sites) are ``<user>.<site>``.
     """
     roles = PUBLISHER_ROLES[queue_base]
-    users = [role_users[role] for role in roles]
+    users = [role_user(role_users, role) for role in roles]
     if user_id is not None and any(user_id == user or user_id.startswith(user + ".")
                                    for user in users):
         return None
@@ -155,6 +179,11 @@ def publisher_allowed(queue_base: str, user_id: str | None,
     named = " or ".join(f"user {user!r} or {user!r}.<name>" for user in users)
     return (f"{who} may not publish to {queue_base}: only the {' or '.join(roles)} role "
             f"({named}) may")
+
+
+def role_user(role_users: Mapping[str, str], role: str) -> str:
+    """The broker user of ``role``; the client role's defaults to ``hpcrl-client``."""
+    return role_users.get(role) or f"hpcrl-{role}"
 
 
 def password_hash(password: str, salt: bytes | None = None) -> str:
@@ -165,7 +194,7 @@ def password_hash(password: str, salt: bytes | None = None) -> str:
 
 
 def definitions(topology: Topology, vhost: str,
-                users: Mapping[str, tuple[Role, str]]) -> dict[str, Any]:
+                users: Mapping[str, tuple[AnyRole, str]]) -> dict[str, Any]:
     """A RabbitMQ definitions document: the vhost, one user per entry, the topology.
 
     ``users`` maps user name to (role, password). Import it with
@@ -180,15 +209,18 @@ def definitions(topology: Topology, vhost: str,
             for name, (_role, password) in sorted(users.items())
         ],
         "permissions": [
-            {"user": name, "vhost": vhost, **role_permissions(topology, role).__dict__}
+            {"user": name, "vhost": vhost, **role_permissions(topology, role, name).__dict__}
             for name, (role, _password) in sorted(users.items())
         ],
-        **topology_definitions(topology, vhost),
+        **topology_definitions(topology, vhost, clients=sorted(
+            name for name, (role, _password) in users.items() if role == CLIENT_ROLE)),
     }
 
 
-def topology_definitions(topology: Topology, vhost: str) -> dict[str, list[dict[str, Any]]]:
-    """What :meth:`Topology.declare` makes, as definitions (queues, exchanges, bindings)."""
+def topology_definitions(topology: Topology, vhost: str, clients: Sequence[str] = (),
+                         ) -> dict[str, list[dict[str, Any]]]:
+    """What :meth:`Topology.declare` makes, as definitions (queues, exchanges, bindings),
+    and the verdict queue of each client user in ``clients``."""
     exchanges, queues, bindings = [], [], []
 
     def exchange(name: str, kind: str) -> None:
@@ -222,4 +254,7 @@ def topology_definitions(topology: Topology, vhost: str) -> dict[str, list[dict[
         exchange(topology.name(base), "fanout")
     # The scheduler's update queue is known in advance; generator replicas make their own.
     durable(topology.durable_subscriber_queue(WEIGHT_UPDATES, SCHEDULER_SUBSCRIBER))
+    exchange(topology.reward_verdicts_exchange, "direct")
+    for client in clients:
+        durable(topology.reply_queue_spec(client))
     return {"exchanges": exchanges, "queues": queues, "bindings": bindings}

@@ -30,7 +30,14 @@ import pika
 import pika.exceptions
 from pika.adapters.blocking_connection import BlockingChannel
 
-from hpcrl_common.access import ROLES, SCHEDULER_SUBSCRIBER, Role, definitions
+from hpcrl_common.access import (
+    CLIENT_ROLE,
+    ROLES,
+    SCHEDULER_SUBSCRIBER,
+    AnyRole,
+    definitions,
+    role_user,
+)
 from hpcrl_common.broker import _as_text, connection_parameters, open_connection
 from hpcrl_common.config import ConfigError, ServiceConfig, load_config
 from hpcrl_common.service import add_config_argument
@@ -62,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     defs.add_argument("--vhost", help="default: the vhost of broker.url")
     defs.add_argument("--extra-user", action="append", default=[], metavar="ROLE:NAME",
                       help="another user of a role, named <role user>.<NAME> (e.g. "
-                      "benchmarker:site-b); repeatable")
+                      "benchmarker:site-b; client:alice for an outside trainer, with its "
+                      "own verdict queue); repeatable")
     declare = commands.add_parser(
         "declare", help="declare the topology with the config's (admin) broker user")
     add_config_argument(declare)
@@ -86,15 +94,16 @@ def main(argv: list[str] | None = None) -> int:
 def write_definitions(config: ServiceConfig, args: argparse.Namespace) -> int:
     broker = config.broker
     vhost = args.vhost or unquote(urlsplit(broker.url).path.lstrip("/")) or "/"
-    users: dict[str, tuple[Role, str]] = {}
+    users: dict[str, tuple[AnyRole, str]] = {}
     for role in ROLES:
         users[broker.role_users[role]] = (role, "")
     for extra in args.extra_user:
         role, _, name = extra.partition(":")
-        if role not in ROLES or not name or "." in name:
+        if role not in (*ROLES, CLIENT_ROLE) or not name or "." in name:
             raise ValueError(f"--extra-user {extra!r}: expected ROLE:NAME with a role of "
-                             f"{', '.join(ROLES)} and a NAME without dots")
-        users[f"{broker.role_users[role]}.{name}"] = (role, "")  # type: ignore[index]
+                             f"{', '.join((*ROLES, CLIENT_ROLE))} and a NAME without dots")
+        user = f"{role_user(broker.role_users, role)}.{name}"
+        users[user] = (role, "")  # type: ignore[assignment]
     args.password_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     users = {name: (role, _password(args.password_dir / f"{name}.password"))
              for name, (role, _) in users.items()}

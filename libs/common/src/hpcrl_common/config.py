@@ -150,8 +150,9 @@ class BrokerSettings(Section):
             raise ValueError("tls_* files are set but url is amqp://, not amqps://")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError("tls_cert_file and tls_key_file go together")
-        if set(self.role_users) != set(ROLE_NAMES):
-            raise ValueError(f"role_users must name exactly the roles {', '.join(ROLE_NAMES)}")
+        if set(self.role_users) - {"client"} != set(ROLE_NAMES):
+            raise ValueError(f"role_users must name exactly the roles {', '.join(ROLE_NAMES)} "
+                             f"(and optionally client)")
         return self
 
     @property

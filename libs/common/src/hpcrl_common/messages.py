@@ -201,6 +201,35 @@ class Candidate(Message):
         return self
 
 
+# A client's name where publishers are not authenticated (then it names the reply queue):
+# a queue-name piece, no dots at either end.
+ClientName = Annotated[str, StringConstraints(max_length=128,
+                                              pattern=r"^(?:[A-Za-z0-9_@-][A-Za-z0-9._@-]*)?$")]
+
+
+class RewardRequest(Message):
+    """Outside trainer → benchmarker (``reward-requests``): one completion to judge for the
+    caller; the verdict (a ``bench-result/1``, same id) goes to the caller's own reply queue
+    (``reward-verdicts.<client>``), never to the scheduler. ``client`` names that queue only
+    where publishers are not authenticated; otherwise the broker-verified ``user_id`` does."""
+
+    SCHEMA_NAME: ClassVar[str] = "reward-request"
+
+    group_id: MessageId
+    index: Annotated[int, Field(ge=0, lt=1024)]
+    completion: LongText
+    bench: BenchSpec
+    client: ClientName = ""
+    created_at: Timestamp = Field(default_factory=time.time)
+
+    @model_validator(mode="after")
+    def _stable_id(self) -> RewardRequest:
+        expected = candidate_id(self.group_id, self.index)
+        if self.id != expected:
+            raise ValueError(f"reward request id must be {expected!r}, got {self.id!r}")
+        return self
+
+
 class HostInfo(Strict):
     """The class of machine a measurement was taken on; rewards compare only within a class."""
 
@@ -334,7 +363,8 @@ class WeightUpdate(Message):
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.SCHEMA_NAME: cls
-    for cls in (GenerateRequest, Candidate, BenchResult, RolloutBatch, WeightUpdate)
+    for cls in (GenerateRequest, Candidate, BenchResult, RolloutBatch, WeightUpdate,
+                RewardRequest)
 }
 
 # --- wire format --------------------------------------------------------------------------

@@ -43,6 +43,7 @@ from hpcrl_common.messages import (
     Candidate,
     GenerateRequest,
     Message,
+    RewardRequest,
     RolloutBatch,
     WeightUpdate,
 )
@@ -53,12 +54,19 @@ BENCH_RESULTS = "bench-results"
 ROLLOUT_BATCHES = "rollout-batches"
 WEIGHT_UPDATES = "weight-updates"
 DEAD_LETTER_EXCHANGE = "dead-letter"
+# Outside trainers' reward path (hpcrl-reward-client), apart from the scheduler's: requests
+# into a work queue the benchmarkers also consume; each verdict goes through the direct
+# exchange ``reward-verdicts.in`` to the requesting client's own queue
+# ``reward-verdicts.<client>`` (routing key: that queue's name).
+REWARD_REQUESTS = "reward-requests"
+REWARD_VERDICTS = "reward-verdicts"
 
 WORK_QUEUES: dict[str, type[Message]] = {
     GENERATE_REQUESTS: GenerateRequest,
     CODE_TO_BENCH: Candidate,
     BENCH_RESULTS: BenchResult,
     ROLLOUT_BATCHES: RolloutBatch,
+    REWARD_REQUESTS: RewardRequest,
 }
 FANOUT_EXCHANGES: dict[str, type[Message]] = {WEIGHT_UPDATES: WeightUpdate}
 
@@ -155,7 +163,24 @@ class Topology:
     def subscriber_queue(self, exchange_base: str, subscriber: str) -> str:
         return self.name(f"{exchange_base}.{subscriber}")
 
+    @property
+    def reward_verdicts_exchange(self) -> str:
+        """The direct exchange benchmarkers publish a client's verdicts to."""
+        return inbox_of(self.name(REWARD_VERDICTS))
+
+    def reply_queue(self, client: str) -> str:
+        """A client's own verdict queue (also the routing key of its verdicts)."""
+        return self.name(f"{REWARD_VERDICTS}.{client}")
+
+    def reply_queue_spec(self, client: str) -> DurableQueue:
+        """Made by the admin with the client's broker user (``access.definitions``), or by
+        the client itself where it may configure (``broker.declare_topology``)."""
+        queue = self.reply_queue(client)
+        return DurableQueue(queue, bindings=((self.reward_verdicts_exchange, queue),))
+
     def expected_schema(self, queue: str) -> type[Message]:
+        if queue.startswith(self.name(REWARD_VERDICTS) + "."):
+            return BenchResult
         for base, cls in {**WORK_QUEUES, **FANOUT_EXCHANGES}.items():
             if queue == self.name(base) or queue.startswith(self.name(base) + "."):
                 return cls
@@ -176,6 +201,8 @@ class Topology:
             inbox = self.dead_letter_inbox(base)
             channel.exchange_declare(inbox, exchange_type="direct", durable=True)
             channel.queue_bind(self.dlq(base), inbox, routing_key=self.name(base))
+        channel.exchange_declare(self.reward_verdicts_exchange, exchange_type="direct",
+                                 durable=True)
 
     def dead_letter_queue(self, base: str) -> DurableQueue:
         return DurableQueue(self.dlq(base), bindings=((self.dead_letter_exchange,
@@ -215,6 +242,9 @@ class Topology:
             inbox = self.dead_letter_inbox(base)
             checks.append((f"exchange {inbox}",
                            lambda ch, e=inbox: ch.exchange_declare(e, passive=True)))
+        verdicts = self.reward_verdicts_exchange
+        checks.append((f"exchange {verdicts}",
+                       lambda ch: ch.exchange_declare(verdicts, passive=True)))
         channel = open_channel()
         for what, check in checks:
             try:
@@ -289,6 +319,7 @@ class Topology:
                 channel.exchange_delete(self.name(base))
             channel.queue_delete(self.dlq(base))
             channel.exchange_delete(self.dead_letter_inbox(base))
+        channel.exchange_delete(self.reward_verdicts_exchange)
         channel.exchange_delete(self.dead_letter_exchange)
 
 

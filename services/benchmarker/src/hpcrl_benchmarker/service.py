@@ -32,9 +32,9 @@ from hpcrl_benchmarker.steps import InternalError
 from hpcrl_benchmarker.verdict import Verdict
 from hpcrl_common import confirmation
 from hpcrl_common.broker import DEFER, Consumer, Delivery, Publish, Reject
-from hpcrl_common.messages import BenchResult, Candidate, Message
+from hpcrl_common.messages import BenchResult, Candidate, Message, RewardRequest
 from hpcrl_common.task import TaskError, TaskSpec, builtin_tasks, load_task
-from hpcrl_common.topology import BENCH_RESULTS, CODE_TO_BENCH
+from hpcrl_common.topology import BENCH_RESULTS, CODE_TO_BENCH, REWARD_REQUESTS, Topology
 
 log = structlog.get_logger("hpcrl.benchmarker")
 
@@ -143,6 +143,38 @@ class BenchHandler:
                  attempts=None if timing is None else timing.attempts)
 
 
+class RewardHandler:
+    """Outside trainers' requests (``reward-requests``, hpcrl-reward-client): judged as
+    candidates are, each verdict sent to the requesting client's own queue only, never to
+    the scheduler's. The client is the request's publisher as the broker verified it (its
+    ``user_id``) where publishers are authenticated, so no client can direct verdicts to
+    another's queue; else the request's ``client`` field (or the user)."""
+
+    def __init__(self, inner: BenchHandler, topology: Topology, authenticated: bool) -> None:
+        self.inner = inner
+        self.topology = topology
+        self.authenticated = authenticated
+
+    def client_of(self, message: RewardRequest, delivery: Delivery) -> str:
+        if self.authenticated:
+            return delivery.user_id or ""
+        return message.client or delivery.user_id or ""
+
+    def __call__(self, message: Message, delivery: Delivery) -> list[Publish] | object:
+        assert isinstance(message, RewardRequest)
+        client = self.client_of(message, delivery)
+        if not client:
+            raise Reject("a reward request must name its client (no authenticated user)")
+        candidate = Candidate(id=message.id, group_id=message.group_id, index=message.index,
+                              completion=message.completion, bench=message.bench)
+        outputs = self.inner(candidate, delivery)
+        if outputs is DEFER:
+            return DEFER
+        return [Publish(self.topology.reply_queue(client), item.message,
+                        exchange=self.topology.reward_verdicts_exchange)
+                for item in outputs]  # type: ignore[union-attr]
+
+
 STOP_SIGNAL_WAIT_S = 0.5
 _STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP")
 
@@ -176,6 +208,8 @@ def build_consumer(config: BenchmarkerConfig, benchmarker: Benchmarker) -> Consu
     handler = BenchHandler(benchmarker, section, consumer.topology.name(BENCH_RESULTS), name,
                            stopping=lambda: consumer.stopping, hand_back=consumer.fail)
     consumer.subscribe(CODE_TO_BENCH, handler)
+    consumer.subscribe(REWARD_REQUESTS, RewardHandler(
+        handler, consumer.topology, config.broker.authenticate_publishers))
     HOST.info({"host_class": benchmarker.host.host_class, "cpu_model": benchmarker.host.cpu_model,
                "isa": ",".join(benchmarker.host.isa), "compiler": benchmarker.host.compiler,
                "cores": str(benchmarker.host.cores),
