@@ -6,7 +6,9 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 SERVICES := services/benchmarker services/sqd_scheduler services/learner services/generator
 TOOLS := tools/bootstrap tools/evaluate
-PACKAGES := libs/common $(SERVICES) $(TOOLS)
+# Outside trainers' client of the benchmarker fleet (no torch, no vLLM).
+CLIENTS := libs/reward_client
+PACKAGES := libs/common $(SERVICES) $(TOOLS) $(CLIENTS)
 PYPROJECTS := $(addsuffix /pyproject.toml,$(PACKAGES))
 
 .PHONY: install install-swift system test test-fast lint demo clean help
@@ -31,7 +33,7 @@ $(STAMP): $(PYPROJECTS) requirements-dev.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -r requirements-dev.txt $(addprefix -e ,$(SERVICES))
+	$(BIN)/python -m pip install -q -r requirements-dev.txt $(addprefix -e ,$(SERVICES) $(CLIENTS))
 	@# Services name libs/common by path (so `pip install ./services/X` works alone); that
 	@# installs it as a copy, so make it editable again last. The tools name services by path
 	@# too, which pip refuses beside the same services installed editable: their other

@@ -1,0 +1,128 @@
+"""The reward path for outside trainers: contract (pure) and client over the real broker."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import subprocess
+
+import pika
+import pytest
+
+from hpcrl_common.access import definitions, publisher_allowed, role_permissions
+from hpcrl_common.config import BrokerSettings
+from hpcrl_common.messages import (
+    BenchSpec,
+    Candidate,
+    MessageError,
+    RewardRequest,
+    decode,
+    encode,
+)
+from hpcrl_common.topology import BENCH_RESULTS, CODE_TO_BENCH, REWARD_REQUESTS, Topology
+from hpcrl_reward_client import RewardClient, RewardRequestSpec, RewardTimeout
+from hpcrl_reward_client.verl import compute_score_batch
+from tests.benchmarker.conftest import kernel
+
+# --- the contract (pure) --------------------------------------------------------------------
+
+
+def test_a_reward_request_round_trips_and_a_plain_candidate_still_decodes():
+    request = RewardRequest(id="b1/3", group_id="b1", index=3, completion="x",
+                            bench=BenchSpec(task="matmul", stage=2), client="alice.rank0")
+    assert decode(encode(request), RewardRequest) == request
+    candidate = Candidate(id="g/0", group_id="g", index=0, completion="x",
+                          bench=BenchSpec(task="matmul", stage=6))
+    assert decode(encode(candidate), Candidate).rollout is None
+    with pytest.raises(ValueError, match="client"):  # a name that is no queue-name piece
+        RewardRequest(id="b/0", group_id="b", index=0, completion="", bench=request.bench,
+                      client="../bench-results")
+    with pytest.raises(MessageError, match="unexpected schema"):
+        decode(encode(request), Candidate)  # never mistaken for the scheduler's traffic
+
+
+def test_the_client_role_reaches_only_its_own_queue_and_the_requests_inbox():
+    t = Topology("exp", 3)
+    rules = role_permissions(t, "client", "hpcrl-client.alice")
+    assert rules.configure == "^$"
+    assert re.fullmatch(rules.write, "exp.reward-requests.in")
+    for other in ("exp.code-to-bench.in", "exp.bench-results.in", "exp.reward-verdicts.in",
+                  "exp.reward-requests", "amq.default"):
+        assert not re.fullmatch(rules.write, other), other
+    assert re.fullmatch(rules.read, "exp.reward-verdicts.hpcrl-client.alice")
+    for other in ("exp.reward-verdicts.hpcrl-client.bob", "exp.reward-verdicts.hpcrl-client",
+                  "exp.reward-requests", "exp.bench-results", "exp.reward-verdicts.in"):
+        assert not re.fullmatch(rules.read, other), other
+    bench = role_permissions(t, "benchmarker")
+    assert re.fullmatch(bench.read, "exp.reward-requests")
+    assert re.fullmatch(bench.write, "exp.reward-verdicts.in")
+    assert not re.fullmatch(bench.write, "exp.reward-verdicts.hpcrl-client.alice")
+    users = {"scheduler": "s", "generator": "g", "benchmarker": "b", "learner": "l"}
+    assert publisher_allowed(REWARD_REQUESTS, "hpcrl-client.alice", users) is None
+    assert publisher_allowed(REWARD_REQUESTS, "g", users) is not None
+    assert publisher_allowed(CODE_TO_BENCH, "hpcrl-client.alice", users) is not None
+    doc = definitions(t, "v", {"hpcrl-client.alice": ("client", "pw"), "b": ("benchmarker", "p")})
+    assert {"source": "exp.reward-verdicts.in", "vhost": "v",
+            "destination": "exp.reward-verdicts.hpcrl-client.alice", "destination_type": "queue",
+            "routing_key": "exp.reward-verdicts.hpcrl-client.alice",
+            "arguments": {}} in doc["bindings"]
+
+
+# --- over the real broker, with a real replica ----------------------------------------------
+
+
+def depth(settings: BrokerSettings, queue: str) -> int:
+    connection = pika.BlockingConnection(pika.URLParameters(settings.url))
+    try:
+        return connection.channel().queue_declare(queue, passive=True).method.message_count
+    finally:
+        connection.close()
+
+
+@pytest.mark.broker
+def test_two_clients_get_their_own_verdicts_from_a_real_replica(
+        broker_settings: BrokerSettings, replica: subprocess.Popen):
+    alice = RewardClient(broker_settings, "alice", timeout_s=180)
+    bob = RewardClient(broker_settings, "bob", timeout_s=180, max_outstanding=1)
+    try:
+        ours = alice.score([
+            RewardRequestSpec(f"```c\n{kernel('naive.c')}```", "matmul", 6),
+            RewardRequestSpec("no code here"),
+            RewardRequestSpec(kernel("ikj_omp.c"), stage=1),
+        ])
+        # Back-pressure: one outstanding at a time still gets both through.
+        theirs = asyncio.run(bob.ascore([RewardRequestSpec("nothing"),
+                                         RewardRequestSpec("nor here")]))
+    finally:
+        alice.close()
+        bob.close()
+    assert replica.poll() is None
+    ok, bad, staged = ours
+    assert ok.status == "success" and ok.gflops and ok.reward == ok.gflops
+    assert ok.timing is not None and ok.benchmarker.startswith("benchmarker-")
+    assert bad.status == "format_violation" and bad.reward == -100
+    assert staged.status == "stage_violation" and "openmp" in staged.techniques
+    assert [v.status for v in theirs] == ["format_violation"] * 2
+    assert not {v.id for v in ours} & {v.id for v in theirs}
+    assert alice.dropped == bob.dropped == 0  # neither saw the other's verdicts
+    topology = Topology(broker_settings.namespace)
+    assert depth(broker_settings, topology.name(BENCH_RESULTS)) == 0  # the scheduler's: untouched
+    # verl's convention, through the same path
+    carol = RewardClient(broker_settings, "carol", timeout_s=120)
+    try:
+        scores = compute_score_batch(["hpcrl"], ["no code"], [None], [{"stage": 3}],
+                                     reward_client=carol)
+    finally:
+        carol.close()
+    assert scores == [{"score": -100.0, "status": "format_violation", "gflops": 0.0}]
+
+
+@pytest.mark.broker
+def test_a_request_nobody_answers_times_out(broker_settings: BrokerSettings):
+    with RewardClient(broker_settings, "lonely", timeout_s=1.0, attempt_timeout_s=0.3,
+                      retries=1) as client:
+        future = client.submit("x")
+        with pytest.raises(RewardTimeout):
+            future.result(timeout=10)
+    # the first send and one retry under a new id, both waiting for a replica
+    assert depth(broker_settings, Topology(broker_settings.namespace).name(REWARD_REQUESTS)) == 2
