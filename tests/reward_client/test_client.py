@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import re
 import subprocess
+import time
 
 import pika
 import pytest
@@ -126,3 +127,33 @@ def test_a_request_nobody_answers_times_out(broker_settings: BrokerSettings):
             future.result(timeout=10)
     # the first send and one retry under a new id, both waiting for a replica
     assert depth(broker_settings, Topology(broker_settings.namespace).name(REWARD_REQUESTS)) == 2
+
+
+@pytest.mark.broker
+@pytest.mark.slow
+def test_nothing_is_lost_when_a_replica_is_killed_mid_batch(
+        broker_settings: BrokerSettings, tmp_path):
+    from tests.benchmarker.test_service import start_replica, write_config
+
+    first = start_replica(write_config(tmp_path / "a.toml", broker_settings, tmp_path / "a"))
+    second = None
+    specs = [RewardRequestSpec(kernel("infinite.c")), RewardRequestSpec(kernel("naive.c")),
+             RewardRequestSpec("no code"), RewardRequestSpec(kernel("infinite.c"))]
+    try:
+        with RewardClient(broker_settings, "survivor", timeout_s=240) as client:
+            futures = client.submit_many(specs)
+            time.sleep(4)  # the first replica holds the batch, inside an 8 s run
+            assert first.poll() is None
+            first.kill()
+            first.wait()
+            second = start_replica(write_config(tmp_path / "b.toml", broker_settings,
+                                                tmp_path / "b"))
+            verdicts = [future.result() for future in futures]
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert [v.status for v in verdicts] == ["timeout", "success", "format_violation", "timeout"]
+    assert all(v.benchmarker.endswith(f"-{second.pid}") for v in verdicts
+               if v.status == "timeout")  # in the killed replica's hands when it died
