@@ -19,6 +19,9 @@ import structlog
 
 from hpcrl_benchmarker.config import BenchmarkerConfig, BenchmarkerSection
 from hpcrl_benchmarker.metrics import (
+    CLIENT_LATENCY,
+    CLIENT_REQUESTS,
+    CLIENT_VERDICTS,
     GFLOPS,
     HOST,
     INFLIGHT,
@@ -128,10 +131,14 @@ class BenchHandler:
 
     @staticmethod
     def _observe(message: Candidate, verdict: Verdict) -> None:
-        RESULTS.labels(verdict.status).inc()
+        # A scheduler's confirmation re-measures a verdict already counted: its time counts
+        # (steps), not a second verdict (hpcrl_scheduler_confirmations_total counts it).
+        again = confirmation.parse(message.generator) is not None
+        if not again:
+            RESULTS.labels(verdict.status).inc()
         if verdict.timing is not None and verdict.timing.noisy:
             NOISY.inc()
-        if verdict.gflops is not None:
+        if verdict.gflops is not None and not again:
             GFLOPS.labels(str(message.bench.stage), message.bench.opt_level).observe(
                 verdict.gflops)
         for step, seconds in verdict.durations_s.items():
@@ -154,6 +161,17 @@ class RewardHandler:
         self.inner = inner
         self.topology = topology
         self.authenticated = authenticated
+        self._labels: set[str] = set()  # client labels in use, at most MAX_CLIENT_LABELS
+        self._labels_lock = threading.Lock()
+
+    def label(self, client: str) -> str:
+        """The client's metric label; a fleet without authentication hears any name, so
+        past MAX_CLIENT_LABELS distinct clients the rest share "other"."""
+        with self._labels_lock:
+            if client in self._labels or len(self._labels) < MAX_CLIENT_LABELS:
+                self._labels.add(client)
+                return client
+        return "other"
 
     def client_of(self, message: RewardRequest, delivery: Delivery) -> str:
         if self.authenticated:
@@ -165,16 +183,23 @@ class RewardHandler:
         client = self.client_of(message, delivery)
         if not client:
             raise Reject("a reward request must name its client (no authenticated user)")
+        label = self.label(client)
+        if delivery.attempt <= 1:
+            CLIENT_REQUESTS.labels(label).inc()
         candidate = Candidate(id=message.id, group_id=message.group_id, index=message.index,
                               completion=message.completion, bench=message.bench)
         outputs = self.inner(candidate, delivery)
         if outputs is DEFER:
             return DEFER
+        for item in outputs:  # type: ignore[union-attr]
+            CLIENT_VERDICTS.labels(label, item.message.status).inc()  # type: ignore[attr-defined]
+            CLIENT_LATENCY.labels(label).observe(max(0.0, time.time() - message.created_at))
         return [Publish(self.topology.reply_queue(client), item.message,
                         exchange=self.topology.reward_verdicts_exchange)
                 for item in outputs]  # type: ignore[union-attr]
 
 
+MAX_CLIENT_LABELS = 100
 STOP_SIGNAL_WAIT_S = 0.5
 _STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP")
 
