@@ -157,3 +157,23 @@ def test_nothing_is_lost_when_a_replica_is_killed_mid_batch(
     assert [v.status for v in verdicts] == ["timeout", "success", "format_violation", "timeout"]
     assert all(v.benchmarker.endswith(f"-{second.pid}") for v in verdicts
                if v.status == "timeout")  # in the killed replica's hands when it died
+
+
+@pytest.mark.broker
+def test_a_verdict_for_a_queue_nobody_made_ends_in_the_dead_letters(
+        broker_settings: BrokerSettings, replica: subprocess.Popen):
+    from hpcrl_common.broker import Publish, Publisher
+
+    topology = Topology(broker_settings.namespace, broker_settings.delivery_limit)
+    request = RewardRequest(id="ghostly/0", group_id="ghostly", index=0, completion="no code",
+                            bench=BenchSpec(task="matmul", stage=6), client="ghost")
+    with Publisher(broker_settings, "test-producer") as publisher:
+        publisher.publish(Publish(topology.name(REWARD_REQUESTS), request))
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and not depth(broker_settings,
+                                                    topology.dlq(REWARD_REQUESTS)):
+        time.sleep(0.5)
+    assert depth(broker_settings, topology.dlq(REWARD_REQUESTS)) == 1
+    assert depth(broker_settings, topology.name(REWARD_REQUESTS)) == 0
+    assert depth(broker_settings, topology.name(BENCH_RESULTS)) == 0
+    assert replica.poll() is None

@@ -41,3 +41,17 @@ SANDBOX_START = Histogram(
     "cores are saturated",
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60),
 )
+CLIENT_REQUESTS = Counter(
+    "hpcrl_benchmarker_client_requests_total",
+    "Outside trainers' reward requests taken (reward-requests), by client (the broker user "
+    "where publishers are authenticated; past 100 clients, \"other\")", ["client"],
+)
+CLIENT_VERDICTS = Counter(
+    "hpcrl_benchmarker_client_verdicts_total",
+    "Verdicts sent to outside trainers' queues, by client and status", ["client", "status"],
+)
+CLIENT_LATENCY = Histogram(
+    "hpcrl_benchmarker_client_latency_seconds",
+    "From a reward request's creation (the client's clock) to its verdict, by client",
+    ["client"], buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600),
+)
