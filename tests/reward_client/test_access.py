@@ -101,6 +101,7 @@ authenticate_publishers = true
 [broker.role_users]
 {users}
 [benchmarker]
+metrics_port = 0
 concurrency = 2
 work_dir = "{tmp_path / 'work'}"
 lock_path = "{tmp_path / 'timing.lock'}"
