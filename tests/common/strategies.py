@@ -6,6 +6,7 @@ import numpy as np
 from hypothesis import strategies as st
 
 from hpcrl_common.messages import (
+    PACING_FIELDS,
     STATUSES,
     BenchResult,
     BenchSpec,
@@ -28,6 +29,7 @@ ids = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,40}", fullmatch=True)
 text = st.text(max_size=200)
 finite = st.floats(allow_nan=False, allow_infinity=False, width=64)
 rewards = st.floats(-MAX_ABS_REWARD, MAX_ABS_REWARD, allow_nan=False)
+text_hashes = st.from_regex(r"[0-9a-f]{64}", fullmatch=True)
 positive = st.floats(min_value=1e-9, max_value=1e6, allow_nan=False)
 stages = st.integers(1, 6)
 timestamps = st.floats(min_value=0, max_value=4e9, allow_nan=False)
@@ -120,16 +122,21 @@ def bench_results(draw: st.DrawFn) -> BenchResult:
         host=draw(hosts), benchmarker=draw(ids),
         durations_s=draw(st.dictionaries(st.sampled_from(["compile", "verify", "time"]), positive)),
         rollout=draw(st.none() | rollout_data()), created_at=draw(timestamps),
+        completion_sha256=draw(st.none() | text_hashes),
     )
 
 
 @st.composite
 def rollout_samples(draw: st.DrawFn) -> RolloutSample:
     completion, logprobs = draw(aligned_tokens())
+    status = draw(st.sampled_from(STATUSES))
+    # A failure keeps its penalty; a success's reward is within every reward mode's range.
+    reward = (draw(st.floats(0.0, 100.0, allow_nan=False)) if status == "success"
+              else reward_for_status(status, None))
     return RolloutSample(
         candidate_id=draw(ids), completion_token_ids=completion, sampling_logprobs=logprobs,
-        policy_version=draw(st.integers(0, 1000)), reward=draw(rewards),
-        status=draw(st.sampled_from(STATUSES)),
+        policy_version=draw(st.integers(0, 1000)), reward=reward, status=status,
+        completion_sha256=draw(st.none() | text_hashes),
     )
 
 
@@ -148,7 +155,12 @@ def weight_updates(draw: st.DrawFn) -> WeightUpdate:
         id=f"v{version}", version=version, parent_version=draw(st.integers(0, version - 1)),
         uri=f"/ckpt/v{version}", format=draw(st.sampled_from(["full", "lora"])),
         checksum="sha256:" + draw(st.from_regex(r"[0-9a-f]{64}", fullmatch=True)),
-        base_model=draw(ids), metrics=draw(st.dictionaries(ids, finite, max_size=3)),
+        base_model=draw(ids),
+        metrics=draw(st.dictionaries(ids.filter(lambda k: k not in PACING_FIELDS), finite,
+                                     max_size=3)),
+        groups_trained=draw(st.none() | st.integers(0, 2**40)),
+        groups_dropped=draw(st.integers(0, 2**40)),
+        groups_per_step=draw(st.none() | st.integers(1, 4096)),
         created_at=draw(timestamps),
     )
 

@@ -232,3 +232,22 @@ def test_every_shipped_config_loads(service):
     for config in configs:
         load_config(model, config, env={})
         load_config(model, config, env=runner)
+
+
+def test_the_scheduler_follows_the_learners_checkpoint_store(tmp_path):
+    """scheduler.checkpoint_dir unset: the learner's of the same file (or its default); set
+    to another store: refused, naming both keys."""
+    from hpcrl_scheduler.config import SchedulerConfig
+
+    shared = write(tmp_path, '[learner]\ncheckpoint_dir = "/shared/ckpt"\n[scheduler]\n')
+    assert str(load_config(SchedulerConfig, shared).scheduler.checkpoint_dir) == "/shared/ckpt"
+    default = write(tmp_path, "[learner]\ngroups_per_step = 4\n")
+    assert str(load_config(SchedulerConfig, default).scheduler.checkpoint_dir) == \
+        "data/checkpoints"
+    alone = write(tmp_path, "[scheduler]\niterations = 2\n")
+    assert load_config(SchedulerConfig, alone).scheduler.checkpoint_dir is None
+    other = write(tmp_path, '[learner]\ncheckpoint_dir = "/a"\n[scheduler]\n'
+                  'checkpoint_dir = "/b"\n')
+    with pytest.raises(ConfigError, match=r"learner\.checkpoint_dir must equal "
+                       r"scheduler\.checkpoint_dir"):
+        load_config(SchedulerConfig, other)

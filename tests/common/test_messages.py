@@ -94,7 +94,7 @@ def test_field_errors_name_the_field():
         with pytest.raises(MessageError) as caught:
             decode(_body_of(update, **{key: value}))
         assert reason in caught.value.reason, (key, caught.value.reason)
-        assert caught.value.reason.startswith("invalid weight-update/1")
+        assert caught.value.reason.startswith("invalid weight-update/2")
 
 
 def test_non_finite_numbers_and_bad_arrays_are_rejected():
@@ -122,7 +122,7 @@ def test_oversized_and_wrong_queue():
     update = encode(_weight_update())
     with pytest.raises(MessageError, match="oversized message"):
         decode(update, max_bytes=len(update) - 1)
-    with pytest.raises(MessageError, match="unexpected schema 'weight-update/1'"):
+    with pytest.raises(MessageError, match="unexpected schema 'weight-update/2'"):
         decode(update, (Candidate, BenchResult))
     assert isinstance(decode(update, (RolloutBatch, WeightUpdate)), WeightUpdate)
 
@@ -191,3 +191,73 @@ def _sample_batch() -> RolloutBatch:
                            policy_version=0, reward=1.0, status="success")
     return RolloutBatch(id="g", experiment="e", iteration=0, prompt_token_ids=tokens,
                         samples=[sample], reward_mode="raw")
+
+
+# --- weight-update/2 and the rollout batch's bounds (issue 28) ------------------------------
+
+
+def _v1(**metrics: float) -> bytes:
+    from hpcrl_common.messages import WeightUpdateV1
+
+    return encode(WeightUpdateV1(id="v3", run="e/r", version=3, parent_version=2, uri="/c/3",
+                                 format="full", checksum="sha256:" + "a" * 64,
+                                 metrics={"loss": 0.5, **metrics}))
+
+
+def test_weight_update_1_is_still_read_with_its_pacing_figures_typed():
+    update = decode(_v1(groups_trained=8.0, groups_dropped=1.0, groups_per_step=4.0),
+                    WeightUpdate)
+    assert (update.groups_trained, update.groups_dropped, update.groups_per_step) == (8, 1, 4)
+    assert update.metrics == {"loss": 0.5}
+    assert decode(_v1(), WeightUpdate).groups_trained is None
+    assert msgpack.unpackb(encode(update))["schema"] == "weight-update/2"
+
+
+@pytest.mark.parametrize(("figures", "reason"), [
+    ({"groups_trained": -1e12}, "groups_trained: Input should be greater than or equal to 0"),
+    ({"groups_trained": 2.5}, "groups_trained: Input should be a valid integer"),
+    ({"groups_trained": 3.0, "groups_per_step": 0.0}, "groups_per_step"),
+    ({"groups_trained": 1e300}, "groups_trained: Input should be less than or equal"),
+])
+def test_pacing_figures_out_of_range_are_refused_in_either_major(figures, reason):
+    with pytest.raises(MessageError, match=reason) as caught:
+        decode(_v1(**figures), WeightUpdate)
+    assert caught.value.reason.startswith("invalid weight-update/1")
+    raw = msgpack.unpackb(encode(sample_weight_update()))
+    raw.update({k: int(v) if float(v).is_integer() and abs(v) < 1e18 else v
+                for k, v in figures.items()})
+    with pytest.raises(MessageError, match=reason.split(":")[0]):
+        decode(msgpack.packb(raw))
+
+
+def test_weight_update_2_keeps_pacing_figures_out_of_metrics():
+    raw = msgpack.unpackb(encode(sample_weight_update()))
+    raw["metrics"] = {"groups_trained": 4.0}
+    with pytest.raises(MessageError, match="fields of weight-update/2, not metrics"):
+        decode(msgpack.packb(raw))
+
+
+def _batch(mode: str, reward: float, status: str = "success") -> dict:
+    from hpcrl_common.messages import RolloutSample
+
+    sample = RolloutSample(candidate_id="g/0", completion_token_ids=PackedArray.of([1], "<i4"),
+                           sampling_logprobs=PackedArray.of([-1.0], "<f4"), policy_version=0,
+                           reward=0.0, status="success")
+    raw = msgpack.unpackb(encode(RolloutBatch(
+        id="g", experiment="e", iteration=0, prompt_token_ids=PackedArray.of([1], "<i4"),
+        samples=[sample], reward_mode=mode)))  # type: ignore[arg-type]
+    raw["samples"][0].update(reward=reward, status=status)
+    return raw
+
+
+@pytest.mark.parametrize(("mode", "reward", "status", "reason"), [
+    ("group_normalized", 1e6, "success", "outside \\[-100, 100\\]"),
+    ("group_normalized", -1e6, "success", "outside \\[-100, 100\\]"),
+    ("parent_relative", 1e5, "success", "outside \\[-100, 9900\\]"),
+    ("raw", -500.0, "success", "outside \\[-100, 1e\\+06\\]"),
+    ("raw", -1e6, "compile_error", "is not its penalty -40"),
+])
+def test_rollout_rewards_stay_in_their_modes_range(mode, reward, status, reason):
+    with pytest.raises(MessageError, match=reason):
+        decode(msgpack.packb(_batch(mode, reward, status)))
+    decode(msgpack.packb(_batch(mode, 100.0 if status == "success" else -40.0, status)))

@@ -164,7 +164,7 @@ def valid_messages() -> dict[str, Message]:
     update = WeightUpdate(id="v3", run="elsewhere/r1", version=3, parent_version=2,
                           uri="file:///nowhere/3", format="full",
                           checksum="sha256:" + "ab" * 32, base_model="tiny",
-                          metrics={"loss": 0.5, "groups_trained": 4.0})
+                          groups_trained=4, metrics={"loss": 0.5})
     return {GENERATE_REQUESTS: request, CODE_TO_BENCH: candidate, BENCH_RESULTS: result,
             ROLLOUT_BATCHES: batch, WEIGHT_UPDATES: update}
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from hpcrl_common.messages import PackedArray, RolloutBatch, RolloutSample
+from hpcrl_common.messages import PackedArray, RolloutBatch, RolloutSample, text_sha256
 from hpcrl_learner.batches import TrainSequence
 from tests.support.models import learner_model
 
@@ -20,6 +21,19 @@ BAD = [20, 21, 22, 2]
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return learner_model(tmp_path_factory.mktemp("models") / "tiny-qwen2")
+
+
+@functools.cache
+def _tokenizer():
+    # The tokenizer every tiny model is written with (hpcrl_bootstrap.model).
+    from hpcrl_bootstrap.model import tiny_tokenizer
+
+    return tiny_tokenizer()
+
+
+def judged_hash(ids: Sequence[int]) -> str:
+    """What the benchmarker would have hashed: the text the sampler made of these ids."""
+    return text_sha256(_tokenizer().decode(list(ids), skip_special_tokens=True))
 
 
 def sequences_of(completions: Sequence[Sequence[int]]) -> list[TrainSequence]:
@@ -49,6 +63,7 @@ def rollout_batch(
             policy_version=versions[index],
             reward=float(reward),
             status="success" if reward > 0 else "compile_error",
+            completion_sha256=judged_hash(ids),
         ))
     return RolloutBatch(id=batch_id, experiment="test", iteration=0,
                         prompt_token_ids=PackedArray.of(prompt, "<i4"), samples=samples,

@@ -379,3 +379,51 @@ def test_a_second_learner_on_the_same_store_refuses_to_start(broker_settings, ti
     finally:
         first.terminate()
         first.wait(30)
+
+
+def test_only_tokens_of_the_judged_text_within_bounds_are_trained(broker_settings, raw_channel,
+                                                                   tiny_model, tmp_path):
+    """Issue 28, generator and scheduler roles: the text of a good completion judged with
+    token ids [66] * 40; a batch of 8 x 8,003-token sequences; rewards of 1e6; a sample
+    without the judged text's hash. Each is dead-lettered with its reason; the valid groups
+    around them are trained."""
+    from .conftest import judged_hash
+
+    topology = Topology(broker_settings.namespace, broker_settings.delivery_limit)
+    lp = base_logprobs(tiny_model)
+    swapped = good_bad_batch("swapped", lp)
+    swapped = swapped.model_copy(update={"samples": [
+        swapped.samples[0].model_copy(update={
+            "completion_token_ids": rollout_batch("x", [[66] * 40], [1.0]).samples[0]
+            .completion_token_ids,
+            "sampling_logprobs": rollout_batch("x", [[66] * 40], [1.0]).samples[0]
+            .sampling_logprobs,
+            "completion_sha256": judged_hash(GOOD)}),
+        *swapped.samples[1:]]})
+    long = rollout_batch("long", [[30 + i] * 8003 for i in range(8)],
+                         [100.0, -40.0] * 4)
+    huge = rollout_batch("huge", [GOOD, BAD], [1e6, 0.5])
+    unhashed = good_bad_batch("unhashed", lp)
+    unhashed = unhashed.model_copy(update={"samples": [
+        s.model_copy(update={"completion_sha256": None}) for s in unhashed.samples]})
+    publish(broker_settings, swapped, long, huge, unhashed,
+            good_bad_batch("ok0", lp), good_bad_batch("ok1", lp))
+    config = LearnerConfig(broker=broker_settings, learner=LearnerSettings(
+        model_path=tiny_model, checkpoint_dir=tmp_path / "store", groups_per_step=2,
+        metrics_port=0))
+    consumer, learner = build(config)
+    store = CheckpointStore(tmp_path / "store")
+    with RunningConsumer(consumer):
+        wait_for(lambda: len(store.versions()) == 1, 120, "a step of the valid groups")
+    assert learner.failed is None and store.versions()[0].metrics["groups_trained"] == 2.0
+    reasons = {}
+    for _ in range(4):
+        method, props, _body = raw_channel.basic_get(topology.dlq(ROLLOUT_BATCHES),
+                                                    auto_ack=True)
+        assert method is not None, reasons
+        reasons[props.message_id] = props.headers["x-hpcrl-reason"]
+    assert "swapped/0: its 40 token ids decode to a text" in reasons["swapped"]
+    assert "other than the one the benchmarker judged" in reasons["swapped"]
+    assert "8007 tokens > max_sequence_tokens 4096" in reasons["long"]
+    assert "learner.max_abs_reward" in reasons["huge"]
+    assert "no completion_sha256" in reasons["unhashed"]

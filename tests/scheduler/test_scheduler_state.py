@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from hpcrl_common.broker import Reject
-from hpcrl_common.messages import GenerateRequest, RolloutBatch, WeightUpdate
+from hpcrl_common.broker import Ignore, Reject
+from hpcrl_common.checkpoints import CheckpointStore
+from hpcrl_common.messages import GenerateRequest, RolloutBatch
 from hpcrl_scheduler.config import SchedulerConfig, SchedulerSection
 from hpcrl_scheduler.report import export, snapshot
 from hpcrl_scheduler.scheduler import Scheduler, SchedulerError
@@ -25,7 +26,8 @@ class Clock:
 def make(tmp_path, clock=None, **section) -> Scheduler:
     # Winners' second measurements (confirm_winners) are tested in test_trust.py.
     defaults = {"iterations": 2, "group_size": 3, "node_budget": 2, "max_staleness": 0,
-                "metrics_port": 0, "confirm_winners": False}
+                "metrics_port": 0, "confirm_winners": False,
+                "checkpoint_dir": tmp_path / "store"}
     config = SchedulerConfig(
         experiment={"name": "unit", "seed": 7},
         scheduler=SchedulerSection(**{**defaults, **section}),
@@ -144,6 +146,24 @@ def test_run_to_the_end_then_done_and_report(tmp_path):
                for e in index["lineage"])
 
 
+def commit(tmp_path, version: int, **pacing: int) -> CheckpointStore:
+    """Version ``version`` in the learner's store the scheduler reads (make's checkpoint_dir)."""
+    store = CheckpointStore(tmp_path / "store")
+    staging = store.staging_dir(version)
+    (staging / "w.bin").write_bytes(b"%d" % version)
+    store.commit(staging, version, version - 1, "lora",
+                 metrics={k: float(v) for k, v in pacing.items()})
+    return store
+
+
+def announce(s: Scheduler, store: CheckpointStore, stored: int, experiment: str = "unit",
+             **changes) -> int:
+    """Announce version ``stored`` of the store, with ``changes`` (a forgery)."""
+    update = store.get(stored).weight_update(store.root, run=f"{experiment}/{store.run_id}")
+    s.handle_weight_update(update.model_copy(update=changes))
+    return int(s.store.get("policy_version", 0))
+
+
 def test_pacing_holds_requests_until_the_learner_trains(tmp_path):
     s = make(tmp_path, max_staleness=1, node_budget=4, initial_groups_per_step=1)
     s.step()
@@ -152,17 +172,14 @@ def test_pacing_holds_requests_until_the_learner_trains(tmp_path):
     s.step()
     # 1 batch published, nothing trained: limit 1 x 1 group -> everything held
     assert [r.iteration for r in requests(s)] == [0]
-    s.handle_weight_update(WeightUpdate(
-        run="unit/r1", id="v1", version=1, parent_version=0, uri="file:///ckpt/1", format="lora",
-        checksum="sha256:" + "0" * 64, metrics={"groups_trained": 1, "groups_per_step": 2}))
+    store = commit(tmp_path, 1, groups_trained=1, groups_per_step=2)
+    assert announce(s, store, 1) == 1
     s.step()
     new = [r for r in requests(s) if r.iteration == 1]
     assert len(new) == 2  # limit 1 x 2 groups per step
     assert all(r.min_policy_version == 1 for r in new)
-    # an older announcement changes nothing
-    s.handle_weight_update(WeightUpdate(
-        run="unit/r1", id="v0b", version=1, parent_version=0, uri="file:///x", format="lora",
-        checksum="sha256:" + "1" * 64, metrics={"groups_trained": 0}))
+    # an older (or repeated) announcement changes nothing
+    assert announce(s, store, 1, id="v0b", groups_trained=0) == 1
     assert s.store.get("groups_trained") == 1
 
 
@@ -170,28 +187,28 @@ def test_groups_the_learner_dropped_as_stale_count_as_done(tmp_path):
     """A dropped group never comes back: counting it as outstanding narrowed the window for
     the rest of the run, one group per drop."""
     s = make(tmp_path)
-    s.handle_weight_update(WeightUpdate(
-        run="unit/r1", id="v1", version=1, parent_version=0, uri="file:///c", format="full",
-        checksum="sha256:" + "0" * 64, metrics={"groups_trained": 4, "groups_dropped": 3}))
-    assert s.pacing_state().groups_trained == 7
+    s.step()
+    [request] = requests(s)
+    answer(s, request, ["success", "success", "verification_error"])  # one batch sent
+    announce(s, commit(tmp_path, 1, groups_trained=0, groups_dropped=1), 1)
+    assert s.pacing_state().groups_trained == 1
 
 
 def test_only_this_runs_versions_set_the_floor(tmp_path):
     """A version of another experiment, or of another training run (an old durable
-    subscription, a forged 2^30), would make generators wait for a version never made."""
+    subscription, a forged 2^30), would make generators wait for a version never made: the
+    first is ignored (not ours), the others are refused (dead-lettered)."""
     s = make(tmp_path)
-
-    def announce(run: str, version: int) -> int:
-        s.handle_weight_update(WeightUpdate(
-            run=run, id=f"v{version}", version=version, parent_version=version - 1,
-            uri="file:///c", format="full", checksum="sha256:" + "0" * 64))
-        return int(s.store.get("policy_version", 0))
-
-    assert announce("other-experiment/r1", 2**30) == 0
-    assert announce("unit/r1", 1) == 1  # the first accepted run is this experiment's
-    assert announce("unit/r-old", 2**30) == 1
-    assert announce("unit/r1", 2) == 2
-    assert announce("unit/r1", 1) == 2
+    store = commit(tmp_path, 1)
+    with pytest.raises(Ignore):
+        announce(s, store, 1, experiment="other-experiment")
+    assert announce(s, store, 1) == 1  # the store's run is this experiment's
+    with pytest.raises(Reject, match="other_run"):
+        announce(s, commit(tmp_path, 2), 2, run="unit/r-old")
+    with pytest.raises(Reject, match="not_in_store"):
+        announce(s, store, 2, id="v1073741824", version=2**30)
+    assert announce(s, store, 2) == 2
+    assert announce(s, store, 1) == 2
 
 
 def test_restart_resumes_and_a_different_experiment_is_refused(tmp_path):

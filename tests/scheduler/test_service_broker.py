@@ -10,6 +10,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from hpcrl_common.broker import Consumer, Publish, Publisher
+from hpcrl_common.checkpoints import CheckpointStore
 from hpcrl_common.messages import GenerateRequest, RolloutBatch, WeightUpdate, decode
 from hpcrl_common.topology import (
     BENCH_RESULTS,
@@ -48,8 +49,10 @@ def test_results_batches_version_floor_and_pacing(broker_settings, raw_channel, 
         scheduler=SchedulerSection(iterations=2, group_size=2, node_budget=3, max_staleness=1,
                                    confirm_winners=False,
                                    initial_groups_per_step=1, metrics_port=0, tick_s=0.1,
-                                   reward_mode="raw", exit_when_done=False),
+                                   reward_mode="raw", exit_when_done=False,
+                                   checkpoint_dir=tmp_path / "store"),
     )
+    store = CheckpointStore(tmp_path / "store")  # the learner's: versions come only from it
     scheduler = Scheduler(config, Store(tmp_path / "svc.sqlite"))
     consumer = Consumer(broker_settings, "scheduler-test", concurrency=2)
     service = SchedulerService(scheduler, consumer)
@@ -68,9 +71,12 @@ def test_results_batches_version_floor_and_pacing(broker_settings, raw_channel, 
                     timeout=1.5) == []
         assert REGISTRY.get_sample_value("hpcrl_scheduler_requests_held",
                                          {"reason": "staleness"}) >= 2
-        update = WeightUpdate(id="v1", run="svc/r1", version=1, parent_version=0, uri="file:///c/1",
-                              format="lora", checksum="sha256:" + "a" * 64,
-                              metrics={"groups_trained": 1.0, "groups_per_step": 2.0})
+        staging = store.staging_dir(1)
+        (staging / "adapter.bin").write_bytes(b"v1")
+        info = store.commit(staging, 1, 0, "lora",
+                            metrics={"groups_trained": 1.0, "groups_per_step": 2.0})
+        update = info.weight_update(store.root, run=f"svc/{store.run_id}")
+        assert isinstance(update, WeightUpdate) and update.groups_trained == 1
         publisher.publish(Publish(topology.name(WEIGHT_UPDATES), update,
                                   exchange=topology.name(WEIGHT_UPDATES)))
         released = take(raw_channel, topology.name(GENERATE_REQUESTS), GenerateRequest,

@@ -132,7 +132,17 @@ class Publish:
 
 
 class Reject(Exception):
-    """Raised by a handler for a message that can never succeed: dead-letter it now."""
+    """Raised by a handler for a message that can never succeed: dead-letter it now.
+
+    Its id is not remembered as handled: a later message with the same id (the genuine one
+    after a forgery) is handled."""
+
+
+class Ignore(Exception):
+    """Raised by a handler for a message that is not for it (another experiment's): acked,
+    counted ``ignored``, and its id not remembered as handled, so that a message of the
+    same id meant for this consumer is still handled. Dedup is of messages handled, not of
+    ids seen."""
 
 
 class _Deferred:
@@ -799,6 +809,11 @@ class Consumer:
         except Reject as exc:
             self._actions.put(partial(self._finish_rejected, sub, delivery, str(exc)))
             return
+        except Ignore as exc:
+            log.info("message ignored", queue=sub.queue, message_id=delivery.message_id,
+                     reason=str(exc)[:500])
+            self._actions.put(partial(self._finish_ignored, delivery))
+            return
         except Exception as exc:
             log.exception("handler failed", queue=sub.queue, message_id=delivery.message_id,
                           attempt=delivery.attempt)
@@ -839,6 +854,12 @@ class Consumer:
         self._failures[delivery.key] = delivery.attempt
         self._nack(delivery)
         CONSUMED.labels(delivery.queue, "retried").inc()
+
+    def _finish_ignored(self, delivery: Delivery) -> None:
+        self._inflight.pop(delivery.key, None)
+        self._failures.pop(delivery.key, None)
+        self._ack(delivery)
+        CONSUMED.labels(delivery.queue, "ignored").inc()
 
     def _finish_rejected(self, sub: _Subscription, delivery: Delivery, reason: str) -> None:
         self._inflight.pop(delivery.key, None)

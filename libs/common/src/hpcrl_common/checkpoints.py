@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from hpcrl_common.messages import WeightUpdate
+from hpcrl_common.messages import PACING_FIELDS, WeightUpdate
 
 MANIFEST = "manifest.json"
 
@@ -45,6 +45,10 @@ class CheckpointInfo:
     created_at: float = 0.0
     metrics: dict[str, float] = field(default_factory=dict)
 
+    def pacing(self) -> dict[str, int]:
+        """The learner's pacing figures recorded with this version (weight-update/2 fields)."""
+        return {key: int(self.metrics[key]) for key in PACING_FIELDS if key in self.metrics}
+
     def weight_update(self, root: Path, run: str = "") -> WeightUpdate:
         return WeightUpdate(
             id=f"v{self.version}",
@@ -55,7 +59,8 @@ class CheckpointInfo:
             format=self.format,
             checksum=self.checksum,
             base_model=self.base_model,
-            metrics=self.metrics,
+            **self.pacing(),  # type: ignore[arg-type]
+            metrics={k: v for k, v in self.metrics.items() if k not in PACING_FIELDS},
             created_at=self.created_at,
         )
 

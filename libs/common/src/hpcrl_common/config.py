@@ -53,6 +53,10 @@ RELATIONS: tuple[Relation, ...] = (
     Relation("learner.checkpoint_dir", "equal", "generator.checkpoint_dir", Path | None,
              "the generators load new versions only from the learner's store (an unset "
              "generator.checkpoint_dir serves version 0 only and is not compared)"),
+    Relation("learner.checkpoint_dir", "equal", "scheduler.checkpoint_dir", Path | None,
+             "the scheduler takes a policy version (its floor, the pacing figures) only "
+             "from the learner's store (unset, it follows learner.checkpoint_dir of the same "
+             "file)"),
     Relation("scheduler.initial_groups_per_step", "equal", "learner.groups_per_step", int,
              "the scheduler paces by it until the learner's first update: if max_staleness "
              "x it is below a step's worth the first step never fills, if above, generation "
@@ -73,15 +77,21 @@ RELATED_DEFAULTS: dict[str, Any] = {
     "learner.model_path": Path("models/base"),
     "learner.checkpoint_dir": Path("data/checkpoints"),
     "generator.checkpoint_dir": None,
+    "scheduler.checkpoint_dir": None,
     "learner.groups_per_step": 4,
     "scheduler.initial_groups_per_step": 4,
     "scheduler.max_staleness": 2,
     "learner.max_staleness": 4,
     "generator.max_model_len": 4096,
-    "learner.max_sequence_tokens": 32_768,
+    "learner.max_sequence_tokens": 4096,
     "learner.lora.enabled": False,
     "generator.enable_lora": False,
 }
+
+
+# Keys that, absent from the file and the environment, take the value of another service's
+# key when that service's section is in the same file (its default if the key is not).
+FOLLOWS: dict[str, str] = {"scheduler.checkpoint_dir": "learner.checkpoint_dir"}
 
 
 def related_default(key: str) -> Any:
@@ -246,6 +256,7 @@ def load_config(
     _overlay_env(data, env, origin)
     # Before the other services' sections are dropped: they hold the other side.
     disagreements = _check_relations(data, origin)
+    _follow(data, origin)
     data = _drop_other_services(model, data)
     try:
         config = model.model_validate(data)
@@ -300,6 +311,20 @@ def _env_value(raw: str) -> Any:
         except json.JSONDecodeError:
             return raw
     return raw
+
+
+def _follow(data: dict[str, Any], origin: dict[tuple[str, ...], str]) -> None:
+    """Fill each unset key of ``FOLLOWS`` from the key it follows (see there)."""
+    for key, source in FOLLOWS.items():
+        (section, name), (other, other_name) = key.split("."), source.split(".")
+        if not isinstance(data.get(other), Mapping) or not isinstance(
+                data.setdefault(section, {}), dict) or name in data[section]:
+            continue
+        if other_name in data[other]:
+            data[section][name] = data[other][other_name]
+            origin[(section, name)] = _origin_of((other, other_name), origin)
+        else:
+            data[section][name] = RELATED_DEFAULTS[source]
 
 
 def _drop_other_services(model: type[ServiceConfig], data: dict[str, Any]) -> dict[str, Any]:

@@ -8,6 +8,7 @@ lists of Python numbers. :func:`decode` validates everything at the boundary and
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
 import time
@@ -24,7 +25,13 @@ from pydantic import (
     model_validator,
 )
 
-from hpcrl_common.rewards import MAX_ABS_REWARD, MAX_GFLOPS, reward_for_status
+from hpcrl_common.rewards import (
+    FAILURE_REWARDS,
+    MAX_ABS_REWARD,
+    MAX_GFLOPS,
+    REWARD_RANGES,
+    reward_for_status,
+)
 
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
@@ -41,6 +48,11 @@ Version = Annotated[int, Field(ge=0)]
 Timestamp = Annotated[float, Field(ge=0)]
 Gflops = Annotated[float, Field(ge=0, le=MAX_GFLOPS)]
 Reward = Annotated[float, Field(ge=-MAX_ABS_REWARD, le=MAX_ABS_REWARD)]
+# sha256 of a completion's text (UTF-8), lower-case hex: what ties token ids to judged text.
+TextHash = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+# A count of groups over a whole run (pacing figures); far above any real run, far below
+# where a float or SQLite integer loses precision.
+GroupCount = Annotated[int, Field(ge=0, le=2**40)]
 OptLevel = Literal["O0", "O1", "O2", "O3"]
 Mode = Literal["seed", "deepen", "improve", "repair"]
 Status = Literal[
@@ -176,6 +188,11 @@ class RolloutData(Strict):
         return self
 
 
+def text_sha256(text: str) -> str:
+    """The hash that ties a completion's text to its token ids (``completion_sha256``)."""
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
 def candidate_id(group_id: str, index: int) -> str:
     return f"{group_id}/{index}"
 
@@ -278,6 +295,10 @@ class BenchResult(Message):
     benchmarker: ShortText = ""
     durations_s: dict[ShortText, Annotated[float, Field(ge=0)]] = {}
     rollout: RolloutData | None = None
+    # sha256 of the completion text this verdict judged (the candidate's ``completion``),
+    # set by the benchmarker: the learner trains the rollout's token ids only if they decode
+    # to this text. Optional, so results of older benchmarkers still decode.
+    completion_sha256: TextHash | None = None
     created_at: Timestamp = Field(default_factory=time.time)
 
     @model_validator(mode="after")
@@ -304,6 +325,9 @@ class RolloutSample(Strict):
     policy_version: Version
     reward: Reward
     status: Status
+    # The benchmarker's hash of the text it judged (BenchResult.completion_sha256); the
+    # learner checks that completion_token_ids decode to it.
+    completion_sha256: TextHash | None = None
 
     @model_validator(mode="after")
     def _aligned(self) -> RolloutSample:
@@ -311,6 +335,9 @@ class RolloutSample(Strict):
             raise ValueError("completion_token_ids and sampling_logprobs differ in length")
         if not _is_int_array(self.completion_token_ids) or _is_int_array(self.sampling_logprobs):
             raise ValueError("token ids must be integers and log-probs floats")
+        if self.status != "success" and self.reward != FAILURE_REWARDS[self.status]:
+            raise ValueError(f"reward {self.reward!r} of a {self.status!r} is not its penalty "
+                             f"{FAILURE_REWARDS[self.status]!r}")
         return self
 
 
@@ -331,6 +358,12 @@ class RolloutBatch(Message):
     def _prompt_ids(self) -> RolloutBatch:
         if not _is_int_array(self.prompt_token_ids):
             raise ValueError("prompt_token_ids must be an integer array")
+        low, high = REWARD_RANGES[self.reward_mode]
+        for sample in self.samples:
+            if not low <= sample.reward <= high:
+                raise ValueError(f"{sample.candidate_id}: reward {sample.reward!r} outside "
+                                 f"[{low:g}, {high:g}], the range of {self.reward_mode!r} "
+                                 f"rewards")
         return self
 
     @property
@@ -338,12 +371,54 @@ class RolloutBatch(Message):
         return min(sample.policy_version for sample in self.samples)
 
 
+PACING_FIELDS = ("groups_trained", "groups_dropped", "groups_per_step")
+
+
 class WeightUpdate(Message):
-    """Learner → generators and scheduler (fanout): a new policy version, by reference."""
+    """Learner → generators and scheduler (fanout): a new policy version, by reference.
+
+    Major 2 made the learner's pacing figures typed fields (they were keys of ``metrics``);
+    ``weight-update/1`` is still read, as :class:`WeightUpdateV1`, and upgraded to this.
+    """
 
     SCHEMA_NAME: ClassVar[str] = "weight-update"
+    SCHEMA_MAJOR: ClassVar[int] = 2
 
     # "<experiment>/<checkpoint store run id>": which run of training this version belongs to.
+    run: ShortText = ""
+    version: Annotated[int, Field(ge=1, lt=2**31)]
+    parent_version: Version
+    uri: Annotated[str, StringConstraints(min_length=1, max_length=4096)]
+    format: Literal["full", "lora"]
+    checksum: Annotated[str, StringConstraints(pattern=r"^sha256:[0-9a-f]{64}$")]
+    base_model: ShortText = ""
+    # The learner's progress for the scheduler's pacing (hpcrl_scheduler.pacing): groups
+    # trained and dropped as stale in this run up to this version, and groups per step. None:
+    # not reported (a version committed without them).
+    groups_trained: GroupCount | None = None
+    groups_dropped: GroupCount = 0
+    groups_per_step: Annotated[int, Field(ge=1, le=4096)] | None = None
+    metrics: dict[ShortText, float] = {}
+    created_at: Timestamp = Field(default_factory=time.time)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> WeightUpdate:
+        if self.parent_version >= self.version:
+            raise ValueError("parent_version must be lower than version")
+        doubled = sorted(set(PACING_FIELDS) & set(self.metrics))
+        if doubled:
+            raise ValueError(f"metrics {doubled} are fields of weight-update/2, not metrics")
+        return self
+
+
+class WeightUpdateV1(Message):
+    """``weight-update/1``, still read during a rolling upgrade (the pacing figures as floats
+    in ``metrics``); :meth:`upgrade` makes the current :class:`WeightUpdate` of it, refusing
+    figures that are not whole numbers in range."""
+
+    SCHEMA_NAME: ClassVar[str] = "weight-update"
+    SCHEMA_MAJOR: ClassVar[int] = 1
+
     run: ShortText = ""
     version: Annotated[int, Field(ge=1, lt=2**31)]
     parent_version: Version
@@ -354,17 +429,24 @@ class WeightUpdate(Message):
     metrics: dict[ShortText, float] = {}
     created_at: Timestamp = Field(default_factory=time.time)
 
-    @model_validator(mode="after")
-    def _ordered(self) -> WeightUpdate:
-        if self.parent_version >= self.version:
-            raise ValueError("parent_version must be lower than version")
-        return self
+    def upgrade(self) -> WeightUpdate:
+        fields = self.model_dump()
+        metrics = dict(fields.pop("metrics"))
+        for key in PACING_FIELDS:
+            if key in metrics:
+                value = metrics.pop(key)
+                fields[key] = int(value) if float(value).is_integer() else value
+        return WeightUpdate(**fields, metrics=metrics)
 
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.SCHEMA_NAME: cls
     for cls in (GenerateRequest, Candidate, BenchResult, RolloutBatch, WeightUpdate,
                 RewardRequest)
+}
+# Older majors still read (a rolling upgrade), each with an ``upgrade()`` to the current one.
+LEGACY_TYPES: dict[tuple[str, int], type[Message]] = {
+    (cls.SCHEMA_NAME, cls.SCHEMA_MAJOR): cls for cls in (WeightUpdateV1,)
 }
 
 # --- wire format --------------------------------------------------------------------------
@@ -400,16 +482,20 @@ def decode(
         raise MessageError(f"oversized message: {len(body)} bytes > limit {max_bytes}")
     raw = _unpack(bytes(body))
     cls = _schema_class(raw)
+    current = MESSAGE_TYPES[cls.SCHEMA_NAME]
     if expected is not None:
         allowed = expected if isinstance(expected, tuple) else (expected,)
-        if cls not in allowed:
+        if current not in allowed:
             names = ", ".join(c.schema_tag() for c in allowed)
             raise MessageError(f"unexpected schema {cls.schema_tag()!r} here (expected {names})")
     fields = {k: v for k, v in raw.items() if k != "schema"}
     try:
-        return cls.model_validate(fields)  # type: ignore[return-value]
+        message = cls.model_validate(fields)
+        if cls is not current:
+            message = message.upgrade()  # type: ignore[attr-defined]
     except ValidationError as exc:
         raise MessageError(f"invalid {cls.schema_tag()}: {describe_errors(exc)}") from None
+    return message  # type: ignore[return-value]
 
 
 def _unpack(body: bytes) -> dict[str, Any]:
@@ -440,12 +526,19 @@ def _schema_class(raw: dict[str, Any]) -> type[Message]:
     cls = MESSAGE_TYPES.get(name)
     if cls is None:
         raise MessageError(f"unknown schema name {name!r} (known: {', '.join(MESSAGE_TYPES)})")
-    if _MAJOR_VERSION.fullmatch(major_text) is None or int(major_text) != cls.SCHEMA_MAJOR:
+    if _MAJOR_VERSION.fullmatch(major_text) is None:
+        legacy = None
+    elif int(major_text) == cls.SCHEMA_MAJOR:
+        return cls
+    else:
+        legacy = LEGACY_TYPES.get((name, int(major_text)))
+    if legacy is None:
+        majors = [cls.SCHEMA_MAJOR, *(m for (n, m) in LEGACY_TYPES if n == name)]
         raise MessageError(
             f"unsupported major version {major_text!r} of schema {name!r} "
-            f"(this build reads {cls.SCHEMA_MAJOR})"
+            f"(this build reads {', '.join(map(str, majors))})"
         )
-    return cls
+    return legacy
 
 
 def describe_errors(exc: ValidationError, limit: int = 5) -> str:

@@ -22,6 +22,16 @@ FAILURE_REWARDS: dict[str, float] = {
 # means and standard deviations of rewards cannot become inf or NaN.
 MAX_GFLOPS = 1e6
 MAX_ABS_REWARD = 1e6
+# parent_relative successes stop at 100x the parent (hpcrl_scheduler.groups).
+MAX_PARENT_RELATIVE_REWARD = 9_900.0
+# The rewards a rollout batch of each reward mode can hold (failures keep their penalty,
+# the lowest -100): what the scheduler computes cannot leave them, so a batch outside is
+# forged or broken.
+REWARD_RANGES: dict[str, tuple[float, float]] = {
+    "raw": (-100.0, MAX_GFLOPS),
+    "group_normalized": (-100.0, 100.0),
+    "parent_relative": (-100.0, MAX_PARENT_RELATIVE_REWARD),
+}
 
 
 def reward_for_status(status: str, gflops: float | None) -> float:

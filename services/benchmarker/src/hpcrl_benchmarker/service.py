@@ -35,7 +35,7 @@ from hpcrl_benchmarker.steps import InternalError
 from hpcrl_benchmarker.verdict import Verdict
 from hpcrl_common import confirmation
 from hpcrl_common.broker import DEFER, Consumer, Delivery, Publish, Reject
-from hpcrl_common.messages import BenchResult, Candidate, Message, RewardRequest
+from hpcrl_common.messages import BenchResult, Candidate, Message, RewardRequest, text_sha256
 from hpcrl_common.task import TaskError, TaskSpec, builtin_tasks, load_task
 from hpcrl_common.topology import BENCH_RESULTS, CODE_TO_BENCH, REWARD_REQUESTS, Topology
 
@@ -219,6 +219,7 @@ def result_message(candidate: Candidate, verdict: Verdict, benchmarker: str,
         source=verdict.source if include_source else None, bench=candidate.bench,
         compile_flags=verdict.compile_flags, host=verdict.host, benchmarker=benchmarker,
         durations_s=verdict.durations_s, rollout=candidate.rollout,
+        completion_sha256=text_sha256(candidate.completion),  # what was judged
     )
 
 

@@ -62,13 +62,15 @@ def prepare_group(
     scale_advantages: bool = True,
     vocab_size: int,
     max_sequence_tokens: int,
+    max_abs_reward: float = MAX_ABS_REWARD,
 ) -> PreparedGroup:
     prompt = batch.prompt_token_ids.numpy().astype(np.int64)
     if len(prompt) == 0:
         raise BadBatch("empty prompt: the first completion token has nothing to condition on")
     rewards = [sample.reward for sample in batch.samples]
-    if any(abs(reward) > MAX_ABS_REWARD for reward in rewards):
-        raise BadBatch(f"rewards outside +-{MAX_ABS_REWARD:g}: {rewards}")
+    bound = min(max_abs_reward, MAX_ABS_REWARD)
+    if any(abs(reward) > bound for reward in rewards):
+        raise BadBatch(f"rewards outside +-{bound:g} (learner.max_abs_reward): {rewards}")
     try:
         advantages = group_advantages(rewards, eps=adv_eps, scale=scale_advantages).tolist()
     except ValueError as exc:

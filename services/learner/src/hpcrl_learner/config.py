@@ -97,6 +97,16 @@ class LearnerSettings(ServiceSection):
         description="longer prompt+completion sequences are refused (the batch is "
         "dead-lettered)"
     )
+    max_abs_reward: float = Field(
+        10_000.0, gt=0, description="a batch with a reward beyond +- this is refused "
+        "(dead-lettered): group_normalized rewards lie in [-100, 100], parent_relative below "
+        "9,900, raw ones are GFLOPS")
+    require_judged_text: bool = Field(
+        True, description="train a completion only if the batch carries the hash of the text "
+        "the benchmarker judged (completion_sha256) and its token ids decode to it (the "
+        "tokenizer of model_path); false: samples without the hash are trained (results of "
+        "older benchmarkers, during a rolling upgrade). A hash that does not match "
+        "dead-letters the batch either way")
     lora: LoraSettings = LoraSettings()
     device: str = Field("auto", description="auto (cuda if available), cpu, cuda, cuda:N")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(

@@ -30,6 +30,7 @@ from hpcrl_learner.backends import BackendFactory, backend_for
 from hpcrl_learner.batches import BadBatch, PreparedGroup, prepare_group, staleness
 from hpcrl_learner.config import LearnerConfig
 from hpcrl_learner.state import LearnerState, StateStore
+from hpcrl_learner.texts import TextCheck
 
 log = structlog.get_logger("hpcrl.learner")
 
@@ -75,6 +76,7 @@ class Learner:
         factory = backend_factory or backend_for(self.settings)
         self.backend = factory(self.settings, resume, state_dir, config.experiment.seed)
         self.trained = set(self.state.trained_ids)
+        self.texts = TextCheck(self.settings.model_path, require=self.settings.require_judged_text)
         self.pending: list[tuple[PreparedGroup, Delivery]] = []
         self.failed: str | None = None
         self._lock = threading.Lock()
@@ -125,7 +127,9 @@ class Learner:
                     scale_advantages=self.settings.scale_advantages,
                     vocab_size=self.backend.vocab_size,
                     max_sequence_tokens=self.settings.max_sequence_tokens,
+                    max_abs_reward=self.settings.max_abs_reward,
                 )
+                self.texts.check(batch)
             except BadBatch as exc:
                 raise Reject(str(exc)) from None
             self.pending.append((group, delivery))

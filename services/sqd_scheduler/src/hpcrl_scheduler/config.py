@@ -63,6 +63,19 @@ class SchedulerSection(ServiceSection):
     version_floor: bool = Field(
         True, description="requests ask for at least the latest policy version seen"
     )
+    checkpoint_dir: Path | None = Field(
+        related_default("scheduler.checkpoint_dir"),
+        description="the learner's checkpoint store (manifest.json): a weight-update sets the "
+        "floor and the pacing figures only if this store's manifest holds its version, run "
+        "and checksum (others are dead-lettered); unset: learner.checkpoint_dir of the same "
+        "config file, and without one every weight-update is refused")
+    max_version_jump: int = Field(
+        64, ge=1, description="a weight-update more than this many versions above the floor "
+        "is dead-lettered even when the store holds it (announcements arrive one per version "
+        "on the scheduler's durable queue)")
+    pacing_hold_deadline_s: float = Field(
+        1800.0, gt=0, description="pacing that holds every pending request this long "
+        "(nothing admitted) makes /healthz 503, the reason in its detail")
     group_deadline_s: float = Field(
         1800.0, gt=0, description="a group with no new result for this long is closed short"
     )

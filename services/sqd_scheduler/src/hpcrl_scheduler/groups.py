@@ -142,6 +142,9 @@ def close_group(
                 policy_version=r.rollout.policy_version,  # type: ignore[union-attr]
                 reward=rewards[r.id],
                 status=r.status,
+                # The benchmarker's hash of the text it judged: the learner checks the
+                # generator's token ids against it.
+                completion_sha256=r.completion_sha256,
             )
             for r in with_rollout
         ]

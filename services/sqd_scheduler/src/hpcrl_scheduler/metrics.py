@@ -17,7 +17,10 @@ RESULTS_IGNORED = Counter("hpcrl_scheduler_results_ignored_total",
                           ["reason"])
 UPDATES_IGNORED = Counter("hpcrl_scheduler_weight_updates_ignored_total",
                           "Weight announcements that set no floor: other_experiment, "
-                          "other_run (another training run), old (not newer)", ["reason"])
+                          "other_run (another training run), old (not newer); dead-lettered: "
+                          "no_store, not_in_store, mismatch (not the manifest's entry), "
+                          "too_far (above floor + max_version_jump), pacing (figures out of "
+                          "range)", ["reason"])
 EXCLUDED = Counter("hpcrl_scheduler_results_excluded_total",
                    "Results left out of their group because of a minority host class")
 NO_ROLLOUT = Counter("hpcrl_scheduler_samples_without_rollout_total",

@@ -14,11 +14,12 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 import structlog
 
-from hpcrl_common.broker import Reject
-from hpcrl_common.checkpoints import split_run
+from hpcrl_common.broker import Ignore, Reject
+from hpcrl_common.checkpoints import CheckpointInfo, CheckpointStore, split_run
 from hpcrl_common.messages import (
     BenchResult,
     BenchSpec,
@@ -94,6 +95,10 @@ class Scheduler:
                                                    else None)
         self.ratios = Ratios(self.section.ratio_deepen, self.section.ratio_improve,
                              self.section.ratio_repair)
+        # Since when pacing holds every pending request, and why (in memory: a restart
+        # starts the deadline again).
+        self.held_since: float | None = None
+        self.held_reason: str | None = None
         self.peaks = PeakBook(self.section.host_peaks, max_clock_ghz=self.section.max_clock_ghz,
                               max_cores=self.section.max_host_cores)
         self._init_store()
@@ -203,6 +208,33 @@ class Scheduler:
             self._publish_request(group, now)
         for reason, count in held.items():
             m.HELD.labels(reason).set(count)
+        self._note_hold(pending, held, now)
+
+    def _note_hold(self, pending: list[GroupRow], held: dict[str, int], now: float) -> None:
+        """Remember since when pacing holds every pending request with no group in flight:
+        nothing moves until the learner reports (a group in flight has its own deadline)."""
+        reason = next((r for r, count in held.items() if pending and count == len(pending)),
+                      None)
+        if reason is None or self.store.count_groups_in_flight():
+            self.held_since, self.held_reason = None, None
+        elif self.held_since is None or self.held_reason != reason:
+            self.held_since, self.held_reason = now, reason
+
+    def pacing_stuck(self) -> dict | None:
+        """Why pacing has held every request longer than ``pacing_hold_deadline_s``, or
+        None: the health detail of a scheduler that makes no progress."""
+        if self.held_since is None:
+            return None
+        held_for = self.clock() - self.held_since
+        if held_for < self.section.pacing_hold_deadline_s:
+            return None
+        state = self.pacing_state()
+        return {"reason": self.held_reason, "held_for_s": round(held_for, 1),
+                "deadline_s": self.section.pacing_hold_deadline_s,
+                "outstanding": outstanding(state), "groups_trained": state.groups_trained,
+                "groups_per_step": state.groups_per_step,
+                "groups_in_flight": state.groups_in_flight,
+                "policy_version": int(self.store.get("policy_version", 0))}
 
     def _publish_request(self, group: GroupRow, now: float) -> None:
         exp, section = self.config.experiment, self.section
@@ -270,32 +302,99 @@ class Scheduler:
                 self._close(group, now, "complete")
 
     def handle_weight_update(self, update: WeightUpdate) -> None:
+        """Take a policy version (the floor) and the learner's pacing figures from an
+        announcement that the checkpoint store backs. Not ours: :class:`Ignore`; refused:
+        :class:`Reject` (dead-lettered with the reason). Neither marks the id as handled,
+        so the genuine announcement of a version refused too early is still taken."""
         experiment, learner_run = split_run(update.run)
+        if experiment != self.config.experiment.name:
+            # Another experiment's versions must never set the floor: generators would wait
+            # for a version that this run never makes.
+            m.UPDATES_IGNORED.labels("other_experiment").inc()
+            raise Ignore(f"weight update of another experiment ({update.run!r})")
         with self.store.tx() as s:
-            # Another experiment's or another training run's versions must never set the
-            # floor: generators would wait for a version that this run never makes.
-            if experiment != self.config.experiment.name:
-                m.UPDATES_IGNORED.labels("other_experiment").inc()
-                log.warning("weight update of another experiment ignored", run=update.run)
-                return
             pinned = s.get("learner_run", None)
             if pinned is not None and learner_run != pinned:
-                m.UPDATES_IGNORED.labels("other_run").inc()
-                log.warning("weight update of another training run ignored", run=update.run,
-                            this_run=pinned)
-                return
-            if update.version <= int(s.get("policy_version", 0)):
+                self._refuse(update, "other_run", f"run {learner_run!r} is not the learner run "
+                             f"{pinned!r} this scheduler follows")
+            floor = int(s.get("policy_version", 0))
+            if update.version <= floor:
                 m.UPDATES_IGNORED.labels("old").inc()
                 return  # an older or repeated announcement changes nothing
+            info = self._stored_version(update, learner_run)
+            if update.version > floor + self.section.max_version_jump:
+                self._refuse(update, "too_far", f"version {update.version} is more than "
+                             f"max_version_jump {self.section.max_version_jump} above the "
+                             f"floor {floor}")
+            pacing = self._pacing_of(update, info)
             s.set("learner_run", learner_run)
             s.set("policy_version", update.version)
-            if "groups_trained" in update.metrics:
-                # Groups the learner dropped as stale are done too: they never come back.
-                done = update.metrics["groups_trained"] + update.metrics.get("groups_dropped", 0)
-                s.set("groups_trained", int(done))
-            if "groups_per_step" in update.metrics:
-                s.set("groups_per_step", max(1, int(update.metrics["groups_per_step"])))
-        log.info("policy version seen", version=update.version, metrics=update.metrics)
+            if pacing is not None:
+                done, per_step = pacing
+                s.set("groups_trained", done)
+                s.set("groups_per_step", per_step)
+        log.info("policy version seen", version=update.version, pacing=pacing)
+
+    def _refuse(self, update: WeightUpdate, reason: str, why: str) -> NoReturn:
+        m.UPDATES_IGNORED.labels(reason).inc()
+        log.warning("weight update refused", version=update.version, run=update.run,
+                    reason=reason, detail=why)
+        raise Reject(f"weight-update v{update.version} refused ({reason}): {why}")
+
+    def _stored_version(self, update: WeightUpdate, learner_run: str) -> CheckpointInfo:
+        """The checkpoint store's entry of the announced version, or a refusal."""
+        root = self.section.checkpoint_dir
+        if root is None:
+            self._refuse(update, "no_store", "scheduler.checkpoint_dir is not set: "
+                         "announcements cannot be checked, so none is taken")
+        store = CheckpointStore(root)
+        try:
+            run_id = store.run_id
+            info = store.get(update.version)
+        except KeyError:
+            self._refuse(update, "not_in_store", f"version {update.version} is not in the "
+                         f"manifest of {root}")
+        except (OSError, ValueError, TypeError) as exc:
+            # An unreadable manifest: a passing fault (retried), not the message's.
+            raise RuntimeError(f"cannot read the checkpoint manifest of {root}: {exc!r}") from exc
+        if run_id != learner_run:
+            self._refuse(update, "mismatch", f"run {learner_run!r} is not the store's run "
+                         f"{run_id!r}")
+        if (info.checksum, info.format, info.parent_version) != (
+                update.checksum, update.format, update.parent_version):
+            self._refuse(update, "mismatch", f"the announcement's {update.format} "
+                         f"{update.checksum} (parent {update.parent_version}) is not the "
+                         f"manifest's {info.format} {info.checksum} "
+                         f"(parent {info.parent_version})")
+        return info
+
+    def _pacing_of(self, update: WeightUpdate, info: CheckpointInfo) -> tuple[int, int] | None:
+        """(groups done, groups per step) to pace by, or None when not reported; a refusal
+        unless they are the manifest's, monotone and within what this scheduler sent."""
+        if update.groups_trained is None:
+            return None
+        stored = info.pacing()
+        announced = {"groups_trained": update.groups_trained,
+                     "groups_dropped": update.groups_dropped,
+                     "groups_per_step": update.groups_per_step}
+        differ = {k: (v, stored[k]) for k, v in announced.items()
+                  if k in stored and stored[k] != v}
+        if differ:
+            self._refuse(update, "pacing", f"pacing figures differ from the manifest's "
+                         f"(announced, stored): {differ}")
+        # Groups the learner dropped as stale are done too: they never come back.
+        done = update.groups_trained + update.groups_dropped
+        before = int(self.store.get("groups_trained", 0))
+        sent = self.store.count_batches_sent()
+        if done < before:
+            self._refuse(update, "pacing", f"{done} groups done is fewer than the {before} "
+                         f"of an earlier version (they only grow within a run)")
+        if done > sent:
+            self._refuse(update, "pacing", f"{done} groups done, but this scheduler sent "
+                         f"only {sent} rollout batches")
+        per_step = update.groups_per_step or int(
+            self.store.get("groups_per_step", self.section.initial_groups_per_step))
+        return done, per_step
 
     # --- winners confirmed (see confirm.py) -------------------------------------------
 

@@ -48,6 +48,7 @@ class SchedulerService:
 
     def _on_weight_update(self, message: Message, _delivery: Delivery) -> list[Publish]:
         assert isinstance(message, WeightUpdate)
+        # Refused: Reject (dead-lettered), not ours: Ignore; neither marks the id handled.
         self.scheduler.handle_weight_update(message)
         return []
 
@@ -94,4 +95,7 @@ class SchedulerService:
         suspects = self.scheduler.suspect_hosts()
         if suspects:  # the operator's to judge: a host whose winners did not reproduce
             detail["suspect_hosts"] = suspects
-        return True, detail
+        stuck = self.scheduler.pacing_stuck()
+        if stuck is not None:  # no request admitted for too long: no progress is made
+            detail["pacing_holds_every_request"] = stuck
+        return stuck is None, detail
