@@ -296,11 +296,25 @@ def fleet() -> DashboardSpec:
            q(f"sum by (instance) (rate(hpcrl_broker_reconnects_total{bench}[{RATE}]))",
              "{{instance}} reconnects/s")),
     ]
+    clients = [
+        ts("Client requests", "Outside trainers' reward requests (hpcrl-reward-client) taken "
+           "per second, by client.",
+           q(f"sum by (client) (rate(hpcrl_benchmarker_client_requests_total[{RATE}]))",
+             "{{client}}"), unit="ops"),
+        ts("Client verdicts by status", "Verdicts sent to outside trainers' queues per "
+           "second, by client and status.",
+           q(f"sum by (client, status) (rate(hpcrl_benchmarker_client_verdicts_total[{RATE}]))",
+             "{{client}} {{status}}"), unit="ops", stacked=True),
+        ts("Client verdict latency", "From a reward request's creation to its verdict, by "
+           "client (median, 95th percentile).",
+           *quantiles("hpcrl_benchmarker_client_latency_seconds", by="client"), unit="s"),
+    ]
     return DashboardSpec(
         "hpcrl-benchmarkers", "hpcrl: benchmarker fleet",
-        "Throughput, queue depth and lag, step durations, sandbox kills, per-host information.",
+        "Throughput, queue depth and lag, step durations, sandbox kills, per-host information, "
+        "outside trainers' reward requests.",
         [("Fleet", overview), ("Throughput", throughput), ("Queues", queues),
-         ("Durations", durations), ("Hosts", hosts)])
+         ("Durations", durations), ("Hosts", hosts), ("Outside trainers", clients)])
 
 
 # --- policy ------------------------------------------------------------------------------
