@@ -74,8 +74,8 @@ class SchedulerSection(ServiceSection):
         "is dead-lettered even when the store holds it (announcements arrive one per version "
         "on the scheduler's durable queue)")
     pacing_hold_deadline_s: float = Field(
-        1800.0, gt=0, description="pacing that holds every pending request this long "
-        "(nothing admitted) makes /healthz 503, the reason in its detail")
+        1800.0, gt=0, description="pacing that holds every pending request this long with "
+        "no group in flight makes /healthz 503, the reason in its detail")
     group_deadline_s: float = Field(
         1800.0, gt=0, description="a group with no new result for this long is closed short"
     )
