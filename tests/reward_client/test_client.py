@@ -121,7 +121,9 @@ def test_two_clients_get_their_own_verdicts_from_a_real_replica(
 @pytest.mark.broker
 def test_a_request_nobody_answers_times_out(broker_settings: BrokerSettings):
     with RewardClient(broker_settings, "lonely", timeout_s=1.0, attempt_timeout_s=0.3,
-                      retries=1) as client:
+                      retries=1, max_outstanding=1) as client:
+        with pytest.raises(ValueError):
+            client.submit("x", stage=9)  # invalid: refused before it takes the only slot
         future = client.submit("x")
         with pytest.raises(RewardTimeout):
             future.result(timeout=10)

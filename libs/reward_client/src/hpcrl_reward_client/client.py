@@ -154,15 +154,15 @@ class RewardClient:
             raise RewardClientClosed("the reward client is closed")
         timeout = self.timeout_s if timeout_s is None else timeout_s
         submitted = time.monotonic()
-        if not self._slots.acquire(timeout=timeout):
-            raise RewardTimeout(f"no free slot in {timeout:.1f}s: {self.client} has "
-                                f"{len(self._outstanding())} requests unanswered")
         group = batch or uuid.uuid4().hex
-        message = RewardRequest(
+        message = RewardRequest(  # an invalid request raises here, before it takes a slot
             id=candidate_id(group, index), group_id=group, index=index,
             completion=spec.completion, client=self.client,
             bench=BenchSpec(task=spec.task, stage=spec.stage,
                             opt_level=spec.opt_level))  # type: ignore[arg-type]
+        if not self._slots.acquire(timeout=timeout):
+            raise RewardTimeout(f"no free slot in {timeout:.1f}s: {self.client} has "
+                                f"{len(self._outstanding())} requests unanswered")
         future: Future = Future()
         pending = _Pending(spec, future, submitted, submitted + timeout, message,
                            ids=[message.id], retries_left=self.retries)
