@@ -56,6 +56,7 @@ from hpcrl_common.broker import Consumer
 from hpcrl_common.checkpoints import CheckpointStore
 from hpcrl_common.config import ExperimentSettings
 from hpcrl_common.messages import (
+    MESSAGE_TYPES,
     BenchResult,
     BenchSpec,
     Candidate,
@@ -380,8 +381,10 @@ def swapped_tag(rng: random.Random, ctx: Ctx) -> bytes:
 
 def bad_major(rng: random.Random, ctx: Ctx) -> bytes:
     name = SCHEMA_NAMES[ctx.base]
+    # A major no build reads (weight-update is at 2, and still reads 1).
     tag = rng.choice([
-        f"{name}/2", f"{name}/0", f"{name}/01", f"{name}/1.0", f"{name}/\u00b9",
+        f"{name}/{MESSAGE_TYPES[name].SCHEMA_MAJOR + 1}", f"{name}/0", f"{name}/01",
+        f"{name}/1.0", f"{name}/\u00b9",
         f"{name}/\u0661", f"{name}/\uff11", f"{name}/ 1", f"{name}/1\n", f"{name}/+1",
         f"{name}/-1", f"{name}/", name, f"{name}/1/1", "/1", f"{name.upper()}/1",
         f"{name}\x00/1", f"{name}/{'9' * 30}", f"{name}/1e0", f"{name}/0x1",
@@ -824,7 +827,8 @@ def test_poison_at_volume_is_dead_lettered_and_the_fleet_keeps_serving(
         broker=settings, experiment=experiment,
         scheduler=SchedulerSection(iterations=1, group_size=GROUP_SIZE, node_budget=1,
                                    max_tokens=16, initial_groups_per_step=1, metrics_port=0,
-                                   tick_s=0.1, exit_when_done=False),
+                                   tick_s=0.1, exit_when_done=False,
+                                   checkpoint_dir=checkpoints),
     )
     scheduler = Scheduler(scheduler_config, Store(tmp_path / "scheduler.sqlite"))
     scheduler_consumer = Consumer(settings, "scheduler", concurrency=2)
