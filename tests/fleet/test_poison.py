@@ -66,6 +66,7 @@ from hpcrl_common.messages import (
     Message,
     MessageError,
     PackedArray,
+    RewardRequest,
     RolloutBatch,
     RolloutData,
     RolloutSample,
@@ -80,6 +81,7 @@ from hpcrl_common.topology import (
     CODE_TO_BENCH,
     GENERATE_REQUESTS,
     REASON_HEADER,
+    REWARD_REQUESTS,
     ROLLOUT_BATCHES,
     SOURCE_QUEUE_HEADER,
     WEIGHT_UPDATES,
@@ -166,8 +168,10 @@ def valid_messages() -> dict[str, Message]:
                           uri="file:///nowhere/3", format="full",
                           checksum="sha256:" + "ab" * 32, base_model="tiny",
                           groups_trained=4, metrics={"loss": 0.5})
+    reward = RewardRequest(id="pr/1", group_id="pr", index=1,
+                           completion="```c\nvoid f(void) {}\n```", bench=BENCH, client="c1")
     return {GENERATE_REQUESTS: request, CODE_TO_BENCH: candidate, BENCH_RESULTS: result,
-            ROLLOUT_BATCHES: batch, WEIGHT_UPDATES: update}
+            ROLLOUT_BATCHES: batch, WEIGHT_UPDATES: update, REWARD_REQUESTS: reward}
 
 
 # --- raw-dict helpers ----------------------------------------------------------------------
@@ -292,7 +296,7 @@ Mutation = Callable[[random.Random, Ctx], "bytes | Poison"]
 
 SCHEMA_NAMES = {GENERATE_REQUESTS: "generate-request", CODE_TO_BENCH: "candidate",
                 BENCH_RESULTS: "bench-result", ROLLOUT_BATCHES: "rollout-batch",
-                WEIGHT_UPDATES: "weight-update"}
+                WEIGHT_UPDATES: "weight-update", REWARD_REQUESTS: "reward-request"}
 
 
 def random_bytes(rng: random.Random, ctx: Ctx) -> bytes:
@@ -509,6 +513,11 @@ OUT_OF_BOUNDS: dict[str, list[tuple[Path_, Any]]] = {
         (("format",), "delta"), (("uri",), ""), (("uri",), "u" * 4097), (("run",), "r" * 257),
         (("metrics",), {"loss": "high"}), (("id",), "v 3"),
     ],
+    REWARD_REQUESTS: [
+        (("index",), -1), (("index",), 1024), (("id",), "pr/9"), (("group_id",), "has space"),
+        (("bench", "task"), ""), (("bench", "stage"), 0), (("client",), "has space"),
+        (("client",), "c" * 300), (("created_at",), -5.0),
+    ],
 }
 
 
@@ -609,7 +618,7 @@ def handler_reject(rng: random.Random, ctx: Ctx) -> Poison:
             raw.update(id=f"long-{n}")
             raw["prompt"] = [{"role": "user", "content": text}]
             kind = "prompt_too_long"
-    elif ctx.base == CODE_TO_BENCH:
+    elif ctx.base in (CODE_TO_BENCH, REWARD_REQUESTS):
         group = f"unknown-task-{n}"
         raw.update(id=f"{group}/1", group_id=group)
         raw["bench"]["task"] = rng.choice(["no-such-task", "/etc/passwd", "../matmul",
