@@ -66,7 +66,8 @@ def test_a_bad_announcement_is_refused_and_the_policy_keeps_serving(tiny_models,
     before = REGISTRY.get_sample_value(*refused)
     genuine = info.weight_update(store.root, run=f"exp/{store.run_id}")
     lying = WeightUpdate(**{**genuine.model_dump(), "checksum": "sha256:" + "1" * 64})
-    assert generator.on_weight_update(lying, None) == []
+    with pytest.raises(Reject, match="refused \\(mismatch\\)"):
+        generator.on_weight_update(lying, None)
     assert REGISTRY.get_sample_value(*refused) == (before or 0) + 1
     assert generator.tracker.loaded == 0
     out = generator.on_request(request("still-v0"), None)

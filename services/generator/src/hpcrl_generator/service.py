@@ -149,7 +149,10 @@ class Generator:
         except Refused as exc:
             metrics.ANNOUNCEMENTS_REFUSED.labels(exc.reason).inc()
             log.error("weight announcement refused", version=update.version, reason=str(exc))
-            return []
+            # Dead-lettered, not acked as handled: a forged "v10" sent before the learner
+            # committed v10 must not make the genuine announcement a duplicate.
+            raise Reject(f"weight-update v{update.version} refused ({exc.reason}): "
+                         f"{exc}") from None
         if self.tracker.offer(target):
             log.info("policy version announced", version=update.version, uri=update.uri)
             # Load now if the engine is idle; otherwise the sampling thread loads it
