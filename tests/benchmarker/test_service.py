@@ -67,6 +67,11 @@ def start_replica(config: Path, own_session: bool = False) -> subprocess.Popen:
 def replica(broker_settings: BrokerSettings, tmp_path: Path) -> Iterator[subprocess.Popen]:
     proc = start_replica(write_config(tmp_path / "bench.toml", broker_settings, tmp_path))
     yield proc
+    stop_replica(proc)
+
+
+def stop_replica(proc: subprocess.Popen) -> None:
+    """SIGTERM (a clean stop), then SIGKILL after 15 s."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import signal
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,17 +9,11 @@ from pathlib import Path
 import pytest
 
 from hpcrl_common.config import BrokerSettings
-from tests.benchmarker.test_service import start_replica, write_config
+from tests.benchmarker.test_service import start_replica, stop_replica, write_config
 
 
 @pytest.fixture
 def replica(broker_settings: BrokerSettings, tmp_path: Path) -> Iterator[subprocess.Popen]:
     proc = start_replica(write_config(tmp_path / "bench.toml", broker_settings, tmp_path))
     yield proc
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    stop_replica(proc)

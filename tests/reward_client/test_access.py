@@ -4,7 +4,6 @@ its own verdicts only, and may do nothing else on the broker."""
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ from hpcrl_common.topology import (
 )
 from hpcrl_reward_client import RewardClient, RewardRequestSpec
 from tests.benchmarker.conftest import ALLOW_ISA
+from tests.benchmarker.test_service import stop_replica
 from tests.common.test_access import import_definitions, rabbitmqctl
 
 pytestmark = pytest.mark.broker
@@ -111,13 +111,7 @@ lock_path = "{tmp_path / 'timing.lock'}"
         args += ["--allow-isa", isa]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     yield proc
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    stop_replica(proc)
 
 
 def refused(action) -> bool:
