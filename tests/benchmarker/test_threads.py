@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import platform
+import subprocess
+import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -353,6 +356,28 @@ def test_the_other_threads_cpu_time_is_read_from_outside(tmp_path: Path) -> None
                 started=counter.started)
     assert used[0] is not None and used[0] <= runner.IDLE_LIMIT_NS
     assert used[1] is not None and used[1] >= 30_000_000, used
+
+
+def test_a_busy_main_thread_is_not_counted_as_another_threads_work() -> None:
+    # The main thread runs throughout (it fills inputs between calls); the other thread
+    # sleeps. Read one clock after the other, a tick of the main thread landing between the
+    # two reads used to put up to 4 ms on the sleeping thread's account.
+    code = ("import threading, time\n"
+            "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+            "while True: pass\n")
+    process = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        time.sleep(0.3)
+        moves = []
+        for _ in range(1000):
+            first = runner._others_cpu_ns(process.pid)
+            second = runner._others_cpu_ns(process.pid)
+            assert first is not None and second is not None
+            moves.append(abs(second - first))
+        assert max(moves) <= runner.IDLE_LIMIT_NS, max(moves)
+    finally:
+        process.kill()
+        process.wait()
 
 
 class Used(runner.IdleThreads):

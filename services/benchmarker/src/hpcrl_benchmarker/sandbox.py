@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import os
 import re
 import selectors
@@ -21,6 +22,7 @@ import signal
 import socket
 import struct
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -292,25 +294,56 @@ def thread_cpu_ns(pid: int, tid: int) -> int | None:
         return None
 
 
-def running_threads(pid: int, tids: Sequence[int] | None = None) -> list[int]:
-    """The threads of ``pid`` (or those of ``tids`` still alive) that are running or waiting
-    for a CPU (state R), from the host's /proc."""
-    if tids is None:
-        try:
-            tids = [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
-        except OSError:
-            return []
-    running = []
+def unsettled_threads(pid: int) -> list[int]:
+    """The threads of ``pid`` whose CPU time, read from the host, may not be up to date: those
+    running or waiting for a CPU (state R), and, where the kernel tells, those that have
+    just begun to sleep but are still on their CPU. A thread's state reads S from the moment
+    it decides to sleep, but the time it ran since its last tick is added only when it
+    leaves the CPU; until then its wait channel reads "0" (the kernel gives one only for a
+    task off its run queue)."""
+    try:
+        tids = [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return []
+    wchan = _wait_channels_shown()
+    unsettled = []
     for tid in tids:
         try:
             with open(f"/proc/{pid}/task/{tid}/stat", "rb") as stat:
                 text = stat.read()
+            # "tid (comm) state ...": comm may hold anything but its last ')'
+            running = text[text.rindex(b")") + 2:][:1] == b"R"
+            if not running and wchan:
+                with open(f"/proc/{pid}/task/{tid}/wchan", "rb") as channel:
+                    running = channel.read().strip() in (b"", b"0")
         except OSError:
             continue  # ended
-        # "tid (comm) state ...": comm may hold anything but its last ')'
-        if text[text.rindex(b")") + 2:][:1] == b"R":
-            running.append(tid)
-    return running
+        if running:
+            unsettled.append(tid)
+    return unsettled
+
+
+@functools.cache
+def _wait_channels_shown() -> bool:
+    """Whether this kernel names a sleeping thread's wait channel to us (it may show "0" for
+    every thread: no symbols, or no right to see them); if not, only the state is read."""
+    asleep = threading.Event()
+    waiter = threading.Thread(target=asleep.wait, args=(5.0,), daemon=True)
+    waiter.start()
+    try:
+        for _ in range(200):
+            path = f"/proc/self/task/{waiter.native_id}/wchan"
+            try:
+                with open(path, "rb") as channel:
+                    if channel.read().strip() not in (b"", b"0"):
+                        return True
+            except OSError:
+                return False
+            time.sleep(0.001)
+        return False
+    finally:
+        asleep.set()
+        waiter.join()
 
 
 def schedule(root: int) -> Schedule | None:
