@@ -30,6 +30,7 @@ from hpcrl_common.rewards import (
     MAX_ABS_REWARD,
     MAX_GFLOPS,
     REWARD_RANGES,
+    STATUS_NAMES,
     reward_for_status,
 )
 
@@ -55,17 +56,9 @@ TextHash = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 GroupCount = Annotated[int, Field(ge=0, le=2**40)]
 OptLevel = Literal["O0", "O1", "O2", "O3"]
 Mode = Literal["seed", "deepen", "improve", "repair"]
-Status = Literal[
-    "success",
-    "format_violation",
-    "library_violation",
-    "stage_violation",
-    "compile_error",
-    "timeout",
-    "runtime_error",
-    "verification_error",
-]
-STATUSES: tuple[str, ...] = Status.__args__  # type: ignore[attr-defined]
+# "success" and the failures of hpcrl_common.rewards.FAILURES, in that table's order.
+Status = Literal[STATUS_NAMES]  # type: ignore[valid-type]
+STATUSES: tuple[str, ...] = STATUS_NAMES
 MAX_ARRAY_BYTES = 8 * 1024 * 1024
 
 

@@ -10,6 +10,7 @@ from pydantic import Field, model_validator
 from hpcrl_common.config import ServiceConfig, related_default
 from hpcrl_common.service import ServiceSection
 from hpcrl_scheduler.groups import RewardMode
+from hpcrl_scheduler.selection import Ratios
 
 
 class SchedulerSection(ServiceSection):
@@ -20,12 +21,19 @@ class SchedulerSection(ServiceSection):
     node_budget: int = Field(
         32, ge=0, description="nodes expanded per iteration besides the seed (0 = unbounded)"
     )
-    ratio_deepen: float = Field(0.4, ge=0, description="share of a stage's successes (top) "
-                                "deepened; weight of deepen in the budget")
-    ratio_improve: float = Field(0.3, ge=0, description="share of successes (next) improved; "
-                                 "weight of improve in the budget")
-    ratio_repair: float = Field(0.3, ge=0, description="weight of repair in the budget (0 = "
-                                "no repairs)")
+    ratio_deepen: float = Field(
+        Ratios.deepen,
+        ge=0,
+        description="share of a stage's successes (top) deepened; weight of deepen in the budget",
+    )
+    ratio_improve: float = Field(
+        Ratios.improve,
+        ge=0,
+        description="share of successes (next) improved; weight of improve in the budget",
+    )
+    ratio_repair: float = Field(
+        Ratios.repair, ge=0, description="weight of repair in the budget (0 = no repairs)"
+    )
     reward_mode: RewardMode = Field(
         "group_normalized",
         description="success reward: raw = GFLOPS (Experiment 1); group_normalized = GFLOPS / "

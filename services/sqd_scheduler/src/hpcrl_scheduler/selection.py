@@ -6,7 +6,8 @@ Pure functions over :class:`Program` records (no I/O). The rule, per stage s of 
   deepened (target stage s+1, the last stage deepens into itself), the next ``improve``
   share are improved (same stage), the rest are not expanded;
 * failures that still have a source, most-progressed first (verification error, runtime
-  error, timeout, compile error, stage / library violation), are repaired (same stage);
+  error, timeout, compile error, stage / library violation: the repair ranks of
+  ``hpcrl_common.rewards.FAILURES``), are repaired (same stage);
 * a node budget B (``0`` = unbounded) bounds how many of those are expanded: B is split
   evenly across the stages that have candidates, and each stage's share by the mode ratios;
   a share that a stage or mode cannot use goes to the others (largest remainder, ties by a
@@ -24,26 +25,18 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from hpcrl_common.rewards import REPAIR_RANKS
 from hpcrl_common.stages import FIRST_STAGE, LAST_STAGE
 from hpcrl_scheduler.normalize import source_key
 
 MODES_SELECTED = ("deepen", "improve", "repair")
 SEED_ID = "seed"
 
-# Most progressed first: the further a failed program got, the cheaper it is to repair.
-FAILURE_RANK: dict[str, int] = {
-    "verification_error": 0,
-    "runtime_error": 1,
-    "timeout": 2,
-    "compile_error": 3,
-    "stage_violation": 4,
-    "library_violation": 5,
-    "format_violation": 6,
-}
-
 
 @dataclass(frozen=True)
 class Ratios:
+    """The mode ratios; these defaults are also the ``scheduler.ratio_*`` config defaults."""
+
     deepen: float = 0.4
     improve: float = 0.3
     repair: float = 0.3
@@ -130,8 +123,7 @@ def rank_failures(programs: Sequence[Program], seed: int, iteration: int) -> lis
     failed = [p for p in programs if not p.ok and p.source]
     return sorted(
         failed,
-        key=lambda p: (FAILURE_RANK.get(p.status, len(FAILURE_RANK)),
-                       tie_key(seed, iteration, p)),
+        key=lambda p: (REPAIR_RANKS.get(p.status, len(REPAIR_RANKS)), tie_key(seed, iteration, p)),
     )
 
 
