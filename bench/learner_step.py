@@ -11,6 +11,8 @@ them), the same batches for every variant:
 - ``grpo``: the learner's ``TorchTrainer.step`` on the same sequences as one GRPO step
   (4 groups of 8 sharing a prompt, advantages, sampler log-probs, beta > 0 so the reference
   model is used), autocast as ``--precision`` says (``learner.autocast``).
+- ``grpo-unshared`` (with ``--variants``): ``grpo`` with ``learner.share_prompt_forward``
+  off, each completion's row running its group's prompt again (the learner before sharing).
 - ``bare`` (with ``--variants``): a minimal hand-written fp32 GRPO loop, the learner's
   overhead yardstick.
 
@@ -25,6 +27,7 @@ The last line printed is GRPO tokens/s / SFT tokens/s (target >= 0.5).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import resource
 import subprocess
@@ -81,7 +84,8 @@ def timed(step, batches: list[list[dict]], device: torch.device) -> list[float]:
     return times[1:]
 
 
-def run_grpo(args: argparse.Namespace, model: Path, batches: list[list[dict]]) -> list[float]:
+def run_grpo(args: argparse.Namespace, model: Path, batches: list[list[dict]],
+             share: bool = True) -> list[float]:
     from hpcrl_learner.backends.torch import TorchTrainer
     from hpcrl_learner.batches import TrainSequence
     from hpcrl_learner.config import LearnerSettings
@@ -91,6 +95,8 @@ def run_grpo(args: argparse.Namespace, model: Path, batches: list[list[dict]]) -
         extra["autocast"] = {"auto": "auto", "bf16": "bf16", "fp32": "off"}[args.precision]
     if args.micro_tokens and "micro_batch_tokens" in LearnerSettings.model_fields:
         extra["micro_batch_tokens"] = args.micro_tokens
+    if "share_prompt_forward" in LearnerSettings.model_fields:
+        extra["share_prompt_forward"] = share
     trainer = TorchTrainer(LearnerSettings(
         model_path=model, learning_rate=1e-6, beta=args.beta, micro_batch_size=args.micro_batch,
         device=args.device, dtype="float32", **extra))
@@ -187,7 +193,8 @@ def child(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
     # The same batches for every variant: a warm-up step, then one fresh batch per step.
     batches = [make_batch(args, args.vocab, seed) for seed in range(args.steps + 1)]
-    fn = {"grpo": run_grpo, "sft": run_sft, "bare": run_bare}[args.child]
+    fn = {"grpo": run_grpo, "grpo-unshared": functools.partial(run_grpo, share=False),
+          "sft": run_sft, "bare": run_bare}[args.child]
     times = fn(args, Path(args.model), batches)
     tokens = sum(len(b["prompt"]) + len(b["completion"]) for batch in batches[1:] for b in batch)
     completion = sum(len(b["completion"]) for batch in batches[1:] for b in batch)
@@ -202,7 +209,8 @@ def child(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variants", default="sft,grpo",
-                        help="comma-separated, of sft, grpo, bare (the ratios need sft/bare)")
+                        help="comma-separated, of sft, grpo, grpo-unshared, bare (the ratios "
+                        "need sft/bare/grpo-unshared)")
     parser.add_argument("--steps", type=int, default=2, help="timed steps per run")
     parser.add_argument("--rounds", type=int, default=2,
                         help="alternate the variants this many times; the best run counts")
@@ -229,7 +237,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (0: torch's default); 1 is steadier when shared")
     parser.add_argument("--verbose", action="store_true", help="GRPO step metrics to stderr")
-    parser.add_argument("--child", choices=["grpo", "sft", "bare"], help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=["grpo", "grpo-unshared", "sft", "bare"],
+                        help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -274,12 +283,16 @@ def main() -> None:
           f"a fresh batch each")
     for variant in variants:
         r = results[variant]
-        print(f"{variant:5s} {r['tokens_per_s']:9.1f} tokens/s ({r['completion_tokens_per_s']:8.1f}"
-              f" completion)  {r['step_s']:7.2f} s/step (slowest {r['max_step_s']:.2f})  "
+        print(f"{variant:13s} {r['tokens_per_s']:9.1f} tokens/s "
+              f"({r['completion_tokens_per_s']:8.1f} completion)  {r['step_s']:7.2f} s/step "
+              f"(slowest {r['max_step_s']:.2f})  "
               f"peak {r['peak_mb']:7.1f} MiB")
     if "grpo" in results and "bare" in results:
         ratio = results["grpo"]["tokens_per_s"] / results["bare"]["tokens_per_s"]
         print(f"learner/bare tokens/s ratio: {ratio:.3f}")
+    if "grpo" in results and "grpo-unshared" in results:
+        ratio = results["grpo"]["tokens_per_s"] / results["grpo-unshared"]["tokens_per_s"]
+        print(f"shared/unshared prompt tokens/s ratio: {ratio:.3f}")
     if "grpo" in results and "sft" in results:
         ratio = results["grpo"]["tokens_per_s"] / results["sft"]["tokens_per_s"]
         print(f"GRPO/SFT tokens/s ratio: {ratio:.3f}")

@@ -376,3 +376,45 @@ def test_reference_log_probs_are_computed_once_per_sequence(tiny_model):
     second = trainer.step([dataclasses.replace(s) for s in seqs])
     assert len(calls) == computed
     assert second["kl"] == pytest.approx(first["kl"], abs=1e-7)
+
+
+def groups_with_long_prompts(vocab_size: int, seed: int = 0) -> list[TrainSequence]:
+    """Three groups, each its own prompt of 700-760 tokens (the demo's prompts: far beyond
+    one padding multiple), six completions of 5-150 tokens; one group sampled earlier."""
+    rng = np.random.default_rng(seed)
+    sequences = []
+    for group_index in range(3):
+        prompt = rng.integers(3, vocab_size, size=int(rng.integers(700, 761)))
+        for _ in range(6):
+            ids = rng.integers(3, vocab_size, size=int(rng.integers(5, 151)))
+            sequences.append(TrainSequence(
+                prompt, ids, rng.normal(-3.0, 0.5, len(ids)).astype(np.float32),
+                float(rng.normal()), fresh=group_index != 1))
+    return sequences
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_a_shared_prompt_runs_once_and_gives_the_unshared_gradient(tiny_model, lora):
+    seqs = groups_with_long_prompts(vocab_size=384)
+    rows, fed = {}, {}
+    for share in (False, True):
+        # micro-batches of 4: each group's completions span two, whose gradients reach the
+        # prompt through the same cached keys and values.
+        settings = LearnerSettings(model_path=tiny_model, beta=0.05, micro_batch_size=4,
+                                   autocast="off", share_prompt_forward=share,
+                                   lora={"enabled": lora})
+        trainer = TorchTrainer(settings, seed=3)
+        decoder = trainer.model.get_decoder()
+        tokens: list[int] = []
+        forward = decoder.forward
+        decoder.forward = lambda *a, _f=forward, **k: tokens.append(k["input_ids"].numel()) or _f(
+            *a, **k)
+        rows[share] = trainer_gradient(trainer, seqs)
+        fed[share] = sum(tokens)
+    got, loss = rows[True]
+    want, want_loss = rows[False]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * float(want.abs().max()))
+    assert loss == pytest.approx(want_loss, rel=1e-4)
+    # Policy and reference each ran every prompt once instead of once per completion (and
+    # padding): less than half the tokens.
+    assert fed[True] < 0.5 * fed[False], fed

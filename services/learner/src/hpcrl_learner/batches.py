@@ -157,15 +157,12 @@ def collate(sequences: Sequence[TrainSequence], pad_id: int = 0,
             flat_cols.append(np.arange(start - 1, start - 1 + count))
             flat_slots.append(np.arange(count))
 
-    def flat(parts: list[np.ndarray]) -> torch.Tensor:
-        return torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, np.int64)).long()
-
-    rows_t, cols_t = flat(flat_rows), flat(flat_cols)
+    rows_t, cols_t = _flat(flat_rows), _flat(flat_cols)
     return Collated(
         input_ids=input_ids,
         rows=rows_t,
         cols=cols_t,
-        slots=flat(flat_slots),
+        slots=_flat(flat_slots),
         targets=input_ids[rows_t, cols_t + 1],
         completion_mask=completion_mask,
         sampling_logprobs=sampling,
@@ -189,3 +186,59 @@ def micro_batches(sequences: Sequence[TrainSequence], max_rows: int, max_tokens:
     if current:
         out.append(current)
     return out
+
+
+def by_prompt(sequences: Sequence[TrainSequence]) -> list[list[TrainSequence]]:
+    """The sequences grouped by identical prompt, groups in order of first appearance (a
+    GRPO group's completions all share one)."""
+    groups: dict[bytes, list[TrainSequence]] = {}
+    for seq in sequences:
+        key = np.ascontiguousarray(seq.prompt_ids, dtype=np.int64).tobytes()
+        groups.setdefault(key, []).append(seq)
+    return list(groups.values())
+
+
+def collate_completions(sequences: Sequence[TrainSequence], pad_id: int = 0,
+                        multiple: int = PAD_MULTIPLE) -> Collated:
+    """Like :func:`collate` for sequences that share one prompt, which the model has already
+    run (its keys and values cached): rows are the completions alone, right-padded.
+
+    Completion token t is predicted by the hidden state before it: the prompt's last one for
+    t = 0, the row's position t - 1 after. With that state prepended to each row's hidden
+    states, the position that predicts slot t is column t (``cols`` == ``slots``).
+    """
+    if not sequences:
+        raise ValueError("no sequences to collate")
+    if len({s.prompt_ids.tobytes() for s in sequences}) != 1:
+        raise ValueError("collate_completions needs sequences that share their prompt")
+    width = max(len(s.completion_ids) for s in sequences)
+    rows = len(sequences)
+    input_ids = torch.full((rows, padded_width(max(width, 1), multiple)), pad_id,
+                           dtype=torch.long)
+    completion_mask = torch.zeros((rows, width), dtype=torch.float32)
+    sampling = torch.zeros((rows, width), dtype=torch.float32)
+    flat_rows, flat_slots = [], []
+    for row, seq in enumerate(sequences):
+        count = len(seq.completion_ids)
+        if count:
+            input_ids[row, :count] = torch.from_numpy(seq.completion_ids)
+            completion_mask[row, :count] = 1.0
+            sampling[row, :count] = torch.from_numpy(seq.sampling_logprobs)
+            flat_rows.append(np.full(count, row))
+            flat_slots.append(np.arange(count))
+    rows_t = _flat(flat_rows)
+    slots_t = _flat(flat_slots)
+    return Collated(
+        input_ids=input_ids,
+        rows=rows_t,
+        cols=slots_t,
+        slots=slots_t,
+        targets=input_ids[rows_t, slots_t],
+        completion_mask=completion_mask,
+        sampling_logprobs=sampling,
+        advantages=torch.tensor([s.advantage for s in sequences], dtype=torch.float32),
+    )
+
+
+def _flat(parts: list[np.ndarray]) -> torch.Tensor:
+    return torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, np.int64)).long()

@@ -121,6 +121,11 @@ class LearnerSettings(ServiceSection):
     gradient_checkpointing: bool = Field(False, description="recompute activations in "
                                          "backward: less memory for long sequences, more "
                                          "compute")
+    share_prompt_forward: bool = Field(
+        True, description="run a group's shared prompt through the model once and its "
+        "completions on its cached keys and values (the gradient flows back through them), "
+        "not the prompt once per completion; off with gradient_checkpointing"
+    )
     keep_state_versions: int = Field(
         2, ge=1, description="optimizer-state snapshots kept in <checkpoint_dir>/learner-state"
     )

@@ -16,9 +16,16 @@ from typing import Literal
 import numpy as np
 import structlog
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, DynamicCache
 
-from hpcrl_learner.batches import Collated, TrainSequence, collate, micro_batches
+from hpcrl_learner.batches import (
+    Collated,
+    TrainSequence,
+    by_prompt,
+    collate,
+    collate_completions,
+    micro_batches,
+)
 from hpcrl_learner.config import LearnerSettings
 from hpcrl_learner.grpo import LossSettings, LossStats, grpo_loss, token_logprobs_and_entropy
 
@@ -83,6 +90,24 @@ def sequence_key(seq: TrainSequence) -> bytes:
     digest.update(np.ascontiguousarray(seq.prompt_ids, dtype=np.int64).tobytes())
     digest.update(np.ascontiguousarray(seq.completion_ids, dtype=np.int64).tobytes())
     return digest.digest()
+
+
+@dataclass
+class _Prompt:
+    """A prompt the model has run: its keys and values per layer, [1, heads, P, head_dim]
+    each, and its last hidden state [1, 1, H] (it predicts the first completion token)."""
+
+    keys_values: list[tuple[torch.Tensor, torch.Tensor]]
+    last: torch.Tensor
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for pair in self.keys_values for t in pair] + [self.last]
+
+    @classmethod
+    def of(cls, tensors: list[torch.Tensor]) -> _Prompt:
+        """The inverse of :meth:`tensors`."""
+        *flat, last = tensors
+        return cls(list(zip(flat[0::2], flat[1::2], strict=True)), last)
 
 
 @dataclass
@@ -200,10 +225,14 @@ class TorchTrainer:
         The decoder runs under autocast; the output layer and the log-softmax run outside it
         (in the weights' dtype), on the completion positions only.
         """
-        device = self.device
         with self._autocast():
-            hidden = model.get_decoder()(input_ids=batch.input_ids.to(device),
+            hidden = model.get_decoder()(input_ids=batch.input_ids.to(self.device),
                                          use_cache=False).last_hidden_state
+        return self._head_logprobs(model, hidden, batch)
+
+    def _head_logprobs(self, model: torch.nn.Module, hidden: torch.Tensor, batch: Collated
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        device = self.device
         picked = hidden[batch.rows.to(device), batch.cols.to(device)]
         head = model.get_output_embeddings()
         logits = head(picked.to(head.weight.dtype))
@@ -211,9 +240,38 @@ class TorchTrainer:
                                                    self.settings.logprob_temperature)
         return batch.scatter(logp), batch.scatter(entropy)
 
-    def _reference_logprobs(self, sequences: Sequence[TrainSequence], batch: Collated
-                            ) -> torch.Tensor | None:
-        """The reference's log-probs, [B, C]: computed once per sequence, then cached."""
+    def _forward_prompt(self, model: torch.nn.Module, prompt_ids: np.ndarray) -> _Prompt:
+        """The shared prompt run once: its keys and values per layer and its last state."""
+        prompt = torch.from_numpy(np.ascontiguousarray(prompt_ids))[None].to(self.device)
+        with self._autocast():
+            out = model.get_decoder()(input_ids=prompt, use_cache=True)
+        keys_values = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+        return _Prompt(keys_values, out.last_hidden_state[:, -1:])
+
+    def _forward_completions(self, model: torch.nn.Module, prompt: _Prompt, batch: Collated
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_forward_logprobs` of completions (``collate_completions``) whose prompt
+        ran already: each row attends to the prompt's cached keys and values."""
+        rows = int(batch.input_ids.shape[0])
+        cache = DynamicCache(ddp_cache_data=[
+            (keys.expand(rows, -1, -1, -1), values.expand(rows, -1, -1, -1))
+            for keys, values in prompt.keys_values
+        ])
+        with self._autocast():
+            hidden = model.get_decoder()(input_ids=batch.input_ids.to(self.device),
+                                         past_key_values=cache, use_cache=True
+                                         ).last_hidden_state
+        last = prompt.last.to(hidden.dtype).expand(rows, -1, -1)
+        return self._head_logprobs(model, torch.cat([last, hidden], dim=1), batch)
+
+    def _shares_prompts(self, sequences: Sequence[TrainSequence]) -> bool:
+        return (self.settings.share_prompt_forward and not self.settings.gradient_checkpointing
+                and len(sequences) > 1)
+
+    def _reference_logprobs(self, sequences: Sequence[TrainSequence], batch: Collated,
+                            shared: bool = False) -> torch.Tensor | None:
+        """The reference's log-probs, [B, C]: computed once per sequence, then cached.
+        ``shared``: ``batch`` is ``collate_completions`` of sequences sharing a prompt."""
         if self.settings.beta == 0:
             return None
         keys = [sequence_key(s) for s in sequences]
@@ -225,9 +283,14 @@ class TorchTrainer:
                 model = self.model
                 context = self.model.disable_adapter()  # type: ignore[operator]
             with torch.no_grad(), context:
-                logp = self._forward_logprobs(model, batch)[0].float().cpu().numpy()
+                if shared:
+                    prompt = self._forward_prompt(model, sequences[0].prompt_ids)
+                    logp = self._forward_completions(model, prompt, batch)[0]
+                else:
+                    logp = self._forward_logprobs(model, batch)[0]
+            logp_rows = logp.float().cpu().numpy()
             for row, (key, seq) in enumerate(zip(keys, sequences, strict=True)):
-                cache[key] = logp[row, :len(seq.completion_ids)].copy()
+                cache[key] = logp_rows[row, :len(seq.completion_ids)].copy()
             while len(cache) > REFERENCE_CACHE_SEQUENCES:
                 cache.popitem(last=False)
         out = torch.zeros(batch.completion_mask.shape, dtype=torch.float32)
@@ -247,30 +310,62 @@ class TorchTrainer:
                   stats: LossStats, fresh_stats: LossStats) -> None:
         """Adds the gradient of ``sequences``' share of a loss divided by ``normalizer``."""
         self.model.train()
-        settings = self.loss_settings
         with_tokens = [s for s in sequences if len(s.completion_ids)]
         # Fresh samples (from the current weights) in micro-batches of their own, so their
         # sampler KL is measured apart: on them it checks the sampler against the trainer,
         # free of the drift that older samples carry by design.
         for fresh in (True, False):
             part = [s for s in with_tokens if s.fresh == fresh]
-            for micro in micro_batches(part, self.settings.micro_batch_size,
+            apart: list[TrainSequence] = []
+            for group in by_prompt(part):
+                if self._shares_prompts(group):
+                    self._backward_sharing(group, normalizer, stats,
+                                           fresh_stats if fresh else None)
+                else:
+                    apart.extend(group)
+            for micro in micro_batches(apart, self.settings.micro_batch_size,
                                        self.settings.micro_batch_tokens):
                 batch = collate(micro)
                 ref = self._reference_logprobs(micro, batch)
                 logp, entropy = self._forward_logprobs(self.model, batch)
-                mask = batch.completion_mask.to(self.device)
-                out = grpo_loss(
-                    logp, batch.sampling_logprobs.to(self.device),
-                    batch.advantages.to(self.device), mask,
-                    settings, ref_logp=ref, normalizer=normalizer,
-                )
-                out.loss.backward()
-                out.stats.entropy_sum = float((entropy * mask).sum())
-                out.stats.entropy_tokens = out.stats.tokens
-                stats.add(out.stats)
-                if fresh:
-                    fresh_stats.add(out.stats)
+                self._loss_backward(batch, logp, entropy, ref, normalizer, stats,
+                                    fresh_stats if fresh else None)
+
+    def _backward_sharing(self, group: Sequence[TrainSequence], normalizer: float,
+                          stats: LossStats, fresh_stats: LossStats | None) -> None:
+        """:meth:`_backward` of sequences sharing a prompt: the prompt runs once. Its keys,
+        values and last state enter each micro-batch as detached leaves that collect their
+        gradients; one backward pass through the prompt then takes those gradients to the
+        weights, so the result is the unshared one's, up to float rounding."""
+        prompt = self._forward_prompt(self.model, group[0].prompt_ids)
+        outputs = prompt.tensors()
+        leaves = [t.detach().requires_grad_() for t in outputs]
+        detached = _Prompt.of(leaves)
+        for micro in micro_batches(group, self.settings.micro_batch_size,
+                                   self.settings.micro_batch_tokens):
+            batch = collate_completions(micro)
+            ref = self._reference_logprobs(micro, batch, shared=True)
+            logp, entropy = self._forward_completions(self.model, detached, batch)
+            self._loss_backward(batch, logp, entropy, ref, normalizer, stats, fresh_stats)
+        pairs = [(out, leaf.grad) for out, leaf in zip(outputs, leaves, strict=True)
+                 if leaf.grad is not None]
+        if pairs:
+            torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
+
+    def _loss_backward(self, batch: Collated, logp: torch.Tensor, entropy: torch.Tensor,
+                       ref: torch.Tensor | None, normalizer: float, stats: LossStats,
+                       fresh_stats: LossStats | None) -> None:
+        mask = batch.completion_mask.to(self.device)
+        out = grpo_loss(
+            logp, batch.sampling_logprobs.to(self.device), batch.advantages.to(self.device),
+            mask, self.loss_settings, ref_logp=ref, normalizer=normalizer,
+        )
+        out.loss.backward()
+        out.stats.entropy_sum = float((entropy * mask).sum())
+        out.stats.entropy_tokens = out.stats.tokens
+        stats.add(out.stats)
+        if fresh_stats is not None:
+            fresh_stats.add(out.stats)
 
     def accumulate(self, sequences: Sequence[TrainSequence]) -> None:
         """Runs the forward and backward passes of part of the next step now.
