@@ -99,6 +99,7 @@ from hpcrl_scheduler.service import SchedulerService
 from hpcrl_scheduler.store import Store
 from tests.conftest import RunningConsumer
 from tests.support.models import chat_model
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.broker
 
@@ -786,16 +787,6 @@ class GatedSchedulerService(SchedulerService):
         if not self.opened.is_set():
             return []
         return super().tick()
-
-
-def wait_for(predicate: Callable[[], object], timeout: float, what: str,
-             detail: Callable[[], object] = lambda: "") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}: {detail()}")
 
 
 def sha(body: bytes) -> str:

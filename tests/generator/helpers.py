@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -73,15 +72,6 @@ def request(
         min_policy_version=floor,
         bench=BenchSpec(task="matmul", stage=1, opt_level="O3"),
     )
-
-
-def wait_for(predicate: Callable[[], object], timeout: float = 60.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what or 'condition'}")
 
 
 def take_candidates(channel, queue: str, into: dict[str, Candidate]) -> int:

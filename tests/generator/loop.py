@@ -13,8 +13,9 @@ from hpcrl_generator.config import GeneratorSection
 from hpcrl_generator.service import Generator
 
 from ..conftest import RunningConsumer
+from ..support.waiting import wait_for
 from .conftest import commit_version
-from .helpers import request, take_candidates, tokens, wait_for
+from .helpers import request, take_candidates, tokens
 
 
 def run_weight_loop(sampler, models: dict[str, Path], broker_settings, raw_channel,
@@ -42,7 +43,7 @@ def run_weight_loop(sampler, models: dict[str, Path], broker_settings, raw_chann
         requests_queue = consumer.topology.name(GENERATE_REQUESTS)
         publisher.publish(Publish(requests_queue, request("g0", group_size=2, prompt=prompt)))
         wait_for(lambda: take_candidates(raw_channel, out_queue, got) is not None
-                 and {"g0/0", "g0/1"} <= got.keys(), what="v0 candidates")
+                 and {"g0/0", "g0/1"} <= got.keys(), 60, "v0 candidates")
         v0_tokens = tokens(got["g0/0"])
         assert got["g0/0"].rollout.policy_version == 0
         assert tokens(got["g0/1"]) == v0_tokens  # greedy: the group is one completion
@@ -57,13 +58,13 @@ def run_weight_loop(sampler, models: dict[str, Path], broker_settings, raw_chann
         publisher.publish(Publish("", info.weight_update(store.root, run=f"exp/{store.run_id}"),
                                   exchange=consumer.topology.name(WEIGHT_UPDATES)))
         wait_for(lambda: take_candidates(raw_channel, out_queue, got) is not None
-                 and {"g1/0", "g1/1"} <= got.keys(), what="v1 candidates")
+                 and {"g1/0", "g1/1"} <= got.keys(), 60, "v1 candidates")
         publisher.publish(Publish(requests_queue, request("g2", group_size=1, prompt=prompt)))
         publisher.publish(Publish(requests_queue, request(
             "g3", group_size=3, temperature=1.0, seed=3, prompt=prompt)))
         wait_for(lambda: take_candidates(raw_channel, out_queue, got) is not None
                  and {"g2/0", "g3/0", "g3/1", "g3/2"} <= got.keys(),
-                 what="requests without a floor after the reload")
+                 60, "requests without a floor after the reload")
     for key in ("g1/0", "g1/1", "g2/0"):
         assert got[key].rollout.policy_version == 1
         assert tokens(got[key]) == reference_v1  # the same as a fresh load of v1

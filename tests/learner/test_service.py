@@ -25,6 +25,7 @@ from hpcrl_learner.config import LearnerConfig, LearnerSettings
 from hpcrl_learner.service import build
 from hpcrl_learner.state import StateStore
 from tests.conftest import RunningConsumer
+from tests.support.waiting import wait_for
 
 from .conftest import BAD, GOOD, PROMPT, good_bad_batch, rollout_batch
 
@@ -33,15 +34,9 @@ pytestmark = pytest.mark.broker
 HANGING_LEARNER = Path(__file__).with_name("hanging_learner.py")
 
 
-def wait_for(predicate: Callable[[], bool], timeout: float, what: str,
-             log: Path | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.2)
-    tail = log.read_text()[-3000:] if log is not None and log.exists() else ""
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{tail}")
+def tail_of(log: Path) -> Callable[[], str]:
+    """What ``wait_for`` shows of a learner's log when it times out."""
+    return lambda: "\n" + log.read_text()[-3000:] if log.exists() else ""
 
 
 def listen_to_weight_updates(channel, settings: BrokerSettings) -> str:
@@ -246,7 +241,7 @@ def test_kill_9_loses_no_batch_and_trains_none_twice(
 
     first = start_learner(config, log, hang=point, marker=marker)
     try:
-        wait_for(marker.exists, 180, f"the learner to reach {point}", log)
+        wait_for(marker.exists, 180, f"the learner to reach {point}", tail_of(log))
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait(30)
@@ -257,7 +252,8 @@ def test_kill_9_loses_no_batch_and_trains_none_twice(
     publish(broker_settings, good_bad_batch("b3", lp), good_bad_batch("b4", lp))
     second = start_learner(config, log)
     try:
-        wait_for(lambda: len(store.versions()) >= 2, 180, "two versions after restart", log)
+        wait_for(lambda: len(store.versions()) >= 2, 180, "two versions after restart",
+                 tail_of(log))
         wait_for(lambda: queue_depth(raw_channel, broker_settings) == 0, 60, "an empty queue")
         time.sleep(1.0)
     finally:
@@ -371,7 +367,8 @@ def test_a_second_learner_on_the_same_store_refuses_to_start(broker_settings, ti
     first = start_learner(config, first_log)
     try:
         wait_for(lambda: "learner ready" in first_log.read_text(errors="replace")
-                 if first_log.exists() else False, 120, "the first learner", first_log)
+                 if first_log.exists() else False, 120, "the first learner",
+                 tail_of(first_log))
         second = start_learner(config, second_log)
         assert second.wait(120) == 2
         assert "another learner is writing the checkpoint store" in second_log.read_text()

@@ -42,6 +42,7 @@ from hpcrl_scheduler.service import SchedulerService
 from hpcrl_scheduler.store import Store
 
 from ..conftest import RunningConsumer
+from ..support.waiting import wait_for
 from .helpers import result
 from .test_service_broker import take
 from .test_trust import dead_letters
@@ -74,15 +75,6 @@ def service(broker_settings, tmp_path: Path, name: str, **section):
     return scheduler, consumer, SchedulerService(scheduler, consumer)
 
 
-def wait_for(predicate, timeout: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
-
-
 def test_versions_are_taken_only_from_the_store(broker_settings, raw_channel, tmp_path):
     """The issue's forgeries: version 2,147,483,647 of the pinned run moved the floor; "v2"
     announced before the learner committed v2 poisoned the id "v2", so the genuine v2 was
@@ -97,7 +89,7 @@ def test_versions_are_taken_only_from_the_store(broker_settings, raw_channel, tm
     with RunningConsumer(consumer), Publisher(broker_settings) as publisher:
         v1 = commit(store, 1)
         announce(publisher, topology, v1.weight_update(store.root, run=run()))
-        assert wait_for(lambda: floor() == 1)
+        wait_for(lambda: floor() == 1, what="the floor at v1")
 
         forged = v1.weight_update(store.root, run=run()).model_copy(
             update={"id": "v2147483647", "version": 2**31 - 1, "parent_version": 1})
@@ -112,7 +104,7 @@ def test_versions_are_taken_only_from_the_store(broker_settings, raw_channel, tm
 
         v2 = commit(store, 2)  # now genuine, under the id the early one used
         announce(publisher, topology, v2.weight_update(store.root, run=run()))
-        assert wait_for(lambda: floor() == 2), "the genuine v2 was taken as a duplicate"
+        wait_for(lambda: floor() == 2, what="the genuine v2 (not taken as a duplicate)")
 
         # The store holds it, but the announcement says another checksum (a replay with
         # the entry changed), or jumps more than max_version_jump ahead.
@@ -131,7 +123,7 @@ def test_versions_are_taken_only_from_the_store(broker_settings, raw_channel, tm
         announce(publisher, topology, other)
         time.sleep(0.5)
         announce(publisher, topology, store.get(3).weight_update(store.root, run=run()))
-        assert wait_for(lambda: floor() == 3)
+        wait_for(lambda: floor() == 3, what="the floor at v3")
         assert dead_letters(raw_channel, dlq, expect=1, timeout=1.0) == []
 
 
@@ -156,7 +148,7 @@ def test_pacing_figures_are_typed_and_in_range(broker_settings, raw_channel, tmp
         assert take(raw_channel, topology.name(GENERATE_REQUESTS), GenerateRequest,
                     timeout=1.0) == []
         # ...and past the deadline the service says so.
-        assert wait_for(lambda: not svc.health()[0], 10)
+        wait_for(lambda: not svc.health()[0], 10, "pacing that holds everything to be unhealthy")
         _healthy, detail = svc.health()
         stuck = detail["pacing_holds_every_request"]
         assert stuck["reason"] == "staleness" and stuck["outstanding"] == 1, detail
@@ -186,7 +178,7 @@ def test_pacing_figures_are_typed_and_in_range(broker_settings, raw_channel, tmp
         raw_channel.basic_publish(topology.name(WEIGHT_UPDATES), "", encode(legacy))
         released = take(raw_channel, topology.name(GENERATE_REQUESTS), GenerateRequest)
         assert [r.iteration for r in released] == [1] and released[0].min_policy_version == 1
-        assert wait_for(lambda: svc.health()[0], 5), svc.health()
+        wait_for(lambda: svc.health()[0], 5, "healthy again", svc.health)
 
         # More groups done than batches sent, or fewer than before: refused.
         v2 = commit(store, 2, groups_trained=7, groups_dropped=0, groups_per_step=1)
