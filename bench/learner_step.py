@@ -105,7 +105,7 @@ def run_grpo(args: argparse.Namespace, model: Path, batches: list[list[dict]],
         metrics = trainer.step([TrainSequence(b["prompt"], b["completion"], b["logp"], b["adv"])
                                 for b in batch])
         if args.verbose:
-            print(json.dumps(metrics), file=sys.stderr)
+            print(json.dumps(metrics.metrics()), file=sys.stderr)
 
     return timed(step, batches, trainer.device)
 

@@ -257,7 +257,7 @@ def learner_view(candidates: list[Candidate], policy: Path, autocast: str = "off
     sequences = [seq for group in by_group(candidates) for seq in prepare_group(
         rollout_batch(group), 1, adv_eps=settings.adv_eps, vocab_size=trainer.vocab_size,
         max_sequence_tokens=settings.max_sequence_tokens).sequences]
-    sampler_kl = trainer.step(sequences)["sampler_kl"]
+    sampler_kl = trainer.step(sequences).sampler_kl
     trainer_logprobs = np.concatenate(trainer.logprobs(sequences))
     return sampler_kl, trainer_logprobs - np.concatenate([s.sampling_logprobs for s in sequences])
 

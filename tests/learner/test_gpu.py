@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from hpcrl_learner.backends import StepResult
 from hpcrl_learner.backends.torch import TorchTrainer
 from hpcrl_learner.batches import prepare_group
 from hpcrl_learner.config import LearnerSettings
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU (none visible on this machine)")
 
 
-def one_step(trainer: TorchTrainer, batch_id: str) -> dict[str, float]:
+def one_step(trainer: TorchTrainer, batch_id: str) -> StepResult:
     lp = trainer.logprobs(sequences_of([GOOD, BAD]))
     group = prepare_group(good_bad_batch(batch_id, {"good": lp[0], "bad": lp[1]}), 0,
                           adv_eps=1e-4, vocab_size=trainer.vocab_size, max_sequence_tokens=64)
@@ -47,7 +48,7 @@ def test_a_gpu_step_learns(tiny_model, lora):
     before = favour()
     for step in range(4):
         metrics = one_step(trainer, f"g{step}")
-        assert np.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
+        assert np.isfinite(metrics.loss) and metrics.grad_norm > 0
     assert favour() > before + 1.0
 
 
@@ -57,8 +58,8 @@ def test_a_gpu_step_matches_the_cpu_step(tiny_model):
                                      seed=1)
                 for device in ("cpu", "cuda")}
     metrics = {device: one_step(t, "same") for device, t in trainers.items()}
-    assert metrics["cuda"]["loss"] == pytest.approx(metrics["cpu"]["loss"], rel=1e-3, abs=1e-5)
-    assert metrics["cuda"]["grad_norm"] == pytest.approx(metrics["cpu"]["grad_norm"], rel=1e-3)
+    assert metrics["cuda"].loss == pytest.approx(metrics["cpu"].loss, rel=1e-3, abs=1e-5)
+    assert metrics["cuda"].grad_norm == pytest.approx(metrics["cpu"].grad_norm, rel=1e-3)
     after = {device: t.logprobs(sequences_of([GOOD]))[0] for device, t in trainers.items()}
     np.testing.assert_allclose(after["cuda"], after["cpu"], rtol=1e-3, atol=1e-4)
 

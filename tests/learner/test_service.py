@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 import signal
 import subprocess
@@ -19,6 +21,7 @@ from hpcrl_common.checkpoints import CheckpointStore
 from hpcrl_common.config import BrokerSettings
 from hpcrl_common.messages import WeightUpdate, decode
 from hpcrl_common.topology import ROLLOUT_BATCHES, WEIGHT_UPDATES, Topology
+from hpcrl_learner.backends import StepResult
 from hpcrl_learner.backends.torch import TorchTrainer
 from hpcrl_learner.batches import TrainSequence
 from hpcrl_learner.config import LearnerConfig, LearnerSettings
@@ -289,8 +292,11 @@ class SkipsSteps:
     def step(self, sequences):
         if self.skips > 0:
             self.skips -= 1
-            return {"skipped": 1.0}
+            return StepResult(skipped=True, **dict.fromkeys(NOT_MEASURED, math.nan))
         return self.real.step(sequences)
+
+
+NOT_MEASURED = [f.name for f in dataclasses.fields(StepResult) if f.name != "skipped"]
 
 
 def skipping_factory(skips: int):

@@ -209,7 +209,7 @@ EQUIVALENCE = textwrap.dedent("""
                zip(group_cpu.model.parameters(), torch_trainer.model.parameters()))
     swift_trainer.save_version(tmp / "v1"); (tmp / "state").mkdir()
     swift_trainer.save_optimizer(tmp / "state")
-    print(json.dumps({"swift": m_swift, "torch": m_torch, "param_diff": diff,
+    print(json.dumps({"swift": m_swift.metrics(), "torch": m_torch.metrics(), "param_diff": diff,
                       "saved": group_cpu.saved,
                       "version_files": sorted(p.name for p in (tmp / "v1").iterdir())}))
 """)
@@ -374,6 +374,6 @@ def test_gpu_route_trains_a_step(tiny_model, tmp_path):
     group = prepare_group(good_bad_batch("gpu"), 0, adv_eps=1e-4, vocab_size=trainer.vocab_size,
                           max_sequence_tokens=4096)
     metrics = trainer.step(group.sequences)
-    assert metrics["tokens"] == 18 and metrics["grad_norm"] > 0
+    assert metrics.tokens == 18 and metrics.grad_norm > 0
     trainer.save_version(tmp_path / "v1")
     assert (tmp_path / "v1" / "config.json").exists()

@@ -35,9 +35,9 @@ def test_rewards_move_log_probs_of_the_favoured_completion(tiny_model, lora):
         group = prepare_group(batch, 0, adv_eps=1e-4, vocab_size=trainer.vocab_size,
                               max_sequence_tokens=64)
         metrics = trainer.step(group.sequences)
-        assert np.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
+        assert np.isfinite(metrics.loss) and metrics.grad_norm > 0
         # on-policy sampling log-probs: the trainer agrees with the "sampler"
-        assert metrics["sampler_kl"] < 1e-4 and metrics["masked_fraction"] == 0
+        assert metrics.sampler_kl < 1e-4 and metrics.masked_fraction == 0
     good1, bad1 = total_logprob(trainer, GOOD), total_logprob(trainer, BAD)
     assert good1 > good0 + 0.5, (good0, good1)
     assert bad1 < bad0 - 0.5, (bad0, bad1)
@@ -52,9 +52,9 @@ def test_sampler_kl_of_fresh_samples_is_measured_apart_from_stale_ones(tiny_mode
     stale = [TrainSequence(np.array(PROMPT), np.array(ids), lp - 0.3, adv, fresh=False)
              for ids, lp, adv in ((GOOD, own[0], 1.0), (BAD, own[1], -1.0))]
     metrics = trainer.step([stale[0], fresh[0], stale[1], fresh[1]])
-    assert metrics["sampler_kl_fresh"] < 1e-6
-    assert metrics["sampler_kl"] > 1e-2  # k3 of a 0.3 log-ratio is ~0.04, on half the tokens
-    assert np.isnan(trainer.step(stale)["sampler_kl_fresh"])  # no fresh sample: no figure
+    assert metrics.sampler_kl_fresh < 1e-6
+    assert metrics.sampler_kl > 1e-2  # k3 of a 0.3 log-ratio is ~0.04, on half the tokens
+    assert np.isnan(trainer.step(stale).sampler_kl_fresh)  # no fresh sample: no figure
 
 
 def test_beta_controls_the_reference_model(tiny_model):
@@ -67,9 +67,9 @@ def test_beta_controls_the_reference_model(tiny_model):
             TrainSequence(np.array(PROMPT), np.array(BAD),
                           full_ref.logprobs(sequences_of([BAD]))[0], -1.0)]
     first = full_ref.step(seqs)
-    assert first["kl"] == pytest.approx(0.0, abs=1e-6)  # policy == reference before any step
+    assert first.kl == pytest.approx(0.0, abs=1e-6)  # policy == reference before any step
     second = full_ref.step(seqs)
-    assert second["kl"] > 0  # and drifts from it after one
+    assert second.kl > 0  # and drifts from it after one
 
 
 def test_saved_version_loads_alone_and_resume_restores_the_optimizer(tiny_model, tmp_path):
@@ -192,7 +192,7 @@ def test_non_finite_gradient_skips_the_update(tiny_model):
     seqs = [TrainSequence(np.array(PROMPT), np.array(GOOD), np.full(5, -5.0, np.float32), 1.0),
             TrainSequence(np.array(PROMPT), np.array(BAD), np.full(4, -5.0, np.float32), -1.0)]
     metrics = trainer.step(seqs)
-    assert metrics["skipped"] == 1.0 and metrics["grad_norm"] == -1.0
+    assert metrics.skipped and metrics.grad_norm == -1.0
     assert torch.equal(trainer.model.get_input_embeddings().weight, before)
     assert not trainer.optimizer.state_dict()["state"]  # AdamW moments untouched
 
@@ -236,7 +236,8 @@ def assert_same_update(a: TorchTrainer, b: TorchTrainer, a_metrics: dict, b_metr
         torch.testing.assert_close(x, y, rtol=0, atol=a.settings.learning_rate * 1e-2)
     for key in ("loss", "tokens", "sequences", "kl", "sampler_kl", "clip_fraction",
                 "sampler_kl_fresh", "grad_norm", "entropy"):
-        assert b_metrics[key] == pytest.approx(a_metrics[key], rel=1e-4, nan_ok=True), key
+        assert getattr(b_metrics, key) == pytest.approx(getattr(a_metrics, key), rel=1e-4,
+                                                      nan_ok=True), key
 
 
 def stepped_at_once(tiny_model, data_seed: int, **changes):
@@ -262,7 +263,7 @@ def test_groups_trained_as_they_arrive_make_the_same_update(tiny_model, aggregat
     assert_same_update(at_once, early, expected, got)
     untrained = trained_params(TorchTrainer(early.settings, seed=3))
     assert any(not torch.equal(x, y) for x, y in zip(untrained, trained_params(early), strict=True))
-    assert got["early_seconds"] > 0 and expected["early_seconds"] == 0
+    assert got.early_seconds > 0 and expected.early_seconds == 0
 
 
 def test_a_gradient_accumulated_for_groups_handed_back_does_not_count_twice(tiny_model):
@@ -375,7 +376,7 @@ def test_reference_log_probs_are_computed_once_per_sequence(tiny_model):
     # The same groups again, as new sequences (a step handed back, redelivered)
     second = trainer.step([dataclasses.replace(s) for s in seqs])
     assert len(calls) == computed
-    assert second["kl"] == pytest.approx(first["kl"], abs=1e-7)
+    assert second.kl == pytest.approx(first.kl, abs=1e-7)
 
 
 def groups_with_long_prompts(vocab_size: int, seed: int = 0) -> list[TrainSequence]:
@@ -407,8 +408,8 @@ def test_a_shared_prompt_runs_once_and_gives_the_unshared_gradient(tiny_model, l
         decoder = trainer.model.get_decoder()
         tokens: list[int] = []
         forward = decoder.forward
-        decoder.forward = lambda *a, _f=forward, **k: tokens.append(k["input_ids"].numel()) or _f(
-            *a, **k)
+        decoder.forward = lambda *a, _f=forward, _fed=tokens, **k: (
+            _fed.append(k["input_ids"].numel()) or _f(*a, **k))
         rows[share] = trainer_gradient(trainer, seqs)
         fed[share] = sum(tokens)
     got, loss = rows[True]

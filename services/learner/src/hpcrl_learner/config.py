@@ -10,6 +10,30 @@ from pydantic import Field, model_validator
 from hpcrl_common.config import Section, ServiceConfig, related_default
 from hpcrl_common.service import ServiceSection
 
+Aggregation = Literal["token", "sequence"]
+
+
+class LossSettings(Section):
+    """The loss's settings, defaults and bounds: the `learner` config section is one of these
+    (``LearnerSettings`` extends it), and the trainer passes it to ``grpo.grpo_loss`` as
+    is."""
+
+    beta: float = Field(0.0, ge=0, allow_inf_nan=False, description="KL coefficient against "
+                        "the base model (k3 estimator); 0 loads no reference model")
+    clip_eps: float = Field(0.2, gt=0, lt=1, description="delta of the clipped objective")
+    # DAPO's clip-higher: rare tokens with a positive advantage can gain probability, so
+    # entropy does not collapse.
+    clip_eps_high: float | None = Field(
+        None, gt=0, lt=1, description="DAPO clip-higher: the ratio's upper clip is "
+        "1 + clip_eps_high (unset: clip_eps)"
+    )
+    aggregation: Aggregation = Field(
+        "token", description="loss mean over all completion tokens, or per sequence first"
+    )
+    max_log_ratio: float = Field(
+        2.0, gt=0, description="tokens with |log(pi_theta / pi_sampling)| above are masked"
+    )
+
 
 class LoraSettings(Section):
     enabled: bool = Field(related_default("learner.lora.enabled"),
@@ -24,7 +48,10 @@ class LoraSettings(Section):
     )
 
 
-class LearnerSettings(ServiceSection):
+class LearnerSettings(ServiceSection, LossSettings):
+    """The learner's section; the loss's own settings (beta, clip_eps, clip_eps_high,
+    aggregation, max_log_ratio) come from ``LossSettings``."""
+
     metrics_port: int = Field(9103, ge=0, le=65535, description="0 picks a free port")
     stop_grace_s: float = Field(
         90.0, ge=0, description="on SIGTERM/SIGINT, how long a step already running may take "
@@ -51,13 +78,6 @@ class LearnerSettings(ServiceSection):
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     adam_betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
     max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping (global L2 norm)")
-    beta: float = Field(0.0, ge=0, description="KL coefficient against the base model (k3 "
-                        "estimator); 0 loads no reference model")
-    clip_eps: float = Field(0.2, gt=0, lt=1, description="delta of the clipped objective")
-    clip_eps_high: float | None = Field(
-        None, gt=0, lt=1, description="DAPO clip-higher: the ratio's upper clip is "
-        "1 + clip_eps_high (unset: clip_eps)"
-    )
     scale_advantages: bool = Field(
         True, description="A = (R - mean) / (std + adv_eps); false: A = R - mean (Dr. GRPO)"
     )
@@ -67,12 +87,6 @@ class LearnerSettings(ServiceSection):
         "with beta > 0 such groups then add no KL term either"
     )
     adv_eps: float = Field(1e-4, ge=0, description="epsilon of A = (R - mean) / (std + eps)")
-    aggregation: Literal["token", "sequence"] = Field(
-        "token", description="loss mean over all completion tokens, or per sequence first"
-    )
-    max_log_ratio: float = Field(
-        2.0, gt=0, description="tokens with |log(pi_theta / pi_sampling)| above are masked"
-    )
     max_staleness: int = Field(
         related_default("learner.max_staleness"), ge=0,
         description="a group whose oldest sample is more versions behind than this on "

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
-from typing import Literal
+from dataclasses import dataclass, fields
 
 import torch
 
-Aggregation = Literal["token", "sequence"]
+# The loss's settings live in config: the `learner` section is one (read as it is).
+from hpcrl_learner.config import LossSettings
+
 # Only for the sampler/trainer KL statistic: exp() of a wild log-ratio must not overflow it.
 _STAT_LOG_RATIO_LIMIT = 20.0
 
@@ -65,29 +66,6 @@ def group_advantages(rewards: Sequence[float] | torch.Tensor, eps: float = 1e-4,
     return advantages
 
 
-@dataclass(frozen=True)
-class LossSettings:
-    clip_eps: float = 0.2  # delta of the clipped objective
-    # DAPO's clip-higher: the upper bound 1 + clip_eps_high (None: clip_eps), so that rare
-    # tokens with a positive advantage can gain probability and entropy does not collapse.
-    clip_eps_high: float | None = None
-    beta: float = 0.0  # KL coefficient against the reference model; 0 skips it entirely
-    aggregation: Aggregation = "token"
-    max_log_ratio: float = 2.0  # |log rho| above this: importance weight 0 (token masked)
-
-    def __post_init__(self) -> None:
-        if not 0 < self.clip_eps < 1:
-            raise ValueError(f"clip_eps must be in (0, 1), got {self.clip_eps}")
-        if self.clip_eps_high is not None and not 0 < self.clip_eps_high < 1:
-            raise ValueError(f"clip_eps_high must be in (0, 1), got {self.clip_eps_high}")
-        if self.beta < 0 or not math.isfinite(self.beta):
-            raise ValueError(f"beta must be finite and >= 0, got {self.beta}")
-        if self.aggregation not in ("token", "sequence"):
-            raise ValueError(f"aggregation must be 'token' or 'sequence', got {self.aggregation}")
-        if not self.max_log_ratio > 0:
-            raise ValueError(f"max_log_ratio must be > 0, got {self.max_log_ratio}")
-
-
 @dataclass
 class LossStats:
     """Sums over the tokens of one or more micro-batches; :meth:`means` turns them into rates."""
@@ -104,12 +82,10 @@ class LossStats:
     kl_tokens: float = 0.0  # completion tokens whose KL to the reference was measured
     entropy_sum: float = 0.0  # policy entropy, summed over completion tokens
     entropy_tokens: float = 0.0  # completion tokens whose entropy was measured
-    extra: dict[str, float] = field(default_factory=dict)
 
     def add(self, other: LossStats) -> LossStats:
         for item in fields(self):
-            if item.name != "extra":
-                setattr(self, item.name, getattr(self, item.name) + getattr(other, item.name))
+            setattr(self, item.name, getattr(self, item.name) + getattr(other, item.name))
         return self
 
     def means(self) -> dict[str, float]:

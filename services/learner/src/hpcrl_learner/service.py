@@ -26,7 +26,7 @@ from hpcrl_common.checkpoints import CheckpointInfo, CheckpointStore, run_label
 from hpcrl_common.messages import RolloutBatch
 from hpcrl_common.topology import WEIGHT_UPDATES
 from hpcrl_learner import metrics as m
-from hpcrl_learner.backends import BackendFactory, backend_for
+from hpcrl_learner.backends import BackendFactory, StepResult, backend_for
 from hpcrl_learner.batches import BadBatch, PreparedGroup, prepare_group, staleness
 from hpcrl_learner.config import LearnerConfig
 from hpcrl_learner.state import LearnerState, StateStore
@@ -176,7 +176,7 @@ class Learner:
             self.pending.pop()
             m.PENDING_GROUPS.set(len(self.pending))
             raise
-        if train.get("skipped"):
+        if train.skipped:
             self._hand_back("update skipped: non-finite gradients (the model is unchanged)")
             return
         try:
@@ -194,7 +194,7 @@ class Learner:
         self.pending = []
         self.states.tidy(self.version, self.settings.keep_state_versions)
         # The passes run as its groups arrived belong to the step too.
-        elapsed = time.perf_counter() - started + train.get("early_seconds", 0.0)
+        elapsed = time.perf_counter() - started + train.early_seconds
         self._observe(groups, train, info, elapsed)
 
     def _hand_back(self, reason: str) -> None:
@@ -208,7 +208,7 @@ class Learner:
         self.pending = []
         m.PENDING_GROUPS.set(0)
 
-    def _commit(self, groups: list[PreparedGroup], train: dict[str, float]) -> CheckpointInfo:
+    def _commit(self, groups: list[PreparedGroup], train: StepResult) -> CheckpointInfo:
         version = self.version + 1
         batch_ids = [group.batch_id for group in groups]
         # Drops since the last commit become durable with this one (a crash before it loses
@@ -223,12 +223,11 @@ class Learner:
             "groups_trained": float(state.groups_trained),
             "groups_dropped": float(state.groups_dropped),
             "groups_per_step": float(self.settings.groups_per_step),
-            **{k: float(train[k]) for k in ("loss", "kl", "clip_fraction", "grad_norm",
-                                             "learning_rate", "sampler_kl", "tokens")},
-            # Not every backend measures these; NaN (e.g. no fresh sample, no reference for
-            # the KL when beta = 0) is left out below.
-            "sampler_kl_fresh": float(train.get("sampler_kl_fresh", math.nan)),
-            "entropy": float(train.get("entropy", math.nan)),
+            # Not every backend measures every figure; NaN (e.g. no fresh sample, no reference
+            # for the KL when beta = 0) is left out below.
+            **{k: getattr(train, k) for k in ("loss", "kl", "clip_fraction", "grad_norm",
+                                              "learning_rate", "sampler_kl", "tokens",
+                                              "sampler_kl_fresh", "entropy")},
             "groups_skipped": float(sum(self._skipped(g) for g in groups)),
             **summary,
         }
@@ -245,18 +244,18 @@ class Learner:
             self.trained = set(state.trained_ids)
         return info
 
-    def _observe(self, groups: list[PreparedGroup], train: dict[str, float],
+    def _observe(self, groups: list[PreparedGroup], train: StepResult,
                  info: CheckpointInfo, elapsed: float) -> None:
-        m.LOSS.set(train["loss"])  # NaN is a legitimate gauge value: it shows the trouble
-        m.KL.set(train["kl"])
-        m.ENTROPY.set(train.get("entropy", math.nan))
-        m.CLIP_FRACTION.set(train["clip_fraction"])
-        m.MASKED_FRACTION.set(train["masked_fraction"])
-        m.SAMPLER_KL.set(train["sampler_kl"])
-        m.SAMPLER_KL_FRESH.set(train.get("sampler_kl_fresh", math.nan))
-        m.GRAD_NORM.set(train["grad_norm"])
-        m.LEARNING_RATE.set(train["learning_rate"])
-        m.TOKENS_PER_SECOND.set(train["tokens_per_second"])
+        m.LOSS.set(train.loss)  # NaN is a legitimate gauge value: it shows the trouble
+        m.KL.set(train.kl)
+        m.ENTROPY.set(train.entropy)
+        m.CLIP_FRACTION.set(train.clip_fraction)
+        m.MASKED_FRACTION.set(train.masked_fraction)
+        m.SAMPLER_KL.set(train.sampler_kl)
+        m.SAMPLER_KL_FRESH.set(train.sampler_kl_fresh)
+        m.GRAD_NORM.set(train.grad_norm)
+        m.LEARNING_RATE.set(train.learning_rate)
+        m.TOKENS_PER_SECOND.set(train.tokens_per_second)
         summary = step_summary(groups)
         m.REWARD_MEAN.set(summary["reward_mean"])
         m.REWARD_MAX.set(summary["reward_max"])

@@ -18,6 +18,7 @@ import structlog
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
+from hpcrl_learner.backends import StepResult
 from hpcrl_learner.batches import (
     Collated,
     TrainSequence,
@@ -146,11 +147,7 @@ class TorchTrainer:
         self.dtype = resolve_dtype(settings.dtype, self.device, self.lora)
         self.autocast = resolve_autocast(settings.autocast, self.device)
         self._reference_cache: OrderedDict[bytes, np.ndarray] = OrderedDict()
-        self.loss_settings = LossSettings(
-            clip_eps=settings.clip_eps, clip_eps_high=settings.clip_eps_high,
-            beta=settings.beta, aggregation=settings.aggregation,
-            max_log_ratio=settings.max_log_ratio,
-        )
+        self.loss_settings: LossSettings = settings  # the loss reads its own fields
         self.model = self._load_policy(resume_from)
         self.reference = self._load_reference()
         self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
@@ -413,8 +410,8 @@ class TorchTrainer:
             return None  # the step zeroes the gradient
         return early
 
-    def step(self, sequences: Sequence[TrainSequence]) -> dict[str, float]:
-        """One optimizer step over all ``sequences`` (micro-batched); returns its metrics.
+    def step(self, sequences: Sequence[TrainSequence]) -> StepResult:
+        """One optimizer step over all ``sequences`` (micro-batched).
 
         Sequences already passed to :meth:`accumulate` are not computed again.
         """
@@ -425,7 +422,7 @@ class TorchTrainer:
             self.discard()
             raise
 
-    def _step(self, sequences: Sequence[TrainSequence], started: float) -> dict[str, float]:
+    def _step(self, sequences: Sequence[TrainSequence], started: float) -> StepResult:
         normalizer = self._denominator(sequences)
         early = self._take_early(sequences)
         stats, fresh_stats = LossStats(), LossStats()
@@ -458,14 +455,13 @@ class TorchTrainer:
             self.scheduler.step()  # the schedule counts updates, not attempts
         self.optimizer.zero_grad(set_to_none=True)
         elapsed = time.perf_counter() - started + early_seconds
-        metrics = stats.means()
-        metrics["sampler_kl_fresh"] = (fresh_stats.means()["sampler_kl"] if fresh_stats.tokens
-                                       else math.nan)
-        metrics.update(grad_norm=grad_norm if not skipped else -1.0, learning_rate=lr,
-                       skipped=float(skipped), train_seconds=elapsed,
-                       early_seconds=early_seconds,
-                       tokens_per_second=metrics["tokens"] / max(elapsed, 1e-9))
-        return metrics
+        return StepResult(
+            skipped=skipped, **stats.means(),
+            sampler_kl_fresh=(fresh_stats.means()["sampler_kl"] if fresh_stats.tokens
+                              else math.nan),
+            grad_norm=grad_norm if not skipped else -1.0, learning_rate=lr,
+            train_seconds=elapsed, early_seconds=early_seconds,
+        )
 
     @torch.no_grad()
     def logprobs(self, sequences: Sequence[TrainSequence]) -> list[np.ndarray]:

@@ -25,6 +25,7 @@ from typing import Any, Literal, Protocol
 
 import structlog
 
+from hpcrl_learner.backends import StepResult
 from hpcrl_learner.backends.swift.convert import collate_step, mask_mismatched_tokens, scatter_rows
 from hpcrl_learner.batches import TrainSequence
 from hpcrl_learner.config import LearnerSettings
@@ -89,7 +90,7 @@ class SwiftTrainer:
     def accumulate(self, sequences: Sequence[TrainSequence]) -> None:
         """Nothing early: Megatron's train_step takes the whole step at once."""
 
-    def step(self, sequences: Sequence[TrainSequence]) -> dict[str, float]:
+    def step(self, sequences: Sequence[TrainSequence]) -> StepResult:
         started = time.perf_counter()
         settings = self.settings
         batch = collate_step(sequences, self.template, dp_size=self.group.dp_size,
@@ -108,19 +109,20 @@ class SwiftTrainer:
         results = self.group.train_step(_dispatch(batch.dispatch), extra_metrics=None)
         reported = _first(results)
         elapsed = time.perf_counter() - started
-        metrics = {ours: float(reported.get(theirs, float("nan")))
-                   for ours, theirs in _METRIC_NAMES.items()}
+        reported_figures = {ours: float(reported.get(theirs, math.nan))
+                            for ours, theirs in _METRIC_NAMES.items()}
         if settings.beta == 0:
-            metrics["kl"] = math.nan  # no reference: not measured (left out of the manifest)
-        metrics.update(
+            # no reference: not measured (left out of the manifest)
+            reported_figures["kl"] = math.nan
+        result = StepResult(
+            skipped=not reported.get("update_successful", True), **reported_figures,
             tokens=float(batch.tokens), sequences=float(batch.sequences),
             sampler_kl=stats["sampler_kl"], masked_fraction=stats["masked_fraction"],
-            skipped=float(not reported.get("update_successful", True)),
-            train_seconds=elapsed, tokens_per_second=batch.tokens / max(elapsed, 1e-9),
+            train_seconds=elapsed,
         )
         log.info("swift step", iteration=reported.get("iteration"),
-                 **{k: round(v, 6) for k, v in metrics.items()})
-        return metrics
+                 **{k: round(v, 6) for k, v in result.metrics().items()})
+        return result
 
     def save_version(self, directory: Path) -> None:
         self.group.execute("save_hf_version", str(directory), self.format == "lora",
