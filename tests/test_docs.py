@@ -59,3 +59,31 @@ def test_cited_sections_exist():
             if number not in headings[doc]:
                 missing.append(f"{path.relative_to(ROOT)}: {doc} section {number}")
     assert not missing, "no such section:\n" + "\n".join(missing)
+
+
+SERVICE_PACKAGES = {"generator": "services/generator/src/hpcrl_generator",
+                    "benchmarker": "services/benchmarker/src/hpcrl_benchmarker",
+                    "sqd_scheduler": "services/sqd_scheduler/src/hpcrl_scheduler",
+                    "learner": "services/learner/src/hpcrl_learner"}
+
+
+def test_the_reading_path_names_files_and_functions_that_exist():
+    """README's "Reading the code" table: each module it names is a file of that service,
+    each `Name` or `module.name` a definition there (or a subcommand of its command line)."""
+    readme = (ROOT / "README.md").read_text()
+    table = readme.split("### Reading the code", 1)[1].split("\n\n")[2]
+    rows = [line for line in table.splitlines()
+            if line.startswith("| ") and " → " in line and not line.startswith("| service |")]
+    assert {row.split(" | ")[0][2:] for row in rows} == set(SERVICE_PACKAGES)
+    for row in rows:
+        service = row.split(" | ")[0][2:]
+        path = ROOT / SERVICE_PACKAGES[service]
+        sources = "\n".join(p.read_text() for p in path.rglob("*.py"))
+        for name in re.findall(r"`([^`]+)`", row):
+            if name.endswith(".py"):
+                assert (path / name.removeprefix(path.name + "/")).is_file(), (service, name)
+            elif name.isidentifier() or "." in name:
+                last = re.escape(name.split(".")[-1])
+                # a definition, or a subcommand of the service's command line
+                assert re.search(rf"(def|class) {last}\b|add_parser\(\s*\"{last}\"", sources), (
+                    service, name)
