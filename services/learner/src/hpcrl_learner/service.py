@@ -25,7 +25,7 @@ from hpcrl_common.broker import DEFER, Consumer, Delivery, Publish, Reject
 from hpcrl_common.checkpoints import CheckpointInfo, CheckpointStore, run_label
 from hpcrl_common.messages import RolloutBatch
 from hpcrl_common.topology import WEIGHT_UPDATES
-from hpcrl_learner import metrics as m
+from hpcrl_learner import metrics
 from hpcrl_learner.backends import BackendFactory, StepResult, backend_for
 from hpcrl_learner.batches import BadBatch, PreparedGroup, prepare_group, staleness
 from hpcrl_learner.config import LearnerConfig
@@ -80,8 +80,8 @@ class Learner:
         self.pending: list[tuple[PreparedGroup, Delivery]] = []
         self.failed: str | None = None
         self._lock = threading.Lock()
-        m.POLICY_VERSION.set(self.version)
-        m.GROUPS_TRAINED.set(self.state.groups_trained)
+        metrics.POLICY_VERSION.set(self.version)
+        metrics.GROUPS_TRAINED.set(self.state.groups_trained)
         log.info("learner ready", version=self.version, groups_trained=self.state.groups_trained,
                  backend=self.settings.backend, store=str(self.store.root))
 
@@ -108,15 +108,15 @@ class Learner:
             if self.failed:
                 raise RuntimeError(f"learner stopped after a failed step: {self.failed}")
             if batch.id in self.trained:
-                m.DUPLICATES.inc()
+                metrics.DUPLICATES.inc()
                 log.info("batch already trained on; acking", batch=batch.id)
                 return []
             if any(group.batch_id == batch.id for group, _ in self.pending):
                 return DEFER  # the consumer already tracks this redelivery with the held one
             lag = staleness(batch, self.version)
-            m.STALENESS.observe(lag)
+            metrics.STALENESS.observe(lag)
             if lag > self.settings.max_staleness:
-                m.STALE_DROPPED.inc()
+                metrics.STALE_DROPPED.inc()
                 self.dropped_since_commit += 1
                 log.info("stale group dropped", batch=batch.id, staleness=lag,
                          max_staleness=self.settings.max_staleness)
@@ -133,7 +133,7 @@ class Learner:
             except BadBatch as exc:
                 raise Reject(str(exc)) from None
             self.pending.append((group, delivery))
-            m.PENDING_GROUPS.set(len(self.pending))
+            metrics.PENDING_GROUPS.set(len(self.pending))
             if len(self.pending) >= self.settings.groups_per_step:
                 self._step()
             elif self.settings.train_on_arrival and not self._skipped(group):
@@ -160,7 +160,7 @@ class Learner:
         except Exception:
             # The backend forgot all it accumulated; the step recomputes the groups kept.
             self.pending.pop()
-            m.PENDING_GROUPS.set(len(self.pending))
+            metrics.PENDING_GROUPS.set(len(self.pending))
             raise
 
     def _step(self) -> None:
@@ -174,7 +174,7 @@ class Learner:
             # The model is unchanged: hand the newest batch back to the consumer (retried,
             # dead-lettered after the delivery limit) and keep the rest waiting.
             self.pending.pop()
-            m.PENDING_GROUPS.set(len(self.pending))
+            metrics.PENDING_GROUPS.set(len(self.pending))
             raise
         if train.skipped:
             self._hand_back("update skipped: non-finite gradients (the model is unchanged)")
@@ -200,13 +200,13 @@ class Learner:
     def _hand_back(self, reason: str) -> None:
         """A step that changed nothing consumes nothing: no version, every group retried
         (and dead-lettered with ``reason`` if it keeps failing)."""
-        m.SKIPPED_STEPS.inc()
+        metrics.SKIPPED_STEPS.inc()
         log.error("step not taken; groups handed back", reason=reason,
                   groups=[group.batch_id for group, _ in self.pending])
         for _, delivery in self.pending:
             self.consumer.fail(delivery, RuntimeError(reason))
         self.pending = []
-        m.PENDING_GROUPS.set(0)
+        metrics.PENDING_GROUPS.set(0)
 
     def _commit(self, groups: list[PreparedGroup], train: StepResult) -> CheckpointInfo:
         version = self.version + 1
@@ -246,26 +246,26 @@ class Learner:
 
     def _observe(self, groups: list[PreparedGroup], train: StepResult,
                  info: CheckpointInfo, elapsed: float) -> None:
-        m.LOSS.set(train.loss)  # NaN is a legitimate gauge value: it shows the trouble
-        m.KL.set(train.kl)
-        m.ENTROPY.set(train.entropy)
-        m.CLIP_FRACTION.set(train.clip_fraction)
-        m.MASKED_FRACTION.set(train.masked_fraction)
-        m.SAMPLER_KL.set(train.sampler_kl)
-        m.SAMPLER_KL_FRESH.set(train.sampler_kl_fresh)
-        m.GRAD_NORM.set(train.grad_norm)
-        m.LEARNING_RATE.set(train.learning_rate)
-        m.TOKENS_PER_SECOND.set(train.tokens_per_second)
+        metrics.LOSS.set(train.loss)  # NaN is a legitimate gauge value: it shows the trouble
+        metrics.KL.set(train.kl)
+        metrics.ENTROPY.set(train.entropy)
+        metrics.CLIP_FRACTION.set(train.clip_fraction)
+        metrics.MASKED_FRACTION.set(train.masked_fraction)
+        metrics.SAMPLER_KL.set(train.sampler_kl)
+        metrics.SAMPLER_KL_FRESH.set(train.sampler_kl_fresh)
+        metrics.GRAD_NORM.set(train.grad_norm)
+        metrics.LEARNING_RATE.set(train.learning_rate)
+        metrics.TOKENS_PER_SECOND.set(train.tokens_per_second)
         summary = step_summary(groups)
-        m.REWARD_MEAN.set(summary["reward_mean"])
-        m.REWARD_MAX.set(summary["reward_max"])
-        m.ADVANTAGE_STD.set(summary["advantage_std"])
-        m.ZERO_VARIANCE_GROUPS.set(summary["zero_variance_fraction"])
-        m.POLICY_VERSION.set(self.version)
-        m.GROUPS_TRAINED.set(self.state.groups_trained)
-        m.PENDING_GROUPS.set(0)
-        m.STEPS.inc()
-        m.STEP_SECONDS.observe(elapsed)
+        metrics.REWARD_MEAN.set(summary["reward_mean"])
+        metrics.REWARD_MAX.set(summary["reward_max"])
+        metrics.ADVANTAGE_STD.set(summary["advantage_std"])
+        metrics.ZERO_VARIANCE_GROUPS.set(summary["zero_variance_fraction"])
+        metrics.POLICY_VERSION.set(self.version)
+        metrics.GROUPS_TRAINED.set(self.state.groups_trained)
+        metrics.PENDING_GROUPS.set(0)
+        metrics.STEPS.inc()
+        metrics.STEP_SECONDS.observe(elapsed)
         log.info("step committed", version=self.version, groups=len(groups),
                  seconds=round(elapsed, 3),
                  **{k: round(v, 6) for k, v in info.metrics.items()})

@@ -33,8 +33,7 @@ from hpcrl_common.stages import FIRST_STAGE
 from hpcrl_common.task import TaskSpec, load_task
 from hpcrl_common.task import builtin_seed as task_seed
 from hpcrl_common.topology import CODE_TO_BENCH, GENERATE_REQUESTS, ROLLOUT_BATCHES
-from hpcrl_scheduler import confirm
-from hpcrl_scheduler import metrics as m
+from hpcrl_scheduler import confirm, metrics
 from hpcrl_scheduler.config import SchedulerConfig
 from hpcrl_scheduler.groups import Parent, close_group, majority_class
 from hpcrl_scheduler.pacing import PacingState, hold_reason, outstanding
@@ -207,7 +206,7 @@ class Scheduler:
                 break
             self._publish_request(group, now)
         for reason, count in held.items():
-            m.HELD.labels(reason).set(count)
+            metrics.HELD.labels(reason).set(count)
         self._note_hold(pending, held, now)
 
     def _note_hold(self, pending: list[GroupRow], held: dict[str, int], now: float) -> None:
@@ -256,7 +255,7 @@ class Scheduler:
         )
         self.store.enqueue(GENERATE_REQUESTS, request)
         self.store.mark_published(group.id, min_policy_version=floor, at=now)
-        m.REQUESTS.labels(group.mode).inc()
+        metrics.REQUESTS.labels(group.mode).inc()
 
     def _close_overdue(self, now: float) -> None:
         for group in self.store.overdue_groups(now - self.section.group_deadline_s):
@@ -271,7 +270,7 @@ class Scheduler:
         now = self.clock()
         with self.store.tx() as s:
             if s.has_result(result.id):
-                m.RESULTS_IGNORED.labels("duplicate").inc()
+                metrics.RESULTS_IGNORED.labels("duplicate").inc()
                 return
             group = s.group(result.group_id)
             if group is None:
@@ -284,7 +283,7 @@ class Scheduler:
                 raise Reject(f"result index {result.index} >= group size {group.group_size}")
             refused = self.peaks.admit(s, result)
             if refused is not None:
-                m.RESULTS_IGNORED.labels("above_peak").inc()
+                metrics.RESULTS_IGNORED.labels("above_peak").inc()
                 log.warning("result above its host class's peak refused", result=result.id,
                             host=result.host.hostname, benchmarker=result.benchmarker,
                             reason=refused)
@@ -293,11 +292,11 @@ class Scheduler:
             late = group.state == "closed"
             s.add_result(result, received_at=now, late=late)
             if late:
-                m.RESULTS_IGNORED.labels("late").inc()
+                metrics.RESULTS_IGNORED.labels("late").inc()
                 return
             s.note_progress(group.id, now)
-            m.RESULTS.labels(result.status).inc()
-            m.RESULT_LAG.observe(max(0.0, now - result.created_at))
+            metrics.RESULTS.labels(result.status).inc()
+            metrics.RESULT_LAG.observe(max(0.0, now - result.created_at))
             if s.count_results(group.id) >= group.group_size:
                 self._close(group, now, "complete")
 
@@ -310,7 +309,7 @@ class Scheduler:
         if experiment != self.config.experiment.name:
             # Another experiment's versions must never set the floor: generators would wait
             # for a version that this run never makes.
-            m.UPDATES_IGNORED.labels("other_experiment").inc()
+            metrics.UPDATES_IGNORED.labels("other_experiment").inc()
             raise Ignore(f"weight update of another experiment ({update.run!r})")
         with self.store.tx() as s:
             pinned = s.get("learner_run", None)
@@ -319,7 +318,7 @@ class Scheduler:
                              f"{pinned!r} this scheduler follows")
             floor = int(s.get("policy_version", 0))
             if update.version <= floor:
-                m.UPDATES_IGNORED.labels("old").inc()
+                metrics.UPDATES_IGNORED.labels("old").inc()
                 return  # an older or repeated announcement changes nothing
             info = self._stored_version(update, learner_run)
             if update.version > floor + self.section.max_version_jump:
@@ -336,7 +335,7 @@ class Scheduler:
         log.info("policy version seen", version=update.version, pacing=pacing)
 
     def _refuse(self, update: WeightUpdate, reason: str, why: str) -> NoReturn:
-        m.UPDATES_IGNORED.labels(reason).inc()
+        metrics.UPDATES_IGNORED.labels(reason).inc()
         log.warning("weight update refused", version=update.version, run=update.run,
                     reason=reason, detail=why)
         raise Reject(f"weight-update v{update.version} refused ({reason}): {why}")
@@ -420,7 +419,7 @@ class Scheduler:
             return True  # asked already; its answer is on the way
         if state.waiting == winner.id or state.round >= self.section.confirm_rounds:
             outcome = "timed_out" if state.waiting == winner.id else "unconfirmed"
-            m.CONFIRMATIONS.labels(outcome).inc()
+            metrics.CONFIRMATIONS.labels(outcome).inc()
             log.warning("group winner dropped unconfirmed", group=group.id, result=winner.id,
                         gflops=winner.gflops, why=outcome, rounds=state.round)
             state.dropped.append(winner.id)
@@ -428,7 +427,7 @@ class Scheduler:
             s.set(key, state.to_json())
             return False
         if winner.source is None:
-            m.CONFIRMATIONS.labels("no_source").inc()
+            metrics.CONFIRMATIONS.labels("no_source").inc()
             return False  # nothing to measure again (benchmarker.include_source = false)
         state.round += 1
         state.waiting = winner.id
@@ -439,7 +438,7 @@ class Scheduler:
         s.set(confirm.INDEX_PREFIX + candidate.group_id, group.id)
         s.enqueue(CODE_TO_BENCH, candidate)
         s.note_progress(group.id, now)  # the deadline runs from the request
-        m.CONFIRMATIONS.labels("requested").inc()
+        metrics.CONFIRMATIONS.labels("requested").inc()
         log.info("group winner sent for a second measurement", group=group.id,
                  result=winner.id, gflops=winner.gflops, round=state.round,
                  benchmarker=winner.benchmarker)
@@ -464,11 +463,11 @@ class Scheduler:
         group = s.group(group_id)
         if (group is None or group.state == "closed" or state.waiting is None
                 or state.confirm_group != result.group_id):
-            m.RESULTS_IGNORED.labels("duplicate").inc()  # answered already, or superseded
+            metrics.RESULTS_IGNORED.labels("duplicate").inc()  # answered already, or superseded
             return
         refused = self.peaks.admit(s, result)
         if refused is not None:
-            m.RESULTS_IGNORED.labels("above_peak").inc()
+            metrics.RESULTS_IGNORED.labels("above_peak").inc()
             raise Reject(refused)
         first = next((r for r in s.results_of(group_id) if r.id == state.waiting), None)
         if first is None:  # cannot be: the winner was stored before it was sent
@@ -482,7 +481,7 @@ class Scheduler:
             # not be the one to confirm its own claim (it reads code-to-bench too).
             verdict, why = "inconclusive", (f"confirmed by the same broker user {publisher!r} "
                                             f"while another user has hosts of the class")
-        m.CONFIRMATIONS.labels(verdict).inc()
+        metrics.CONFIRMATIONS.labels(verdict).inc()
         if verdict == "agreed":
             # It counts at the lower of its two measurements, so no claim above what was
             # measured again survives, within the tolerance or not; and no other result of
@@ -506,7 +505,7 @@ class Scheduler:
     def _mark_suspect(self, first: BenchResult, second: BenchResult, why: str,
                       now: float) -> None:
         s = self.store
-        m.SUSPECT_RESULTS.inc(2)
+        metrics.SUSPECT_RESULTS.inc(2)
         suspects: dict[str, dict] = s.get(confirm.SUSPECTS_KEY, {})
         host = confirm.host_key(first)
         entry = suspects.get(host, {"count": 0})
@@ -517,7 +516,7 @@ class Scheduler:
         if len(suspects) > confirm.MAX_SUSPECT_HOSTS:
             del suspects[min(suspects, key=lambda h: suspects[h].get("at", 0))]
         s.set(confirm.SUSPECTS_KEY, suspects)
-        m.SUSPECT_HOSTS.set(len(suspects))
+        metrics.SUSPECT_HOSTS.set(len(suspects))
         log.warning("a winner's second measurement disagrees: both results and the reporting "
                     "host are suspect", result=first.id, gflops=first.gflops, host=host,
                     second=second.id, second_status=second.status, second_gflops=second.gflops,
@@ -549,7 +548,7 @@ class Scheduler:
                 host_class=result.host.host_class, techniques=tuple(result.techniques),
             ), group.id)
             if result.gflops is not None:
-                m.GFLOPS.labels(str(group.target_stage)).observe(result.gflops)
+                metrics.GFLOPS.labels(str(group.target_stage)).observe(result.gflops)
         outcome: BatchOutcome
         if closed.batch is not None:
             s.enqueue(ROLLOUT_BATCHES, closed.batch)
@@ -560,19 +559,19 @@ class Scheduler:
                       host_class=closed.host_class,
                       excluded=len(closed.excluded) + dropped,
                       reward_mean=closed.reward_mean, reward_max=closed.reward_max)
-        m.GROUPS_CLOSED.labels(reason).inc()
-        m.BATCHES.labels(outcome).inc()
-        m.EXCLUDED.inc(len(closed.excluded))
-        m.NO_ROLLOUT.inc(closed.skipped_no_rollout)
+        metrics.GROUPS_CLOSED.labels(reason).inc()
+        metrics.BATCHES.labels(outcome).inc()
+        metrics.EXCLUDED.inc(len(closed.excluded))
+        metrics.NO_ROLLOUT.inc(closed.skipped_no_rollout)
         if closed.excluded:
             log.warning("mixed host classes in a group; minority excluded", group=group.id,
                         kept=closed.host_class,
                         excluded=sorted({r.host.host_class for r in closed.excluded}))
         if closed.reward_mean is not None:
-            m.GROUP_REWARD_MEAN.observe(closed.reward_mean)
-            m.GROUP_REWARD_MAX.observe(closed.reward_max or 0.0)
+            metrics.GROUP_REWARD_MEAN.observe(closed.reward_mean)
+            metrics.GROUP_REWARD_MAX.observe(closed.reward_max or 0.0)
         if group.published_at is not None:
-            m.GROUP_SECONDS.observe(max(0.0, now - group.published_at))
+            metrics.GROUP_SECONDS.observe(max(0.0, now - group.published_at))
         log.info("group closed", group=group.id, reason=reason, kept=len(closed.kept),
                  outcome=outcome, reward_mean=closed.reward_mean, reward_max=closed.reward_max)
 
@@ -581,26 +580,26 @@ class Scheduler:
     def refresh_metrics(self) -> None:
         s = self.store
         t = self.iteration()
-        m.ITERATION.set(max(t, 0))
-        m.ITERATIONS.set(self.section.iterations)
-        m.ITERATIONS_DONE.set(self.iterations_done())
+        metrics.ITERATION.set(max(t, 0))
+        metrics.ITERATIONS.set(self.section.iterations)
+        metrics.ITERATIONS_DONE.set(self.iterations_done())
         for state, count in s.count_groups_by_state(t).items():
-            m.GROUPS.labels(state).set(count)
+            metrics.GROUPS.labels(state).set(count)
         pacing = self.pacing_state()
-        m.IN_FLIGHT.set(pacing.groups_in_flight)
-        m.OUTSTANDING.set(outstanding(pacing))
-        m.POLICY_VERSION.set(int(s.get("policy_version", 0)))
-        m.GROUPS_TRAINED.set(pacing.groups_trained)
-        m.UNSENT.set(s.count_unsent())
-        m.SUSPECT_HOSTS.set(len(self.suspect_hosts()))
-        m.POOL.clear()
+        metrics.IN_FLIGHT.set(pacing.groups_in_flight)
+        metrics.OUTSTANDING.set(outstanding(pacing))
+        metrics.POLICY_VERSION.set(int(s.get("policy_version", 0)))
+        metrics.GROUPS_TRAINED.set(pacing.groups_trained)
+        metrics.UNSENT.set(s.count_unsent())
+        metrics.SUSPECT_HOSTS.set(len(self.suspect_hosts()))
+        metrics.POOL.clear()
         for program in dedupe(s.pool(t)):
-            m.POOL.labels(str(program.stage), program.status).inc()
+            metrics.POOL.labels(str(program.stage), program.status).inc()
         for (iteration, stage), values in s.gflops_by_iteration_and_stage().items():
-            m.BEST_GFLOPS.labels(str(stage), str(iteration)).set(max(values))
-            m.MEDIAN_GFLOPS.labels(str(stage), str(iteration)).set(statistics.median(values))
+            metrics.BEST_GFLOPS.labels(str(stage), str(iteration)).set(max(values))
+            metrics.MEDIAN_GFLOPS.labels(str(stage), str(iteration)).set(statistics.median(values))
         for stage, best in s.best_gflops_by_stage().items():
-            m.BEST_GFLOPS_STAGE.labels(str(stage)).set(best)
+            metrics.BEST_GFLOPS_STAGE.labels(str(stage)).set(best)
         for iteration, (mean, best_reward) in s.reward_stats_by_iteration().items():
-            m.ITERATION_REWARD_MEAN.labels(str(iteration)).set(mean)
-            m.ITERATION_REWARD_MAX.labels(str(iteration)).set(best_reward)
+            metrics.ITERATION_REWARD_MEAN.labels(str(iteration)).set(mean)
+            metrics.ITERATION_REWARD_MAX.labels(str(iteration)).set(best_reward)

@@ -112,7 +112,7 @@ class _Prompt:
 
 
 @dataclass
-class _Early:
+class _Accumulated:
     """The part of the next step that :meth:`TorchTrainer.accumulate` already computed."""
 
     normalizer: float  # the provisional denominator its gradient was divided by
@@ -152,7 +152,7 @@ class TorchTrainer:
         self.reference = self._load_reference()
         self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self._early: _Early | None = None
+        self._early: _Accumulated | None = None
         self.optimizer = torch.optim.AdamW(
             self.params, lr=settings.learning_rate, betas=settings.adam_betas,
             weight_decay=settings.weight_decay,
@@ -377,7 +377,7 @@ class TorchTrainer:
             # The step's true denominator is known only at the step; one near it keeps the
             # summed gradients in range (float16), and the step rescales them exactly.
             provisional = max(self._denominator(sequences) * self.settings.groups_per_step, 1.0)
-            self._early = _Early(normalizer=provisional)
+            self._early = _Accumulated(normalizer=provisional)
         early = self._early
         try:
             self._backward(sequences, early.normalizer, early.stats, early.fresh_stats)
@@ -397,7 +397,7 @@ class TorchTrainer:
         self._early = None
         self.optimizer.zero_grad(set_to_none=True)
 
-    def _take_early(self, sequences: Sequence[TrainSequence]) -> _Early | None:
+    def _take_early(self, sequences: Sequence[TrainSequence]) -> _Accumulated | None:
         """What was accumulated for exactly this step, or None (and then nothing is kept)."""
         early, self._early = self._early, None
         if early is None:
