@@ -53,8 +53,8 @@ class KernelSpec:
 
     family: Family = "loops"
     order: str = "ikj"  # loop order of the "loops" family
-    rm: int = 1  # register block: rows
-    rn: int = 1  # register block: vectors (or scalars) per row
+    block_rows: int = 1  # register block: rows
+    block_vectors: int = 1  # register block: vectors (or scalars) per row
     simd: str | None = None  # None, "avx2", "avx512"
     fma: bool = True
     tile: tuple[int, int, int] | None = None  # cache tile (BM, BN, BK)
@@ -73,7 +73,7 @@ class KernelSpec:
     @property
     def techniques(self) -> tuple[str, ...]:
         found = []
-        if self.family == "block" and (self.rm * self.rn > 1 or self.simd):
+        if self.family == "block" and (self.block_rows * self.block_vectors > 1 or self.simd):
             found.append(REGISTER_BLOCKING)
         if self.tile is not None:
             found.append(CACHE_BLOCKING)
@@ -137,12 +137,13 @@ def sample_spec(rng: random.Random, target_stage: int, isa: str, styles: int = 6
     want_prefetch = target_stage >= 5
     style = rng.randrange(styles)
     if want_simd:
-        rm, rn = rng.choice(_VECTOR_BLOCKS[isa])
-        spec = KernelSpec(family="block", rm=rm, rn=rn, simd=isa, style=style,
-                          fma=isa == "avx512" or rng.random() < 0.85)
+        block_rows, block_vectors = rng.choice(_VECTOR_BLOCKS[isa])
+        spec = KernelSpec(family="block", block_rows=block_rows, block_vectors=block_vectors,
+                          simd=isa, style=style, fma=isa == "avx512" or rng.random() < 0.85)
     elif rng.random() < 0.5:
-        rm, rn = rng.choice(_SCALAR_BLOCKS)
-        spec = KernelSpec(family="block", rm=rm, rn=rn, style=style)
+        block_rows, block_vectors = rng.choice(_SCALAR_BLOCKS)
+        spec = KernelSpec(family="block", block_rows=block_rows, block_vectors=block_vectors,
+                          style=style)
     else:
         orders = ("ikj", "ijk", "jik") if want_omp else ("ikj", "ijk", "kij", "jik")
         spec = KernelSpec(family="loops", order=rng.choice(orders),
@@ -150,8 +151,8 @@ def sample_spec(rng: random.Random, target_stage: int, isa: str, styles: int = 6
     if want_tile:
         bm, bn, bk = rng.choice(_TILES), rng.choice(_TILES), rng.choice(_TILES)
         if spec.family == "block":  # tiles hold whole register blocks, as people write them
-            bm = max(bm // spec.rm, 1) * spec.rm
-            bn = max(bn // (spec.rn * spec.width), 1) * spec.rn * spec.width
+            bm = max(bm // spec.block_rows, 1) * spec.block_rows
+            bn = max(bn // (spec.block_vectors * spec.width), 1) * spec.block_vectors * spec.width
         spec = replace(spec, tile=(bm, bn, bk), tile_order=rng.choice(("ikj", "ijk")))
     if want_omp:
         choices: tuple[Omp, ...] = ("static", "dynamic")
@@ -175,8 +176,8 @@ def downgrade(rng: random.Random, spec: KernelSpec, to_stage: int) -> KernelSpec
     if to_stage < 4:
         spec = replace(spec, omp=None)
     if to_stage < 3 and spec.simd:
-        rn = spec.rn if spec.rm * spec.rn > 1 else 2
-        spec = replace(spec, simd=None, rn=rn, fma=True)
+        block_vectors = spec.block_vectors if spec.block_rows * spec.block_vectors > 1 else 2
+        spec = replace(spec, simd=None, block_vectors=block_vectors, fma=True)
     if to_stage < 2:
         spec = replace(spec, tile=None)
     return spec
@@ -300,7 +301,7 @@ _TILE_NAMES = (("ii", "jj", "kk"), ("i0", "j0", "k0"), ("ib", "jb", "kb"))
 @dataclass
 class _Ctx:
     spec: KernelSpec
-    ix: _Index
+    index: _Index
     tile_names: tuple[str, str, str]
     defines: bool  # tile sizes as #define (else literals through const ints)
 
@@ -314,7 +315,7 @@ def render(spec: KernelSpec) -> str:
     # One naming for tiles: a 3M-parameter policy trained for minutes mixed names within one
     # kernel (ib here, ii there) when the corpus varied them, and most of its compile errors
     # were such mix-ups.
-    ctx = _Ctx(spec=spec, ix=_Index(spec), tile_names=_TILE_NAMES[0], defines=True)
+    ctx = _Ctx(spec=spec, index=_Index(spec), tile_names=_TILE_NAMES[0], defines=True)
     head: list[str] = []
     if spec.simd or (spec.prefetch and spec.prefetch[0] == "mm"):
         head.append("#include <immintrin.h>")
@@ -348,8 +349,8 @@ def describe(spec: KernelSpec) -> str:
         if spec.unroll > 1:
             parts.append(f"unrolled by {spec.unroll}")
     else:
-        width = spec.rn * spec.width
-        parts.append(f"{spec.rm}x{width} register block")
+        width = spec.block_vectors * spec.width
+        parts.append(f"{spec.block_rows}x{width} register block")
         if spec.simd:
             parts.append("AVX-512" if spec.simd == "avx512" else "AVX2")
     if spec.tile:
@@ -375,10 +376,10 @@ def _zero_c(code: _Code, ctx: _Ctx) -> None:
         return
     if ctx.spec.omp:
         code.line(_omp_pragma(ctx.spec))
-    if ctx.spec.style % 2 or ctx.ix.c_ld != "N":
+    if ctx.spec.style % 2 or ctx.index.c_ld != "N":
         code.open("for (int i = 0; i < M; i++)")
         code.open("for (int j = 0; j < N; j++)")
-        code.line(f"{ctx.ix.c('i', 'j')} = 0.0;")
+        code.line(f"{ctx.index.c('i', 'j')} = 0.0;")
         code.close()
         code.close()
     else:
@@ -391,7 +392,7 @@ def _prefetch(code: _Code, ctx: _Ctx, k: str, j: str) -> None:
     if not ctx.spec.prefetch:
         return
     kind, distance = ctx.spec.prefetch
-    address = f"&{ctx.ix.b(f'{k} + {distance}', j)}"
+    address = f"&{ctx.index.b(f'{k} + {distance}', j)}"
     if kind == "mm":
         code.line(f"_mm_prefetch((const char *){address}, _MM_HINT_T0);")
     else:
@@ -463,14 +464,14 @@ def _loops(code: _Code, ctx: _Ctx) -> None:
 
 
 def _dot_nest(code: _Code, ctx: _Ctx) -> None:
-    spec, ix = ctx.spec, ctx.ix
+    spec, index = ctx.spec, ctx.index
     outer, inner = ("i", "j") if spec.order == "ijk" else ("j", "i")
     limit = {"i": "M", "j": "N"}
     if spec.omp and ctx.mistake != RACE:
         code.line(_omp_pragma(spec))
     code.open(f"for (int {outer} = 0; {outer} < {limit[outer]}; {outer}++)")
     code.open(f"for (int {inner} = 0; {inner} < {limit[inner]}; {inner}++)")
-    init = ix.c("i", "j") if ctx.mistake == NO_ZERO else "0.0"
+    init = index.c("i", "j") if ctx.mistake == NO_ZERO else "0.0"
     code.line(f"double sum = {init};")
     if ctx.mistake == RACE:
         code.line("#pragma omp parallel for")
@@ -482,7 +483,7 @@ def _dot_nest(code: _Code, ctx: _Ctx) -> None:
             code.line("int k = 0;")
             code.line(f"for (; k + {u} <= K; k += {u}) {{")
         code.depth += 1
-        terms = [f"{ix.a('i', _plus('k', t))} * {ix.b(_plus('k', t), 'j')}" for t in range(u)]
+        terms = [f"{index.a('i', _plus('k', t))} * {index.b(_plus('k', t), 'j')}" for t in range(u)]
         _prefetch(code, ctx, "k", "j")
         code.line("sum += " + terms[0])
         for term in terms[1:]:
@@ -491,14 +492,14 @@ def _dot_nest(code: _Code, ctx: _Ctx) -> None:
         code.close()
         if ctx.mistake != NO_BOUNDARY:
             code.open(f"for (; {_k_bound(ctx, 'K')}; k++)")
-            code.line(f"sum += {ix.a('i', 'k')} * {ix.b('k', 'j')};")
+            code.line(f"sum += {index.a('i', 'k')} * {index.b('k', 'j')};")
             code.close()
     else:
         code.open(f"for (int k = 0; {_k_bound(ctx, 'K')}; k++)")
         _prefetch(code, ctx, "k", "j")
-        code.line(f"sum += {ix.a('i', 'k')} * {ix.b('k', 'j')};")
+        code.line(f"sum += {index.a('i', 'k')} * {index.b('k', 'j')};")
         code.close()
-    code.line(f"{ix.c('i', 'j')} = sum;")
+    code.line(f"{index.c('i', 'j')} = sum;")
     code.close()
     code.close()
 
@@ -506,7 +507,7 @@ def _dot_nest(code: _Code, ctx: _Ctx) -> None:
 def _axpy_nest(code: _Code, ctx: _Ctx, irange: tuple[str, str], jrange: tuple[str, str],
                krange: tuple[str, str], outer_pragma: bool) -> None:
     """C[i, j0:j1] += A[i, k] * B[k, j0:j1] over the ranges (C already zeroed)."""
-    spec, ix = ctx.spec, ctx.ix
+    spec, index = ctx.spec, ctx.index
     order = "kij" if spec.order == "kij" and outer_pragma else "ikj"
     i_head = f"for (int i = {irange[0]}; i < {irange[1]}; i++)"
     k_head = f"for (int k = {krange[0]}; {_k_bound(ctx, krange[1])}; k++)"
@@ -517,7 +518,7 @@ def _axpy_nest(code: _Code, ctx: _Ctx, irange: tuple[str, str], jrange: tuple[st
         elif outer_pragma and spec.omp and depth == 0 and ctx.mistake != RACE:
             code.line(_omp_pragma(spec))
         code.open(head)
-    code.line(f"double a = {ix.a('i', 'k')};")
+    code.line(f"double a = {index.a('i', 'k')};")
     _prefetch(code, ctx, "k", jrange[0])
     u = spec.unroll
     j0, j1 = jrange
@@ -528,21 +529,21 @@ def _axpy_nest(code: _Code, ctx: _Ctx, irange: tuple[str, str], jrange: tuple[st
             code.line(f"int j = {j0};")
             code.open(f"for (; j + {u} <= {j1}; j += {u})")
         for t in range(u):
-            code.line(f"{ix.c('i', _plus('j', t))} += a * {ix.b('k', _plus('j', t))};")
+            code.line(f"{index.c('i', _plus('j', t))} += a * {index.b('k', _plus('j', t))};")
         code.close()
         if ctx.mistake != NO_BOUNDARY:
             code.open(f"for (; j < {j1}; j++)")
-            code.line(f"{ix.c('i', 'j')} += a * {ix.b('k', 'j')};")
+            code.line(f"{index.c('i', 'j')} += a * {index.b('k', 'j')};")
             code.close()
     else:
         code.open(f"for (int j = {j0}; j < {j1}; j++)")
-        code.line(f"{ix.c('i', 'j')} += a * {ix.b('k', 'j')};")
+        code.line(f"{index.c('i', 'j')} += a * {index.b('k', 'j')};")
         code.close()
     code.close()
     code.close()
 
 
-# --- the "block" family: an rm x (rn * lanes) register block, scalar or SIMD ----------------
+# --- the "block" family: a block_rows x (block_vectors * lanes) register block, scalar or SIMD
 
 
 @dataclass(frozen=True)
@@ -570,28 +571,29 @@ def _block(code: _Code, ctx: _Ctx) -> None:
     if spec.tile is not None:
         _zero_c(code, ctx)
         i0, i1, j0, j1, k0, k1 = _tile_loops(code, ctx)
-        _micro(code, ctx, (i0, i1), (j0, j1), (k0, k1), accumulate=True, outer_pragma=False)
+        _register_block(code, ctx, (i0, i1), (j0, j1), (k0, k1), accumulate=True,
+                        outer_pragma=False)
         _close_tiles(code)
     else:
-        _micro(code, ctx, ("0", "M"), ("0", "N"), ("0", "K"),
+        _register_block(code, ctx, ("0", "M"), ("0", "N"), ("0", "K"),
                accumulate=ctx.mistake == NO_ZERO, outer_pragma=True)
 
 
-def _micro(code: _Code, ctx: _Ctx, irange: tuple[str, str], jrange: tuple[str, str],
+def _register_block(code: _Code, ctx: _Ctx, irange: tuple[str, str], jrange: tuple[str, str],
            krange: tuple[str, str], accumulate: bool, outer_pragma: bool) -> None:
     """Register-blocked C[irange, jrange] (+)= A[irange, krange] * B[krange, jrange]."""
-    spec, ix = ctx.spec, ctx.ix
-    rm, cols = spec.rm, spec.rn * spec.width
+    spec, index = ctx.spec, ctx.index
+    block_rows, cols = spec.block_rows, spec.block_vectors * spec.width
     i0, i1 = irange
     j0, j1 = jrange
     k0, k1 = krange
     bounded = ctx.mistake != NO_BOUNDARY
     tiled = i0 != "0"
-    if bounded and rm > 1:
+    if bounded and block_rows > 1:
         i_main = "i_main" if tiled else "M_main"
         span = f"({i1} - {i0})" if tiled else i1
         base = f"{i0} + " if tiled else ""
-        code.line(f"int {i_main} = {base}{span} - {span} % {rm};")
+        code.line(f"int {i_main} = {base}{span} - {span} % {block_rows};")
     else:
         i_main = i1
     if bounded and cols > 1:
@@ -604,35 +606,35 @@ def _micro(code: _Code, ctx: _Ctx, irange: tuple[str, str], jrange: tuple[str, s
     pragma = outer_pragma and spec.omp and ctx.mistake != RACE
     if pragma:
         code.line(_omp_pragma(spec))
-    step = "i++" if rm == 1 else f"i += {rm}"
+    step = "i++" if block_rows == 1 else f"i += {block_rows}"
     code.open(f"for (int i = {i0}; i < {i_main}; {step})")
     jstep = "j++" if cols == 1 else f"j += {cols}"
     code.open(f"for (int j = {j0}; j < {j_main}; {jstep})")
-    rows = [_plus("i", r) for r in range(rm)]
-    offsets = [v * spec.width for v in range(spec.rn)]
-    names = [[f"c{r}{v}" for v in range(spec.rn)] for r in range(rm)]
+    rows = [_plus("i", r) for r in range(block_rows)]
+    offsets = [v * spec.width for v in range(spec.block_vectors)]
+    names = [[f"c{r}{v}" for v in range(spec.block_vectors)] for r in range(block_rows)]
     vec = _VECS.get(spec.simd or "")
-    for r in range(rm):
+    for r in range(block_rows):
         decls = []
-        for v in range(spec.rn):
+        for v in range(spec.block_vectors):
             cj = _plus("j", offsets[v])
             if vec is None:
-                decls.append(f"{names[r][v]} = {ix.c(rows[r], cj) if accumulate else '0.0'}")
+                decls.append(f"{names[r][v]} = {index.c(rows[r], cj) if accumulate else '0.0'}")
             else:
-                init = f"{vec.load}(&{ix.c(rows[r], cj)})" if accumulate else vec.zero
+                init = f"{vec.load}(&{index.c(rows[r], cj)})" if accumulate else vec.zero
                 decls.append(f"{names[r][v]} = {init}")
         code.line(f"{vec.type if vec else 'double'} " + ", ".join(decls) + ";")
     if ctx.mistake == RACE and not tiled:
         code.line("#pragma omp parallel for")
     code.open(f"for (int k = {k0}; {_k_bound(ctx, k1)}; k++)")
     _prefetch(code, ctx, "k", "j")
-    for v in range(spec.rn):
-        bref = ix.b("k", _plus("j", offsets[v]))
+    for v in range(spec.block_vectors):
+        bref = index.b("k", _plus("j", offsets[v]))
         code.line(f"{vec.type} b{v} = {vec.load}(&{bref});" if vec else f"double b{v} = {bref};")
-    for r in range(rm):
-        aref = ix.a(rows[r], "k")
+    for r in range(block_rows):
+        aref = index.a(rows[r], "k")
         code.line(f"{vec.type} a{r} = {vec.set1}({aref});" if vec else f"double a{r} = {aref};")
-        for v in range(spec.rn):
+        for v in range(spec.block_vectors):
             acc = names[r][v]
             if vec is None:
                 code.line(f"{acc} += a{r} * b{v};")
@@ -641,23 +643,23 @@ def _micro(code: _Code, ctx: _Ctx, irange: tuple[str, str], jrange: tuple[str, s
             else:
                 code.line(f"{acc} = {vec.add}({acc}, {vec.mul}(a{r}, b{v}));")
     code.close()
-    for r in range(rm):
-        for v in range(spec.rn):
-            cref = ix.c(rows[r], _plus("j", offsets[v]))
+    for r in range(block_rows):
+        for v in range(spec.block_vectors):
+            cref = index.c(rows[r], _plus("j", offsets[v]))
             code.line(f"{vec.store}(&{cref}, {names[r][v]});" if vec
                       else f"{cref} = {names[r][v]};")
     code.close()
     if bounded and cols > 1:
         code.open(f"for (int j = {j_main}; j < {j1}; j++)")
-        if rm > 1:
-            code.open(f"for (int r = 0; r < {rm}; r++)")
-        row = "i + r" if rm > 1 else "i"
+        if block_rows > 1:
+            code.open(f"for (int r = 0; r < {block_rows}; r++)")
+        row = "i + r" if block_rows > 1 else "i"
         _scalar_dot(code, ctx, row, "j", krange, accumulate)
-        if rm > 1:
+        if block_rows > 1:
             code.close()
         code.close()
     code.close()
-    if bounded and rm > 1:
+    if bounded and block_rows > 1:
         if pragma:
             code.line(_omp_pragma(spec))
         code.open(f"for (int i = {i_main}; i < {i1}; i++)")
@@ -669,12 +671,12 @@ def _micro(code: _Code, ctx: _Ctx, irange: tuple[str, str], jrange: tuple[str, s
 
 def _scalar_dot(code: _Code, ctx: _Ctx, row: str, col: str, krange: tuple[str, str],
                 accumulate: bool) -> None:
-    ix = ctx.ix
-    code.line(f"double s = {ix.c(row, col) if accumulate else '0.0'};")
+    index = ctx.index
+    code.line(f"double s = {index.c(row, col) if accumulate else '0.0'};")
     code.open(f"for (int k = {krange[0]}; k < {krange[1]}; k++)")
-    code.line(f"s += {ix.a(row, 'k')} * {ix.b('k', col)};")
+    code.line(f"s += {index.a(row, 'k')} * {index.b('k', col)};")
     code.close()
-    code.line(f"{ix.c(row, col)} = s;")
+    code.line(f"{index.c(row, col)} = s;")
 
 
 # --- compile errors ------------------------------------------------------------------------
