@@ -1,19 +1,5 @@
-"""Reliable RabbitMQ messaging on pika, shared by every service.
-
-The guarantees, end to end at-least-once and effectively-once with id-keyed consumers:
-
-* publisher confirms + persistent messages + ``mandatory`` routing: a publish returns only
-  once the broker has taken responsibility for the message;
-* manual acks, sent only after the handler's own outputs are confirmed;
-* handlers run on worker threads while the connection's I/O loop keeps the heartbeat alive;
-* a body that is not a valid message is dead-lettered at once with the reason in the
-  ``x-hpcrl-reason`` header; a handler that keeps raising is dead-lettered after
-  ``delivery_limit`` tries (the quorum queue's own delivery limit is the backstop for a
-  message that kills its consumer);
-* on a lost connection the consumer reconnects with exponential backoff; unacked messages
-  come back from the broker, and a message whose outputs were already produced is not
-  handled again (an id-keyed memory of completed messages), so nothing is lost and nothing
-  is done twice in effect.
+"""Consuming: :class:`Consumer` takes deliveries, runs handlers on worker threads, settles
+(publishes the outputs, then acks), dead-letters, runs periodic tasks and reconnects.
 
 All channel operations happen on the thread that calls :meth:`Consumer.run`; other threads
 talk to it through a queue of actions.
@@ -23,155 +9,70 @@ from __future__ import annotations
 
 import contextlib
 import queue
-import random
-import re
-import ssl
-import stat
 import struct
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
 
 import pika
-import pika.data
 import pika.exceptions
 import structlog
 from pika.adapters.blocking_connection import BlockingChannel
-from prometheus_client import Counter, Gauge, Histogram
 
 from hpcrl_common.access import publisher_allowed
+from hpcrl_common.broker.connection import (
+    RECOVERABLE,
+    TlsRefused,
+    _Backoff,
+    broker_address,
+    connection_parameters,
+    open_connection,
+)
+from hpcrl_common.broker.delivery import (
+    DEFER,
+    Delivery,
+    Handler,
+    Ignore,
+    Reject,
+    _as_text,
+    delivery_count,
+)
+from hpcrl_common.broker.metrics import (
+    CONNECTED,
+    CONSUMED,
+    HANDLER_SECONDS,
+    PERIODIC_FAILURES,
+    RECONNECTS,
+)
+from hpcrl_common.broker.publishing import (
+    _REFUSED_PAUSE_S,
+    ChannelRefused,
+    Publish,
+    TopologyMissing,
+    declare_keeping_classic,
+    prepare_channel,
+    publish_on,
+)
 from hpcrl_common.config import BrokerSettings
-from hpcrl_common.messages import Message, MessageError, decode, encode
+from hpcrl_common.messages import Message, MessageError, decode
 from hpcrl_common.metrics import BusyTime
 from hpcrl_common.topology import (
     CONSUMER_HEADER,
     PUBLISHER_HEADER,
     REASON_HEADER,
     SOURCE_QUEUE_HEADER,
-    DurableQueue,
     Topology,
-    classic_queues,
-    inbox_of,
-    is_queue_type_conflict,
 )
 
 log = structlog.get_logger("hpcrl.broker")
 
-
-def _decode_header_value(encoded: bytes, offset: int) -> tuple[Any, int]:
-    """pika's header decoder, except that a timestamp datetime cannot hold becomes its
-    integer: pika's ValueError would drop the connection before any callback, again on every
-    redelivery, taking the messages prefetched with it into the DLQ unhandled."""
-    if encoded[offset:offset + 1] == b"T":
-        seconds = struct.unpack_from(">Q", encoded, offset + 1)[0]
-        try:
-            return datetime.fromtimestamp(seconds, UTC), offset + 9
-        except (OverflowError, ValueError, OSError):
-            return seconds, offset + 9
-    return _PIKA_DECODE_VALUE(encoded, offset)
-
-
-# pika.data.decode_table looks decode_value up by its module-global name, so nested tables
-# and arrays take this path too.
-_PIKA_DECODE_VALUE = pika.data.decode_value
-pika.data.decode_value = _decode_header_value
-
-CONSUMED = Counter(
-    "hpcrl_broker_consumed_total",
-    "Messages taken off a queue, by how they were settled",
-    ["queue", "outcome"],
-)
-PUBLISHED = Counter(
-    "hpcrl_broker_published_total", "Messages confirmed by the broker", ["routing_key"]
-)
-RECONNECTS = Counter("hpcrl_broker_reconnects_total", "Connection losses recovered", ["client"])
-PERIODIC_FAILURES = Counter(
-    "hpcrl_broker_periodic_failures_total",
-    "Runs of a periodic task (e.g. the scheduler's tick) that raised",
-    ["client", "task"],
-)
-CONNECTED = Gauge("hpcrl_broker_connected", "1 while connected to the broker", ["client"])
-HANDLER_SECONDS = Histogram(
-    "hpcrl_broker_handler_seconds",
-    "Time a handler took per message",
-    ["queue"],
-    buckets=(0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 300),
-)
-
-# Connection-level trouble that a reconnect cures. Unroutable/nacked publishes are not in it.
-RECOVERABLE = (
-    pika.exceptions.AMQPConnectionError,
-    pika.exceptions.AMQPChannelError,
-    pika.exceptions.ConnectionWrongStateError,
-    pika.exceptions.StreamLostError,
-    ConnectionError,
-)
 _COMPLETED_MEMORY = 50_000
 _LOOP_TICK_S = 0.05
-# After a nacked publish (see ChannelRefused), the least wait before a new channel: long
-# enough for the quorum queues of a lost node to have elected new leaders.
-_REFUSED_PAUSE_S = 1.0
-
-
-@dataclass(frozen=True)
-class Publish:
-    """One output message. ``routing_key`` is the full queue name (``topology.name(...)``)."""
-
-    routing_key: str
-    message: Message
-    exchange: str = ""
-    mandatory: bool = True
-
-
-class Reject(Exception):
-    """Raised by a handler for a message that can never succeed: dead-letter it now.
-
-    Its id is not remembered as handled: a later message with the same id (the genuine one
-    after a forgery) is handled."""
-
-
-class Ignore(Exception):
-    """Raised by a handler for a message that is not for it (another experiment's): acked,
-    counted ``ignored``, and its id not remembered as handled, so that a message of the
-    same id meant for this consumer is still handled. Dedup is of messages handled, not of
-    ids seen."""
-
-
-class _Deferred:
-    def __repr__(self) -> str:
-        return "DEFER"
-
-
-DEFER = _Deferred()
-"""Returned by a handler that will settle the delivery later with :meth:`Consumer.settle`."""
-
-
-@dataclass
-class Delivery:
-    """A received message as the consumer tracks it until it is settled."""
-
-    queue: str
-    tag: int
-    generation: int
-    attempt: int
-    body: bytes
-    headers: dict[str, Any]
-    message_id: str = ""
-    user_id: str | None = None  # verified by RabbitMQ: the publisher's broker user
-    key: tuple[str, str] = ("", "")  # (queue, message id): what idempotency is keyed on
-    extra_tags: list[int] = field(default_factory=list)
-    received_at: float = field(default_factory=time.monotonic)
-
-
-Handler = Callable[[Message, Delivery], "Sequence[Publish] | _Deferred"]
 
 
 @dataclass
@@ -197,303 +98,6 @@ class _Timer:
     def name(self) -> str:
         return getattr(self.fn, "__name__", "?")
 
-
-class BrokerSetupError(RuntimeError):
-    """A setting that cannot work (unreadable password file, bad TLS files): not retried."""
-
-
-class TlsRefused(pika.exceptions.AMQPConnectionError):
-    """The TLS handshake failed: a wrong CA, name or port, or a missing client certificate.
-
-    Retried like any lost connection (a certificate may be rotated), with this message.
-    """
-
-
-_TLS_ALERT = re.compile(r"\[SSL: (?P<code>[A-Z0-9_]+)\] (?P<text>.+?) \(_ssl")
-
-
-def open_connection(
-    params: pika.URLParameters | Sequence[pika.URLParameters],
-) -> pika.BlockingConnection:
-    """Connect to the first broker address of ``params`` that takes the connection.
-
-    ``params`` is one address or several (:func:`connection_parameters`: ``url`` and then
-    ``failover_urls``), tried in order; when none can be reached, the error is the last one's.
-    """
-    configs = [params] if isinstance(params, pika.connection.Parameters) else list(params)
-    try:
-        return pika.BlockingConnection(configs)
-    except ssl.SSLCertVerificationError as exc:
-        raise TlsRefused(
-            f"TLS: the broker's certificate was refused ({exc.verify_message}); check "
-            f"broker.tls_ca_file and broker.tls_server_name") from None
-    except ssl.SSLError as exc:
-        raise TlsRefused(
-            f"TLS handshake with the broker failed ({exc.reason or exc}); is the URL's port a "
-            f"TLS listener, and does the broker require a client certificate "
-            f"(broker.tls_cert_file)?") from None
-    except pika.exceptions.AMQPConnectionError as exc:
-        # TLS 1.3: the broker judges our certificate after the handshake, so its alert
-        # arrives as a lost stream, not as an SSLError.
-        tls = any(config.ssl_options is not None for config in configs)
-        alert = _TLS_ALERT.search(str(exc)) if tls else None
-        if alert is None and tls and "SSLEOFError" in str(exc):
-            # The broker sent its alert and closed before we read it, so our first write
-            # after the handshake met a closed socket; a refused certificate is the cause
-            # seen (a broker that refuses for another reason says so in AMQP).
-            raise TlsRefused(
-                "TLS: the broker closed the connection right after the handshake without "
-                "saying why, as it does when it refuses our client certificate; is "
-                "broker.tls_cert_file set, signed by a CA the broker trusts, and valid?"
-            ) from None
-        if alert is None:
-            raise
-        if alert["code"].endswith("CERTIFICATE_REQUIRED"):
-            raise TlsRefused(
-                f"TLS: the broker requires a client certificate ({alert['text']}); set "
-                f"broker.tls_cert_file and broker.tls_key_file") from None
-        raise TlsRefused(
-            f"TLS: the broker refused our client certificate ({alert['text']}); is "
-            f"broker.tls_cert_file signed by a CA the broker trusts, and valid?") from None
-
-
-class ChannelRefused(pika.exceptions.AMQPChannelError):
-    """The broker nacked a publish: handled as a lost connection (reconnect, publish again).
-
-    After a node is lost, RabbitMQ (3.10) nacks every publish to a quorum queue on a channel
-    whose first publish to it came while the queue was electing a new leader, for as long
-    as that channel lives; a new channel is served. Publishing again is safe: consumers
-    dedupe by message id.
-    """
-
-
-class TopologyMissing(RuntimeError):
-    """The admin step has not declared what this service needs yet: retried with backoff."""
-
-
-def connection_parameters(settings: BrokerSettings, client: str) -> list[pika.URLParameters]:
-    """Parameters of every broker address, in the order to try them: ``url``, then
-    ``broker.failover_urls`` (other nodes of the same cluster).
-
-    url's user and password (or ``password_file``'s) and the TLS settings apply to each. One
-    connection attempt is one pass over the list (``connection_attempts`` 1, unless a URL's
-    query says otherwise): the callers retry with their own backoff (:class:`Consumer`,
-    :meth:`Publisher.publish`), starting again from ``url``.
-    """
-    first = pika.URLParameters(_with_password_field(settings.url))
-    credentials = first.credentials
-    if settings.password_file is not None:
-        credentials = pika.PlainCredentials(credentials.username,
-                                            read_password(settings.password_file))
-    context = tls_context(settings) if urlsplit(settings.url).scheme == "amqps" else None
-    all_params = []
-    for index, url in enumerate([settings.url, *settings.failover_urls]):
-        # A failover URL's user:password (if any) is url's (config checks): leave it to
-        # pika, which cannot parse a user without a password.
-        params = pika.URLParameters(_without_userinfo(url)) if index else first
-        params.credentials = credentials
-        params.heartbeat = settings.heartbeat_s
-        params.blocked_connection_timeout = 60
-        params.client_properties = {"connection_name": client, "product": "hpcrl"}
-        query = parse_qs(urlsplit(url).query)
-        if "connection_attempts" not in query:
-            params.connection_attempts = 1
-        if "retry_delay" not in query:
-            params.retry_delay = settings.reconnect_initial_s
-        if context is not None:
-            params.ssl_options = pika.SSLOptions(
-                context, settings.tls_server_name or params.host)
-        all_params.append(params)
-    return all_params
-
-
-def _with_password_field(url: str) -> str:
-    """``user@host`` as ``user:@host``: pika cannot parse a user without a password, which is
-    how a URL reads when the password comes from ``broker.password_file``."""
-    parts = urlsplit(url)
-    if parts.username is None or parts.password is not None:
-        return url
-    userinfo, _, host = parts.netloc.rpartition("@")
-    return parts._replace(netloc=f"{userinfo}:@{host}").geturl()
-
-
-def _without_userinfo(url: str) -> str:
-    parts = urlsplit(url)
-    return parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()
-
-
-def broker_address(connection: pika.BlockingConnection) -> str:
-    """host:port of the broker node a connection is open to (for logs), or "?"."""
-    params = getattr(getattr(connection, "_impl", None), "params", None)
-    return "?" if params is None else f"{params.host}:{params.port}"
-
-
-def read_password(path: Path) -> str:
-    try:
-        mode = path.stat().st_mode
-        text = path.read_text()
-    except OSError as exc:
-        raise BrokerSetupError(f"broker.password_file {path}: {exc.strerror}") from None
-    if mode & stat.S_IROTH:
-        raise BrokerSetupError(f"broker.password_file {path} is readable by every user: "
-                               f"chmod 600 it")
-    password = text.strip("\r\n")
-    if not password:
-        raise BrokerSetupError(f"broker.password_file {path} is empty")
-    return password
-
-
-def tls_context(settings: BrokerSettings) -> ssl.SSLContext:
-    """Verify the broker's certificate and name against the CA; optionally show ours."""
-    try:
-        context = ssl.create_default_context(
-            cafile=None if settings.tls_ca_file is None else str(settings.tls_ca_file))
-        if settings.tls_cert_file is not None:
-            context.load_cert_chain(str(settings.tls_cert_file),
-                                    None if settings.tls_key_file is None
-                                    else str(settings.tls_key_file))
-    except (OSError, ssl.SSLError) as exc:
-        raise BrokerSetupError(f"broker TLS files: {exc}") from None
-    return context
-
-
-def publish_on(channel: BlockingChannel, item: Publish, max_bytes: int,
-               user_id: str | None = None) -> None:
-    """Publish one message persistently and wait for the broker's confirm.
-
-    A message for a work queue goes through the queue's own exchange (``<queue>.in``); a
-    ``user_id`` is checked by RabbitMQ against the connection's user, so consumers can trust
-    it to say who published.
-    """
-    body = encode(item.message)
-    if len(body) > max_bytes:
-        raise MessageError(f"refusing to publish {len(body)} bytes > limit {max_bytes}")
-    properties = pika.BasicProperties(
-        delivery_mode=pika.DeliveryMode.Persistent,
-        content_type="application/msgpack",
-        message_id=item.message.id,
-        type=item.message.schema_tag(),
-        timestamp=int(time.time()),
-        user_id=user_id,
-    )
-    exchange = item.exchange or inbox_of(item.routing_key)
-    channel.basic_publish(
-        exchange, item.routing_key, body, properties=properties, mandatory=item.mandatory
-    )
-    PUBLISHED.labels(item.routing_key or item.exchange).inc()
-
-
-def prepare_channel(connection: pika.BlockingConnection, settings: BrokerSettings,
-                    topology: Topology) -> BlockingChannel:
-    """A confirming channel on a broker that holds the topology (declared or checked)."""
-    if settings.declare_topology:
-        channel = declare_keeping_classic(connection, topology.declare,
-                                          topology.dead_letter_queues())
-    else:
-        missing = topology.missing(connection.channel)
-        if missing:
-            raise TopologyMissing(
-                f"the broker lacks {', '.join(missing)}: declare the topology first "
-                f"(hpcrl-broker-admin declare), or set broker.declare_topology = true")
-        channel = connection.channel()
-    channel.confirm_delivery()
-    return channel
-
-
-def declare_keeping_classic(connection: pika.BlockingConnection,
-                            declare: Callable[..., object],
-                            queues: Sequence[DurableQueue]) -> BlockingChannel:
-    """Run ``declare(channel, classic=...)`` on a new channel and return that channel.
-
-    A broker set up by an older release has classic queues where this one declares quorum
-    queues (``queues``), and refuses to redeclare them (406, which closes the channel): the
-    service keeps those as they are, so that it runs on until an operator migrates them,
-    and says so at each connect.
-    """
-    channel = connection.channel()
-    try:
-        declare(channel, classic=())
-        return channel
-    except pika.exceptions.ChannelClosedByBroker as exc:
-        if not is_queue_type_conflict(exc):
-            raise
-    classic = classic_queues(connection.channel, queues)
-    if classic:
-        log.warning("classic queues left by an older release: they are lost with the node "
-                    "that holds them; run `hpcrl-broker-admin migrate` to make them quorum "
-                    "queues", queues=classic)
-    channel = connection.channel()
-    declare(channel, classic=classic)
-    return channel
-
-
-class _Backoff:
-    def __init__(self, settings: BrokerSettings) -> None:
-        self.initial, self.cap = settings.reconnect_initial_s, settings.reconnect_max_s
-        self.current = self.initial
-
-    def next(self) -> float:
-        delay = self.current * random.uniform(0.8, 1.2)
-        self.current = min(self.current * 2, self.cap)
-        return delay
-
-    def reset(self) -> None:
-        self.current = self.initial
-
-
-class Publisher:
-    """A confirming publisher for code that only sends (CLIs, tests, one-shot tools)."""
-
-    def __init__(
-        self,
-        settings: BrokerSettings,
-        client: str = "publisher",
-        *,
-        topology: Topology | None = None,
-    ) -> None:
-        self.settings = settings
-        self.topology = topology or Topology(settings.namespace, settings.delivery_limit)
-        self._params = connection_parameters(settings, client)
-        self._connection: pika.BlockingConnection | None = None
-        self._channel: BlockingChannel | None = None
-
-    def _ensure_channel(self) -> BlockingChannel:
-        if self._channel is None or not self._channel.is_open:
-            self.close()
-            self._connection = open_connection(self._params)
-            self._channel = prepare_channel(self._connection, self.settings, self.topology)
-        return self._channel
-
-    def publish(self, *items: Publish, attempts: int = 8) -> None:
-        backoff = _Backoff(self.settings)
-        for index, item in enumerate(items):
-            for attempt in range(1, attempts + 1):
-                try:
-                    publish_on(self._ensure_channel(), item, self.settings.max_message_bytes,
-                               self._params[0].credentials.username)
-                    break
-                except (*RECOVERABLE, pika.exceptions.NackError) as exc:
-                    self.close()  # a nacking channel stays so (see ChannelRefused): a new one
-                    if attempt == attempts:
-                        raise
-                    delay = backoff.next()
-                    if isinstance(exc, pika.exceptions.NackError):
-                        delay = max(delay, _REFUSED_PAUSE_S)
-                    log.warning("publish failed, retrying", error=repr(exc), delay_s=delay,
-                                item=index)
-                    time.sleep(delay)
-
-    def close(self) -> None:
-        connection, self._connection, self._channel = self._connection, None, None
-        if connection is not None and connection.is_open:
-            with contextlib.suppress(RECOVERABLE):
-                connection.close()
-
-    def __enter__(self) -> Publisher:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 class Consumer:
@@ -983,19 +587,3 @@ class Consumer:
             self._actions.put(partial(self._publish_request, outputs, None))
         timer.due = time.monotonic() + timer.every_s
         timer.running = False
-
-
-def delivery_count(headers: dict[str, Any]) -> int:
-    """The broker's ``x-delivery-count``; 0 when absent or not a sane count.
-
-    Anyone who can publish can set headers, so the value may be a string, a list or a huge
-    number: such a value counts as 0 and never raises.
-    """
-    count = headers.get("x-delivery-count", 0)
-    if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count < 1_000_000:
-        return 0
-    return count
-
-
-def _as_text(headers: dict[str, Any]) -> dict[str, str]:
-    return {str(key): repr(value)[:1000] for key, value in headers.items() if str(key)}
