@@ -185,20 +185,20 @@ def inject_duplicates(fleet: Fleet, group_id: str) -> list[str]:
             f"{ROLLOUT_BATCHES} {batch.id}"]
 
 
-def test_kill_minus_nine_of_each_service_in_turn(fleet_factory):
-    started = time.monotonic()
-    fleet: Fleet = fleet_factory(iterations=10)
+def start_fleet(fleet: Fleet) -> dict[str, Proc]:
+    """The four services started, each healthy."""
     procs = {service: fleet.start(service) for service in SERVICES}
     for proc in procs.values():
         fleet.wait_healthy(proc)
-    timings = {"start": time.monotonic() - started}
-    kills: list[Kill] = []
-    store = fleet.store
+    return procs
 
-    # 1. The scheduler, holding every result of a group. The generator is held back (frozen)
-    #    until the group's request is confirmed by the broker and the scheduler is frozen in
-    #    turn; then the generator samples, the benchmarker judges, and all G results go to a
-    #    scheduler that cannot store them.
+
+def kill_the_scheduler_holding_results(fleet: Fleet, procs: dict[str, Proc], kills: list[Kill]):
+    """1. The scheduler, holding every result of a group. The generator is held back (frozen)
+    until the group's request is confirmed by the broker and the scheduler is frozen in turn;
+    then the generator samples, the benchmarker judges, and all G results go to a scheduler
+    that cannot store them. Restarted, it resumes its run. Returns the first group."""
+    store = fleet.store
     first = wait_for(lambda: latest_group(fleet), 120, "the first group", fleet.tails)
     target = first
     for _ in range(3):  # should the generator have sampled the next group before its freeze
@@ -215,70 +215,133 @@ def test_kill_minus_nine_of_each_service_in_turn(fleet_factory):
         fleet.signal(procs["scheduler"], signal.SIGCONT)
         procs["scheduler"].frozen = False
     assert stored == 0, "the generator was never frozen in time"
-    kill_holding(fleet, procs["scheduler"], BENCH_RESULTS,
-                 lambda unacked: unacked >= GROUP_SIZE, kills,
-                 f"the results of {target.id}", lambda: {"group": target.id})
+    kill_holding(
+        fleet,
+        procs["scheduler"],
+        BENCH_RESULTS,
+        lambda unacked: unacked >= GROUP_SIZE,
+        kills,
+        f"the results of {target.id}",
+        lambda: {"group": target.id},
+    )
     created_at = store.get("created_at")
     procs["scheduler"] = fleet.start("scheduler")
     health = fleet.wait_healthy(procs["scheduler"])
     # Resumed its run (same store, same iteration or later), not a fresh one.
     assert health["iteration"] >= kills[-1].at_iteration, health
     assert store.get("created_at") == created_at
-    timings["scheduler"] = time.monotonic() - started
+    return first
 
-    # 2. The generator, frozen between two groups: it receives the next request.
+
+def kill_between_groups(
+    fleet: Fleet,
+    procs: dict[str, Proc],
+    kills: list[Kill],
+    service: str,
+    queue: str,
+    holds: Callable[[int, str], bool],
+    what: str,
+) -> None:
+    """``service``, frozen between two groups, is killed once it holds ``what`` of the next
+    (``holds(unacked, group id)``), and restarted."""
     current = latest_group(fleet)
     wait_closed(fleet, current.id)
-    fleet.freeze(procs["generator"])
+    fleet.freeze(procs[service])
     target = next_group(fleet, current.id)
-    kill_holding(fleet, procs["generator"], GENERATE_REQUESTS,
-                 lambda unacked: unacked >= 1, kills, f"the request of {target.id}",
-                 lambda: {"group": target.id})
-    procs["generator"] = fleet.start("generator")
-    fleet.wait_healthy(procs["generator"])
-    timings["generator"] = time.monotonic() - started
+    kill_holding(
+        fleet,
+        procs[service],
+        queue,
+        lambda unacked: holds(unacked, target.id),
+        kills,
+        f"{what} of {target.id}",
+        lambda: {"group": target.id},
+    )
+    procs[service] = fleet.start(service)
+    fleet.wait_healthy(procs[service])
 
-    # 3. The benchmarker, frozen between two groups: it receives all G candidates of the next.
-    current = latest_group(fleet)
-    wait_closed(fleet, current.id)
-    fleet.freeze(procs["benchmarker"])
-    target = next_group(fleet, current.id)
-    kill_holding(fleet, procs["benchmarker"], CODE_TO_BENCH,
-                 lambda unacked: unacked >= 1
-                 and unacked + store.count_results(target.id) == GROUP_SIZE, kills,
-                 f"the candidates of {target.id}", lambda: {"group": target.id})
-    procs["benchmarker"] = fleet.start("benchmarker")
-    fleet.wait_healthy(procs["benchmarker"])
-    timings["benchmarker"] = time.monotonic() - started
 
-    # 4. The learner, holding a deferred batch (half a step, uncommitted) after at least one
-    #    committed version.
+def kill_the_generator_holding_a_request(
+    fleet: Fleet, procs: dict[str, Proc], kills: list[Kill]
+) -> None:
+    """2. The generator, frozen between two groups: it receives the next request."""
+    kill_between_groups(
+        fleet,
+        procs,
+        kills,
+        "generator",
+        GENERATE_REQUESTS,
+        lambda unacked, _group: unacked >= 1,
+        "the request",
+    )
+
+
+def kill_the_benchmarker_holding_candidates(
+    fleet: Fleet, procs: dict[str, Proc], kills: list[Kill]
+) -> None:
+    """3. The benchmarker, frozen between two groups: it receives all G candidates of the
+    next."""
+    kill_between_groups(
+        fleet,
+        procs,
+        kills,
+        "benchmarker",
+        CODE_TO_BENCH,
+        lambda unacked, group: (
+            unacked >= 1 and unacked + fleet.store.count_results(group) == GROUP_SIZE
+        ),
+        "the candidates",
+    )
+
+
+def kill_the_learner_holding_half_a_step(
+    fleet: Fleet, procs: dict[str, Proc], kills: list[Kill]
+) -> tuple[int, int]:
+    """4. The learner, holding a deferred batch (half a step, uncommitted) after at least one
+    committed version. Returns the version and groups trained it had committed."""
     learner = procs["learner"]
 
     def half_a_step() -> bool:
         fleet.check_alive()
-        return fleet.learner_version() >= 1 and \
-            (fleet.health(learner) or {}).get("pending_groups") == 1
+        return (
+            fleet.learner_version() >= 1
+            and (fleet.health(learner) or {}).get("pending_groups") == 1
+        )
 
-    wait_for(half_a_step, 120, "the learner to hold half a step",
-             lambda: (fleet.health(learner), fleet.tails()), every=0.05)
+    wait_for(
+        half_a_step,
+        120,
+        "the learner to hold half a step",
+        lambda: (fleet.health(learner), fleet.tails()),
+        every=0.05,
+    )
     fleet.freeze(learner)
     version_before, trained_before = fleet.learner_version(), fleet.groups_trained()
-    kill_holding(fleet, learner, ROLLOUT_BATCHES, lambda unacked: unacked >= 1, kills,
-                 "a deferred batch",
-                 lambda: {"version": version_before, "groups_trained": trained_before})
+    kill_holding(
+        fleet,
+        learner,
+        ROLLOUT_BATCHES,
+        lambda unacked: unacked >= 1,
+        kills,
+        "a deferred batch",
+        lambda: {"version": version_before, "groups_trained": trained_before},
+    )
     procs["learner"] = fleet.start("learner")
     health = fleet.wait_healthy(procs["learner"])
     # It came back at the version it had committed, not at version 0.
     assert health["policy_version"] == version_before >= 1, health
-    timings["learner"] = time.monotonic() - started
+    return version_before, trained_before
 
-    # Duplicates, delivered for certain: copies of the first group's request, of one of its
-    # results and of its rollout batch (trained on before the learner's kill). The restarted
-    # generator has no memory of the request and samples it again, so its G candidates are
-    # judged again too; none of it may count.
+
+def send_duplicates_and_see_them_ignored(
+    fleet: Fleet, procs: dict[str, Proc], group_id: str
+) -> tuple[list[str], dict[str, float]]:
+    """Duplicates, delivered for certain: copies of the first group's request, of one of its
+    results and of its rollout batch (trained on before the learner's kill). The restarted
+    generator has no memory of the request and samples it again, so its G candidates are
+    judged again too; none of it may count. Returns what was sent and the counts ignored."""
     assert not fleet.done(), "the run ended before the duplicates could be sent"
-    duplicates = inject_duplicates(fleet, first.id)
+    duplicates = inject_duplicates(fleet, group_id)
 
     def ignored() -> dict[str, float] | None:
         fleet.check_alive()  # the scheduler too: its counters go with it
@@ -286,28 +349,53 @@ def test_kill_minus_nine_of_each_service_in_turn(fleet_factory):
             # A result the scheduler has stored is not filed again; a copy of one it has
             # already handled is acked by its consumer without reaching the handler.
             "scheduler_results_ignored": fleet.metric(
-                procs["scheduler"], "hpcrl_scheduler_results_ignored_total") + fleet.metric(
-                procs["scheduler"], "hpcrl_broker_consumed_total",
-                queue=fleet.topology.name(BENCH_RESULTS), outcome="duplicate"),
+                procs["scheduler"], "hpcrl_scheduler_results_ignored_total"
+            )
+            + fleet.metric(
+                procs["scheduler"],
+                "hpcrl_broker_consumed_total",
+                queue=fleet.topology.name(BENCH_RESULTS),
+                outcome="duplicate",
+            ),
             "learner_duplicate_batches": fleet.metric(
-                procs["learner"], "hpcrl_learner_duplicate_batches_total"),
+                procs["learner"], "hpcrl_learner_duplicate_batches_total"
+            ),
         }
-        return counts if counts["scheduler_results_ignored"] >= 1 + GROUP_SIZE and \
-            counts["learner_duplicate_batches"] >= 1 else None
+        return (
+            counts
+            if counts["scheduler_results_ignored"] >= 1 + GROUP_SIZE
+            and counts["learner_duplicate_batches"] >= 1
+            else None
+        )
 
-    ignored = wait_for(ignored, 120, "the duplicates to be delivered and ignored",
-                       fleet.tails, every=0.3)
-    timings["duplicates"] = time.monotonic() - started
+    return duplicates, wait_for(
+        ignored, 120, "the duplicates to be delivered and ignored", fleet.tails, every=0.3
+    )
 
-    wait_done(fleet, procs["scheduler"], procs["learner"])
-    timings["done"] = time.monotonic() - started
+
+def stop_every_service(fleet: Fleet) -> None:
+    """Once the run is done: every service stops, with exit code 0."""
     codes = stop_all(fleet)
     assert set(codes.values()) <= {0}, codes
 
+
+def assert_each_killed_once_and_nothing_lost(
+    fleet: Fleet,
+    kills: list[Kill],
+    learner_before: tuple[int, int],
+    duplicates: list[str],
+    ignored: dict[str, float],
+) -> dict[str, Any]:
+    """Every service was killed once, mid-run; the drills' counts hold; the learner's first
+    version after its kill continues the one (``learner_before``: version, groups trained)
+    it had committed. Returns the counts."""
+    version_before, trained_before = learner_before
     print(f"\n{'killed':<12}{'holding on':<18}{'ready':>6}{'unacked':>8}{'iteration':>10}  extra")
     for kill in kills:
-        print(f"{kill.service:<12}{kill.queue:<18}{kill.ready:>6}{kill.unacked:>8}"
-              f"{kill.at_iteration:>10}  {kill.extra}")
+        print(
+            f"{kill.service:<12}{kill.queue:<18}{kill.ready:>6}{kill.unacked:>8}"
+            f"{kill.at_iteration:>10}  {kill.extra}"
+        )
     assert [kill.service for kill in kills] == list(SERVICES)
     assert not any(kill.run_done for kill in kills), "the run ended before a kill"
     print(f"duplicates sent: {duplicates}; ignored: {ignored}")
@@ -316,7 +404,37 @@ def test_kill_minus_nine_of_each_service_in_turn(fleet_factory):
     after = [v for v in fleet.checkpoint_store().versions() if v.version > version_before]
     assert after and after[0].parent_version == version_before, after
     assert int(after[0].metrics["groups_trained"]) == trained_before + GROUPS_PER_STEP
-    timings["total"] = time.monotonic() - started
+    return counts
+
+
+def test_kill_minus_nine_of_each_service_in_turn(fleet_factory):
+    started = time.monotonic()
+    timings: dict[str, float] = {}
+
+    def lap(name: str) -> None:
+        timings[name] = time.monotonic() - started
+
+    fleet: Fleet = fleet_factory(iterations=10)
+    procs = start_fleet(fleet)
+    lap("start")
+    kills: list[Kill] = []
+    first = kill_the_scheduler_holding_results(fleet, procs, kills)
+    lap("scheduler")
+    kill_the_generator_holding_a_request(fleet, procs, kills)
+    lap("generator")
+    kill_the_benchmarker_holding_candidates(fleet, procs, kills)
+    lap("benchmarker")
+    learner_before = kill_the_learner_holding_half_a_step(fleet, procs, kills)
+    lap("learner")
+    duplicates, ignored = send_duplicates_and_see_them_ignored(fleet, procs, first.id)
+    lap("duplicates")
+    wait_done(fleet, procs["scheduler"], procs["learner"])
+    lap("done")
+    stop_every_service(fleet)
+    counts = assert_each_killed_once_and_nothing_lost(
+        fleet, kills, learner_before, duplicates, ignored
+    )
+    lap("total")
     print(f"counts: {counts}")
     print("timings: " + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items()))
 
@@ -341,9 +459,7 @@ def a_holds(fleet: Fleet, a: Proc, group_id: str) -> tuple[int] | None:
 def test_benchmarker_replica_added_and_another_removed_mid_run(fleet_factory):
     started = time.monotonic()
     fleet: Fleet = fleet_factory(iterations=6)
-    procs = {service: fleet.start(service) for service in SERVICES}
-    for proc in procs.values():
-        fleet.wait_healthy(proc)
+    procs = start_fleet(fleet)
     a = procs["benchmarker"]
 
     first = wait_for(lambda: latest_group(fleet), 120, "the first group", fleet.tails)
