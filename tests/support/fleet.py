@@ -16,7 +16,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -112,10 +112,17 @@ class Fleet:
     """The four services as subprocesses on one experiment config; what the test observes."""
 
     def __init__(self, root: Path, settings: BrokerSettings, *, iterations: int,
-                 rabbitmqctl: Callable[..., str] | None = None) -> None:
+                 rabbitmqctl: Callable[..., str] | None = None,
+                 service_urls: Mapping[str, str] | None = None,
+                 env: Mapping[str, str] | None = None) -> None:
+        """``settings``: the broker as the test (an administrator) reaches it, and what every
+        service's config says; ``service_urls``: a service's own broker URL (its role's user)
+        where it differs; ``env``: more settings for every service (``HPCRL__...``)."""
         self.root = root
         self.rabbitmqctl = rabbitmqctl or system_rabbitmqctl
         self.settings = settings
+        self.service_urls = dict(service_urls or {})
+        self.env = dict(env or {})
         self.iterations = iterations
         self.topology = Topology(settings.namespace, settings.delivery_limit)
         self.policy = chat_model(root / "policy")
@@ -131,6 +138,8 @@ class Fleet:
 
     def _config_text(self) -> str:
         s, root = self.settings, self.root
+        role_users = "".join(f"{role} = {json.dumps(user)}\n"
+                             for role, user in s.role_users.items())
         return f"""
 [broker]
 url = "{s.url}"
@@ -141,7 +150,11 @@ delivery_limit = {s.delivery_limit}
 prefetch = 8
 reconnect_initial_s = 0.2
 reconnect_max_s = 2.0
+declare_topology = {json.dumps(s.declare_topology)}
+authenticate_publishers = {json.dumps(s.authenticate_publishers)}
 
+[broker.role_users]
+{role_users}
 [logging]
 format = "json"
 
@@ -195,7 +208,10 @@ pin_threads = false
         if service == "benchmarker" and not has_avx512():
             argv += ["--allow-isa", "avx2"]
         port = port or self.ports[service]
-        env = {**os.environ, f"HPCRL__{service.upper()}__METRICS_PORT": str(port)}
+        env = {**os.environ, **self.env,
+               f"HPCRL__{service.upper()}__METRICS_PORT": str(port)}
+        if service in self.service_urls:
+            env["HPCRL__BROKER__URL"] = self.service_urls[service]
         label = f"{service}.{sum(p.service == service for p in self.procs)}"
         log = self.logs / f"{label}.log"
         with log.open("ab") as handle:
@@ -526,9 +542,10 @@ def assert_nothing_lost_nothing_twice(fleet: Fleet) -> dict[str, Any]:
             "scheduler_saw_version": seen_version, "queued_announcements": late_updates}
 
 
-def wait_done(fleet: Fleet, scheduler: Proc, learner: Proc, timeout: float = 240.0) -> None:
+def wait_done(fleet: Fleet, scheduler: Proc, learner: Proc, timeout: float = 240.0,
+              refused: int = 0) -> None:
     """The scheduler exits 0 once every iteration is closed; then the learner trains the
-    last batches."""
+    last batches (all but ``refused``: batches the drill expects it to dead-letter)."""
     scheduler.retired = True  # its exit is expected now
 
     def finished() -> bool:
@@ -537,7 +554,7 @@ def wait_done(fleet: Fleet, scheduler: Proc, learner: Proc, timeout: float = 240
 
     wait_for(finished, timeout, "the scheduler to finish the experiment", fleet.tails, every=0.5)
     assert scheduler.popen.returncode == 0, fleet.tail(scheduler)
-    sent = fleet.store.count_batches_sent()
+    sent = fleet.store.count_batches_sent() - refused
 
     def trained() -> bool:
         fleet.check_alive()
