@@ -27,6 +27,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pika
@@ -131,148 +132,259 @@ def queue_table(node: RabbitNode, namespace: str) -> dict[str, dict]:
     return {row["name"]: row for row in rows if row["name"].startswith(namespace + ".")}
 
 
-@pytest.mark.broker
-@pytest.mark.slow
-def test_consumer_and_publisher_survive_losing_a_node(cluster: list[RabbitNode]) -> None:
-    drill_started = time.monotonic()
-    a, b, c = all_up(cluster)
-    namespace = f"drill-{uuid.uuid4().hex[:8]}"
-    settings = cluster_settings(cluster, namespace)
-    topology = Topology(namespace, settings.delivery_limit)
-    work_queue, output_queue = topology.name(GENERATE_REQUESTS), topology.name(CODE_TO_BENCH)
-
-    # Everything through a: the queues' Raft leaders start there, on the node to be lost.
+def declare_everything_through_a(nodes: list[RabbitNode], topology: Topology) -> None:
+    """Everything through a: the queues' Raft leaders start there, on the node to be lost."""
+    a, b, c = nodes
     connection = pika.BlockingConnection(pika.URLParameters(a.url()))
     topology.declare(connection.channel())
     connection.close()
-    table = queue_table(a, namespace)
+    table = queue_table(a, topology.namespace)
     for queue in [*map(topology.name, WORK_QUEUES), *map(topology.dlq, WORK_QUEUES)]:
         row = table[queue]  # a quorum queue, replicated on all three nodes
         assert row["type"] == "quorum" and set(row["members"]) == {a.name, b.name, c.name}, row
         assert row["leader"] == a.name, row
 
-    calls: list[tuple[str, int]] = []  # (message id, attempt) per handler call
-    calls_lock = threading.Lock()
 
-    def handle(message: GenerateRequest, delivery) -> list[Publish]:
-        with calls_lock:
-            calls.append((message.id, delivery.attempt))
+class Stream:
+    """The drill's traffic: a publisher thread sending N_MESSAGES requests at RATE_PER_S to the
+    work queue, and the consumer's handler, which records every call and publishes one output
+    per request."""
+
+    def __init__(self, settings: BrokerSettings, topology: Topology) -> None:
+        self.settings = settings
+        self.work_queue = topology.name(GENERATE_REQUESTS)
+        self.output_queue = topology.name(CODE_TO_BENCH)
+        self.calls: list[tuple[str, int]] = []  # (message id, attempt) per handler call
+        self.calls_lock = threading.Lock()
+        self.sent: list[str] = []
+        self.publisher_error: list[BaseException] = []
+        self.stop_publishing = threading.Event()
+        self.publishing = threading.Thread(
+            target=self.publish_steadily, name="drill-publisher", daemon=True
+        )
+
+    def handle(self, message: GenerateRequest, delivery) -> list[Publish]:
+        with self.calls_lock:
+            self.calls.append((message.id, delivery.attempt))
         time.sleep(0.005)  # keep a few deliveries in flight when the node goes
-        out = Candidate(id=f"{message.id}/0", group_id=message.id, index=0,
-                        completion=f"code for {message.id}", bench=message.bench)
-        return [Publish(output_queue, out)]
+        out = Candidate(
+            id=f"{message.id}/0",
+            group_id=message.id,
+            index=0,
+            completion=f"code for {message.id}",
+            bench=message.bench,
+        )
+        return [Publish(self.output_queue, out)]
 
-    def handled() -> set[str]:
-        with calls_lock:
-            return {message_id for message_id, _ in calls}
+    def handled(self) -> set[str]:
+        with self.calls_lock:
+            return {message_id for message_id, _ in self.calls}
 
-    sent: list[str] = []
-    publisher_error: list[BaseException] = []
-    stop_publishing = threading.Event()
-
-    def publish_steadily() -> None:
+    def publish_steadily(self) -> None:
         try:
-            with Publisher(settings, "drill-publisher") as publisher:
+            with Publisher(self.settings, "drill-publisher") as publisher:
                 next_at = time.monotonic()
                 for index in range(N_MESSAGES):
-                    if stop_publishing.is_set():
+                    if self.stop_publishing.is_set():
                         return
                     item = request(index)
-                    publisher.publish(Publish(work_queue, item), attempts=20)
-                    sent.append(item.id)
+                    publisher.publish(Publish(self.work_queue, item), attempts=20)
+                    self.sent.append(item.id)
                     next_at += 1 / RATE_PER_S
                     time.sleep(max(0.0, next_at - time.monotonic()))
         except BaseException as exc:
-            publisher_error.append(exc)
+            self.publisher_error.append(exc)
 
-    consumer = Consumer(settings, "drill-consumer")
-    consumer.subscribe(GENERATE_REQUESTS, handle)
-    publishing = threading.Thread(target=publish_steadily, name="drill-publisher", daemon=True)
+
+@dataclass(frozen=True)
+class KillOfA:
+    at_kill: tuple[int, int]  # (sent, handled) when node a was killed
+    failover_s: float  # from the kill until the consumer was connected again
+    drained_s: float  # from the kill until every message was handled and acked
+    names_b: list[str]  # connection names on nodes b and c afterwards
+    names_c: list[str]
+
+
+def kill_a_mid_stream(
+    nodes: list[RabbitNode], consumer: Consumer, stream: Stream
+) -> tuple[KillOfA, list[dict]]:
+    """The consumer and the publisher start on node a; a is killed once KILL_AFTER messages
+    are handled; both must carry on through b or c until every message is handled and acked.
+    Returns the kill's figures and the logs captured meanwhile."""
+    a, b, c = nodes
     with capture_logs() as logs, RunningConsumer(consumer):
         try:
             assert "drill-consumer" in a.connection_names()  # url first: on node a
-            publishing.start()
-            wait_for(lambda: sent, DRILL_TIMEOUT_S, "the first publish")
+            stream.publishing.start()
+            wait_for(lambda: stream.sent, DRILL_TIMEOUT_S, "the first publish")
             assert "drill-publisher" in a.connection_names()
-            wait_for(lambda: len(handled()) >= KILL_AFTER, DRILL_TIMEOUT_S,
-                     f"{KILL_AFTER} handled messages")
-            at_kill = (len(sent), len(handled()))
+            wait_for(
+                lambda: len(stream.handled()) >= KILL_AFTER,
+                DRILL_TIMEOUT_S,
+                f"{KILL_AFTER} handled messages",
+            )
+            at_kill = (len(stream.sent), len(stream.handled()))
             assert at_kill[0] < N_MESSAGES, "the publisher was done before the kill"
             killed_at = time.monotonic()
             a.kill()
             after_kill = time.monotonic()
-            wait_for(lambda: consumer.connections >= 2 and consumer.connected.is_set(),
-                     DRILL_TIMEOUT_S, "the consumer to reconnect", every=0.05)
+            wait_for(
+                lambda: consumer.connections >= 2 and consumer.connected.is_set(),
+                DRILL_TIMEOUT_S,
+                "the consumer to reconnect",
+                every=0.05,
+            )
             failover_s = time.monotonic() - after_kill
-            publishing.join(DRILL_TIMEOUT_S)
-            assert not publishing.is_alive(), "the publisher did not finish"
-            assert not publisher_error, publisher_error
-            wait_for(lambda: handled() >= set(sent), DRILL_TIMEOUT_S, "every message handled")
-            wait_for(lambda: queue_table(b, namespace)[work_queue]["messages"] == 0, 15,
-                     "every message acked")
+            stream.publishing.join(DRILL_TIMEOUT_S)
+            assert not stream.publishing.is_alive(), "the publisher did not finish"
+            assert not stream.publisher_error, stream.publisher_error
+            wait_for(
+                lambda: stream.handled() >= set(stream.sent),
+                DRILL_TIMEOUT_S,
+                "every message handled",
+            )
+            namespace = stream.settings.namespace
+            wait_for(
+                lambda: queue_table(b, namespace)[stream.work_queue]["messages"] == 0,
+                15,
+                "every message acked",
+            )
             drained_s = time.monotonic() - killed_at
             names_b, names_c = b.connection_names(), c.connection_names()
         finally:
-            stop_publishing.set()
-            if publishing.is_alive():
-                publishing.join(15)
+            stream.stop_publishing.set()
+            if stream.publishing.is_alive():
+                stream.publishing.join(15)
+    return KillOfA(at_kill, failover_s, drained_s, names_b, names_c), logs
 
-    with calls_lock:
-        per_id = Counter(message_id for message_id, _ in calls)
+
+@dataclass(frozen=True)
+class Seen:
+    """What the drill left, as counted after it."""
+
+    per_id: Counter[str]  # handler calls per message id
+    repeats: list[tuple[str, int]]  # (message id, attempt) of every call after an id's first
+    output_ids: Counter[str]  # outputs per request id
+    dead_lettered: dict[str, int]  # messages per non-empty dead-letter queue
+    brokers: list[str]  # the consumer's brokers, in order
+    new_leader: str  # the work queue's leader after the kill
+
+
+def count_what_happened(
+    nodes: list[RabbitNode], consumer: Consumer, stream: Stream, kill: KillOfA, logs: list[dict]
+) -> Seen:
+    """Count the handler's calls, the outputs (drained through b), the dead letters and the
+    clients' moves, and print them."""
+    a, b, _c = nodes
+    namespace = stream.settings.namespace
+    with stream.calls_lock:
+        per_id = Counter(message_id for message_id, _ in stream.calls)
         seen: set[str] = set()
-        repeats = []  # (message id, attempt) of every call after an id's first
-        for message_id, attempt in calls:
+        repeats = []
+        for message_id, attempt in stream.calls:
             if message_id in seen:
                 repeats.append((message_id, attempt))
             seen.add(message_id)
-    outputs = drain(b, output_queue)
+    outputs = drain(b, stream.output_queue)
     output_ids = Counter(candidate.group_id for candidate in outputs)
     table = queue_table(b, namespace)
-    dead_lettered = {queue: row["messages"] for queue, row in table.items()
-                     if queue.endswith(".dlq") and row["messages"]}
+    dead_lettered = {
+        queue: row["messages"]
+        for queue, row in table.items()
+        if queue.endswith(".dlq") and row["messages"]
+    }
     brokers = [entry["broker"] for entry in logs if entry.get("event") == "consuming"]
     events = Counter(entry.get("event") for entry in logs)
-    new_leader = table[work_queue]["leader"]
-    duplicates = REGISTRY.get_sample_value(
-        "hpcrl_broker_consumed_total", {"queue": work_queue, "outcome": "duplicate"}) or 0
-    print(f"\ndrill: sent={len(sent)} distinct_handled={len(per_id)} "
-          f"handler_calls={sum(per_id.values())} repeated_calls={len(repeats)} "
-          f"duplicates_replayed={int(duplicates)} outputs={len(outputs)} "
-          f"distinct_outputs={len(output_ids)} dead_lettered={sum(dead_lettered.values())} "
-          f"killed_at(sent,handled)={at_kill} consumer_connections={consumer.connections} "
-          f"consumer_brokers={brokers} "
-          f"consumer_reconnects={events['broker connection lost, reconnecting']} "
-          f"publisher_retries={events['publish failed, retrying']} "
-          f"outputs_nacked={events['outputs refused by broker; will retry the message']} "
-          f"leader {a.name} -> {new_leader}")
-    print(f"drill: consumer back {failover_s:.2f} s after the kill, all handled "
-          f"{drained_s:.1f} s after it")
+    new_leader = table[stream.work_queue]["leader"]
+    duplicates = (
+        REGISTRY.get_sample_value(
+            "hpcrl_broker_consumed_total",
+            {"queue": stream.work_queue, "outcome": "duplicate"},
+        )
+        or 0
+    )
+    print(
+        f"\ndrill: sent={len(stream.sent)} distinct_handled={len(per_id)} "
+        f"handler_calls={sum(per_id.values())} repeated_calls={len(repeats)} "
+        f"duplicates_replayed={int(duplicates)} outputs={len(outputs)} "
+        f"distinct_outputs={len(output_ids)} dead_lettered={sum(dead_lettered.values())} "
+        f"killed_at(sent,handled)={kill.at_kill} consumer_connections={consumer.connections} "
+        f"consumer_brokers={brokers} "
+        f"consumer_reconnects={events['broker connection lost, reconnecting']} "
+        f"publisher_retries={events['publish failed, retrying']} "
+        f"outputs_nacked={events['outputs refused by broker; will retry the message']} "
+        f"leader {a.name} -> {new_leader}"
+    )
+    print(
+        f"drill: consumer back {kill.failover_s:.2f} s after the kill, all handled "
+        f"{kill.drained_s:.1f} s after it"
+    )
+    return Seen(per_id, repeats, output_ids, dead_lettered, brokers, new_leader)
 
+
+def assert_nothing_lost_nothing_done_twice(stream: Stream, seen: Seen) -> None:
     # Nothing lost: every id sent was handled, and its output is there.
+    sent = stream.sent
     assert len(sent) == N_MESSAGES
-    assert set(per_id) == set(sent)
-    assert set(output_ids) == set(sent), set(sent) ^ set(output_ids)
-    assert not dead_lettered, dead_lettered
+    assert set(seen.per_id) == set(sent)
+    assert set(seen.output_ids) == set(sent), set(sent) ^ set(seen.output_ids)
+    assert not seen.dead_lettered, seen.dead_lettered
     # Nothing done twice in effect: a handler runs again only for a message the broker
     # redelivered (attempt > 1) whose first run did not complete on the lost connection.
-    assert all(attempt > 1 for _, attempt in repeats), repeats
+    assert all(attempt > 1 for _, attempt in seen.repeats), seen.repeats
 
-    # The clients moved: the consumer reconnected to another node, the publisher too; the
-    # work queue has a new leader.
+
+def assert_the_clients_moved(
+    nodes: list[RabbitNode], consumer: Consumer, kill: KillOfA, seen: Seen
+) -> None:
+    """The consumer reconnected to another node, the publisher too; the work queue has a new
+    leader."""
+    a, b, c = nodes
     assert consumer.connections >= 2
-    assert "drill-consumer" in names_b + names_c, (names_b, names_c)
+    assert "drill-consumer" in kill.names_b + kill.names_c, (kill.names_b, kill.names_c)
+    brokers = seen.brokers
     assert brokers[0] == f"127.0.0.1:{a.port}" and brokers[-1] != brokers[0], brokers
-    assert new_leader in (b.name, c.name), new_leader
+    assert seen.new_leader in (b.name, c.name), seen.new_leader
 
-    # Node a comes back and rejoins: three running nodes, its queue member following again.
+
+def rejoin_a(nodes: list[RabbitNode], stream: Stream) -> float:
+    """Node a comes back and rejoins: three running nodes, its queue member following again.
+    Returns the seconds it took."""
+    a, b, _c = nodes
+    namespace = stream.settings.namespace
     restarted_at = time.monotonic()
     a.start().wait_started()
-    b.wait_running_nodes(cluster)
-    a.wait_running_nodes(cluster)
-    wait_for(lambda: a.name in queue_table(b, namespace)[work_queue]["online"], 30,
-             f"{a.name} to be an online member of {work_queue} again")
-    print(f"drill: node a rejoined in {time.monotonic() - restarted_at:.1f} s; "
-          f"drill {time.monotonic() - drill_started:.1f} s")
+    b.wait_running_nodes(nodes)
+    a.wait_running_nodes(nodes)
+    wait_for(
+        lambda: a.name in queue_table(b, namespace)[stream.work_queue]["online"],
+        30,
+        f"{a.name} to be an online member of {stream.work_queue} again",
+    )
+    return time.monotonic() - restarted_at
+
+
+@pytest.mark.broker
+@pytest.mark.slow
+def test_consumer_and_publisher_survive_losing_a_node(cluster: list[RabbitNode]) -> None:
+    drill_started = time.monotonic()
+    all_up(cluster)
+    namespace = f"drill-{uuid.uuid4().hex[:8]}"
+    settings = cluster_settings(cluster, namespace)
+    topology = Topology(namespace, settings.delivery_limit)
+    declare_everything_through_a(cluster, topology)
+    stream = Stream(settings, topology)
+    consumer = Consumer(settings, "drill-consumer")
+    consumer.subscribe(GENERATE_REQUESTS, stream.handle)
+    kill, logs = kill_a_mid_stream(cluster, consumer, stream)
+    seen = count_what_happened(cluster, consumer, stream, kill, logs)
+    assert_nothing_lost_nothing_done_twice(stream, seen)
+    assert_the_clients_moved(cluster, consumer, kill, seen)
+    rejoined_s = rejoin_a(cluster, stream)
+    print(
+        f"drill: node a rejoined in {rejoined_s:.1f} s; "
+        f"drill {time.monotonic() - drill_started:.1f} s"
+    )
 
 
 @pytest.mark.broker
