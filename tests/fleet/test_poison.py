@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -54,7 +55,7 @@ from hpcrl_benchmarker.service import build_consumer
 from hpcrl_common.access import SCHEDULER_SUBSCRIBER
 from hpcrl_common.broker import Consumer
 from hpcrl_common.checkpoints import CheckpointStore
-from hpcrl_common.config import ExperimentSettings
+from hpcrl_common.config import BrokerSettings, ExperimentSettings
 from hpcrl_common.messages import (
     MESSAGE_TYPES,
     BenchResult,
@@ -92,6 +93,7 @@ from hpcrl_generator.backends import make_sampler
 from hpcrl_generator.config import GeneratorSection
 from hpcrl_generator.service import Generator
 from hpcrl_learner.config import LearnerConfig, LearnerSettings
+from hpcrl_learner.service import Learner
 from hpcrl_learner.service import build as build_learner
 from hpcrl_scheduler.config import SchedulerConfig, SchedulerSection
 from hpcrl_scheduler.scheduler import Scheduler
@@ -806,198 +808,364 @@ def reason_category(reason: str) -> str:
     return reason.split(":")[0][:48]  # "invalid <schema>/<major>"
 
 
-@pytest.mark.slow
-def test_poison_at_volume_is_dead_lettered_and_the_fleet_keeps_serving(
-    broker_settings, raw_channel, tmp_path
-):
-    started = time.monotonic()
-    rng = random.Random(SEED)
-    settings = broker_settings.model_copy(update={"max_message_bytes": MAX_BYTES})
-    topology = Topology(settings.namespace, settings.delivery_limit)
+def make_checked_poison(rng: random.Random) -> list[Poison]:
+    """The poison, each item checked to be poison, in a random order."""
     poison = make_poison(rng)
     for item in poison:
         check_is_poison(item)
     rng.shuffle(poison)
+    return poison
 
-    policy = chat_model(tmp_path / "policy")  # version 0 of the generator and the learner
+
+@dataclass
+class PoisonFleet:
+    """The four real services, in this process, on one namespace; the broker as the test sees
+    it (``raw_channel``)."""
+
+    topology: Topology
+    raw_channel: Any
+    checkpoints: Path
+    scheduler: Scheduler
+    scheduler_service: GatedSchedulerService
+    learner: Learner
+    generator: Generator
+    sampler: Any
+    services: dict[str, tuple[Consumer, Callable[[], tuple[bool, dict[str, Any]]]]]
+    # The weight-updates fanout's queues: the scheduler's durable one, the generator's own.
+    subscribers: list[str]
+    bases: list[str]  # the queues the poison goes to: the work queues and the fanout
+
+    def depth(self, queue: str) -> int:
+        return self.raw_channel.queue_declare(queue, passive=True).method.message_count
+
+    def dlq_depths(self) -> dict[str, int]:
+        return {base: self.depth(self.topology.dlq(base)) for base in self.bases}
+
+    def assert_healthy(self, when: str) -> None:
+        for name, (consumer, health) in self.services.items():
+            ok, detail = consumer.healthy()
+            assert ok, f"{name} consumer unhealthy {when}: {detail}"
+            ok, detail = health()
+            assert ok, f"{name} service unhealthy {when}: {detail}"
+
+
+def build_fleet(settings: BrokerSettings, raw_channel: Any, tmp_path: Path) -> PoisonFleet:
+    """The scheduler (its loop gated), the learner, the generator and the benchmarker, on a
+    tiny random policy (version 0 of the generator and the learner); none consuming yet."""
+    topology = Topology(settings.namespace, settings.delivery_limit)
+    policy = chat_model(tmp_path / "policy")
     checkpoints = tmp_path / "checkpoints"
     experiment = ExperimentSettings(name=EXPERIMENT, seed=SEED)
 
     scheduler_config = SchedulerConfig(
-        broker=settings, experiment=experiment,
-        scheduler=SchedulerSection(iterations=1, group_size=GROUP_SIZE, node_budget=1,
-                                   max_tokens=16, initial_groups_per_step=1, metrics_port=0,
-                                   tick_s=0.1, exit_when_done=False,
-                                   checkpoint_dir=checkpoints),
+        broker=settings,
+        experiment=experiment,
+        scheduler=SchedulerSection(
+            iterations=1,
+            group_size=GROUP_SIZE,
+            node_budget=1,
+            max_tokens=16,
+            initial_groups_per_step=1,
+            metrics_port=0,
+            tick_s=0.1,
+            exit_when_done=False,
+            checkpoint_dir=checkpoints,
+        ),
     )
     scheduler = Scheduler(scheduler_config, Store(tmp_path / "scheduler.sqlite"))
     scheduler_consumer = Consumer(settings, "scheduler", concurrency=2)
     scheduler_service = GatedSchedulerService(scheduler, scheduler_consumer)
 
-    learner_consumer, learner = build_learner(LearnerConfig(
-        broker=settings, experiment=experiment,
-        learner=LearnerSettings(model_path=policy, checkpoint_dir=checkpoints, groups_per_step=1,
-                                learning_rate=1e-4, metrics_port=0, device="cpu",
-                                max_sequence_tokens=MAX_SEQUENCE_TOKENS),
-    ))
+    learner_consumer, learner = build_learner(
+        LearnerConfig(
+            broker=settings,
+            experiment=experiment,
+            learner=LearnerSettings(
+                model_path=policy,
+                checkpoint_dir=checkpoints,
+                groups_per_step=1,
+                learning_rate=1e-4,
+                metrics_port=0,
+                device="cpu",
+                max_sequence_tokens=MAX_SEQUENCE_TOKENS,
+            ),
+        )
+    )
 
-    section = GeneratorSection(model_path=policy, checkpoint_dir=checkpoints,
-                               backend="transformers", max_model_len=MAX_MODEL_LEN,
-                               metrics_port=0, replica=GENERATOR_REPLICA, version_wait_s=0.5,
-                               version_poll_s=0.1, poll_manifest=False)
+    section = GeneratorSection(
+        model_path=policy,
+        checkpoint_dir=checkpoints,
+        backend="transformers",
+        max_model_len=MAX_MODEL_LEN,
+        metrics_port=0,
+        replica=GENERATOR_REPLICA,
+        version_wait_s=0.5,
+        version_poll_s=0.1,
+        poll_manifest=False,
+    )
     sampler = make_sampler(section)
     generator_consumer = Consumer(settings, "generator", concurrency=section.concurrency)
     generator = Generator(sampler, section, generator_consumer.topology)
     generator.start()
     generator.attach(generator_consumer)
 
-    bench_section = BenchmarkerSection(work_dir=tmp_path / "bench", lock_path=tmp_path / "lock",
-                                       metrics_port=0, concurrency=1)
+    bench_section = BenchmarkerSection(
+        work_dir=tmp_path / "bench", lock_path=tmp_path / "lock", metrics_port=0, concurrency=1
+    )
     benchmarker = Benchmarker(bench_section, detect())
-    bench_consumer = build_consumer(BenchmarkerConfig(broker=settings,
-                                                      benchmarker=bench_section), benchmarker)
+    bench_consumer = build_consumer(
+        BenchmarkerConfig(broker=settings, benchmarker=bench_section), benchmarker
+    )
 
-    services: dict[str, tuple[Consumer, Callable[[], tuple[bool, dict[str, Any]]]]] = {
-        "scheduler": (scheduler_consumer, scheduler_service.health),
-        "learner": (learner_consumer, learner.health),
-        "generator": (generator_consumer, generator.health),
-        "benchmarker": (bench_consumer, benchmarker.health),
-    }
-    subscribers = [topology.subscriber_queue(WEIGHT_UPDATES, SCHEDULER_SUBSCRIBER),
-                   topology.subscriber_queue(WEIGHT_UPDATES, GENERATOR_REPLICA)]
-    bases = [*WORK_QUEUES, WEIGHT_UPDATES]
+    return PoisonFleet(
+        topology=topology,
+        raw_channel=raw_channel,
+        checkpoints=checkpoints,
+        scheduler=scheduler,
+        scheduler_service=scheduler_service,
+        learner=learner,
+        generator=generator,
+        sampler=sampler,
+        services={
+            "scheduler": (scheduler_consumer, scheduler_service.health),
+            "learner": (learner_consumer, learner.health),
+            "generator": (generator_consumer, generator.health),
+            "benchmarker": (bench_consumer, benchmarker.health),
+        },
+        subscribers=[
+            topology.subscriber_queue(WEIGHT_UPDATES, SCHEDULER_SUBSCRIBER),
+            topology.subscriber_queue(WEIGHT_UPDATES, GENERATOR_REPLICA),
+        ],
+        bases=[*WORK_QUEUES, WEIGHT_UPDATES],
+    )
+
+
+@dataclass(frozen=True)
+class DeadLetterPlan:
+    """The poison sent to each queue, and what its DLQ must end up with."""
+
+    sent: dict[str, list[Poison]]
+    copies: dict[str, int]  # dead letters per item: one per subscriber of the fanout
+    expected: dict[str, Counter]  # body sha256 -> dead letters
+    want: dict[str, int]  # dead letters in all
+
+
+def plan_dead_letters(poison: list[Poison], fleet: PoisonFleet) -> DeadLetterPlan:
+    bases = fleet.bases
     sent = {base: [p for p in poison if p.base == base] for base in bases}
-    copies = {base: len(subscribers) if base == WEIGHT_UPDATES else 1 for base in bases}
+    copies = {base: len(fleet.subscribers) if base == WEIGHT_UPDATES else 1 for base in bases}
     expected = {base: Counter({sha(p.body): 0 for p in sent[base]}) for base in bases}
     for base in bases:
         for item in sent[base]:
             expected[base][sha(item.body)] += copies[base]
+    want = {base: len(sent[base]) * copies[base] for base in bases}
+    return DeadLetterPlan(sent, copies, expected, want)
 
-    def depth(queue: str) -> int:
-        return raw_channel.queue_declare(queue, passive=True).method.message_count
 
-    def dlq_depths() -> dict[str, int]:
-        return {base: depth(topology.dlq(base)) for base in bases}
+def assert_everyone_listening(fleet: PoisonFleet) -> None:
+    """No dead letter yet; both subscribers of the fanout exchange are listening (a generator
+    replica's queue is exclusive to its connection: another one is refused with 405,
+    RESOURCE_LOCKED)."""
+    assert fleet.dlq_depths() == dict.fromkeys(fleet.bases, 0)
+    assert fleet.depth(fleet.subscribers[0]) == 0
+    with pytest.raises(pika.exceptions.ChannelClosedByBroker) as locked:
+        fleet.raw_channel.connection.channel().queue_declare(fleet.subscribers[1], passive=True)
+    assert locked.value.reply_code == 405
 
-    def assert_healthy(when: str) -> None:
-        for name, (consumer, health) in services.items():
-            ok, detail = consumer.healthy()
-            assert ok, f"{name} consumer unhealthy {when}: {detail}"
-            ok, detail = health()
-            assert ok, f"{name} service unhealthy {when}: {detail}"
 
-    timings: dict[str, float] = {"set-up": time.monotonic() - started}
-    with contextlib.ExitStack() as stack:
-        stack.callback(sampler.close)
-        for consumer, _ in services.values():
-            stack.enter_context(RunningConsumer(consumer))
-        assert dlq_depths() == dict.fromkeys(bases, 0)
-        # Both subscribers of the fanout exchange are listening; a generator replica's queue
-        # is exclusive to its connection (another one is refused with 405, RESOURCE_LOCKED).
-        assert depth(subscribers[0]) == 0
-        with pytest.raises(pika.exceptions.ChannelClosedByBroker) as locked:
-            raw_channel.connection.channel().queue_declare(subscribers[1], passive=True)
-        assert locked.value.reply_code == 405
+def publish_the_poison(fleet: PoisonFleet, poison: list[Poison], rng: random.Random) -> None:
+    """Every item to its queue (through the exchange a producer uses), with random delivery
+    modes, content types and types."""
+    topology = fleet.topology
+    for item in poison:
+        exchange = (
+            topology.name(WEIGHT_UPDATES)
+            if item.base == WEIGHT_UPDATES
+            else topology.work_exchange(item.base)
+        )
+        routing_key = "" if item.base == WEIGHT_UPDATES else topology.name(item.base)
+        options: dict[str, Any] = {
+            "delivery_mode": rng.choice([1, 2, 2]),
+            "message_id": item.message_id,
+            "content_type": rng.choice(["application/msgpack", "application/json", None]),
+            "type": rng.choice([None, "candidate/1", "bogus/9"]),
+        }
+        properties = (
+            RawHeaderProperties(item.raw_headers, **options)
+            if item.raw_headers is not None
+            else pika.BasicProperties(headers=item.headers, **options)
+        )
+        fleet.raw_channel.basic_publish(
+            exchange, routing_key, item.body, properties=properties, mandatory=True
+        )
 
-        phase = time.monotonic()
-        for item in poison:
-            exchange = (topology.name(WEIGHT_UPDATES) if item.base == WEIGHT_UPDATES
-                        else topology.work_exchange(item.base))
-            routing_key = "" if item.base == WEIGHT_UPDATES else topology.name(item.base)
-            options: dict[str, Any] = {
-                "delivery_mode": rng.choice([1, 2, 2]), "message_id": item.message_id,
-                "content_type": rng.choice(["application/msgpack", "application/json", None]),
-                "type": rng.choice([None, "candidate/1", "bogus/9"]),
-            }
-            properties = (RawHeaderProperties(item.raw_headers, **options)
-                          if item.raw_headers is not None
-                          else pika.BasicProperties(headers=item.headers, **options))
-            raw_channel.basic_publish(exchange, routing_key, item.body, properties=properties,
-                                      mandatory=True)
-        timings["publish"] = time.monotonic() - phase
 
-        want = {base: len(sent[base]) * copies[base] for base in bases}
-        wait_for(lambda: dlq_depths() == want, 240, "every poison message in its DLQ",
-                 lambda: {"dlq": dlq_depths(), "want": want})
-        timings["dead-lettering"] = time.monotonic() - phase
-        time.sleep(1.0)
-        assert dlq_depths() == want  # and nothing more
-        for base in WORK_QUEUES:
-            assert depth(topology.name(base)) == 0, base
-        assert_healthy("after the poison")
+def wait_for_every_dead_letter(fleet: PoisonFleet, plan: DeadLetterPlan) -> None:
+    wait_for(
+        lambda: fleet.dlq_depths() == plan.want,
+        240,
+        "every poison message in its DLQ",
+        lambda: {"dlq": fleet.dlq_depths(), "want": plan.want},
+    )
 
-        # Valid work, afterwards: the scheduler's loop starts the whole chain.
-        phase = time.monotonic()
-        scheduler_service.opened.set()
-        store = scheduler.store
-        wait_for(lambda: store.count_batches_sent() == 1, 240,
-                 "the group to be sampled, judged, stored and sent to the learner",
-                 lambda: {"dlq": dlq_depths(), "groups": store.groups_of_iteration(0)})
-        [group] = store.groups_of_iteration(0)
-        assert group.state == "closed" and group.close_reason == "complete"
-        assert store.count_results(group.id) == GROUP_SIZE
-        statuses = sorted(r.status for r in store.results_of(group.id))
-        wait_for(lambda: learner.version == 1, 240, "the learner's step and commit",
-                 lambda: learner.health())
-        wait_for(lambda: store.get("policy_version", 0) == 1 and scheduler_service.finished,
-                 120, "the scheduler to see version 1 and finish",
-                 lambda: scheduler_service.health())
-        wait_for(lambda: generator.tracker.loaded == 1, 120, "the generator to load version 1",
-                 lambda: generator.health())
-        timings["valid chain"] = time.monotonic() - phase
-        assert [v.version for v in CheckpointStore(checkpoints).versions()] == [1]
-        for base in WORK_QUEUES:
-            assert depth(topology.name(base)) == 0, base
-        assert dlq_depths() == want  # the valid work added no dead letter
-        assert_healthy("after the valid work")
 
-        # Every dead letter: the body sent, to the DLQ of its queue, with a reason.
-        phase = time.monotonic()
-        kinds_of: dict[str, set[str]] = defaultdict(set)
-        for item in poison:
-            kinds_of[sha(item.body)].add(item.kind.split(":")[0])
-        reasons: dict[str, Counter] = {}
-        for base in bases:
-            got: Counter = Counter()
-            sources: Counter = Counter()
-            reasons[base] = Counter()
-            while True:
-                method, properties, body = raw_channel.basic_get(topology.dlq(base),
-                                                                 auto_ack=True)
-                if method is None:
-                    break
-                headers = properties.headers or {}
-                reason = headers.get(REASON_HEADER)
-                assert isinstance(reason, str) and reason.strip(), (base, headers)
-                assert reason != "forged reason", (base, headers)
-                key = sha(body)
-                for kind in kinds_of.get(key, ()):
-                    prefixes = REASON_PREFIXES.get(kind)
-                    assert prefixes is None or reason.startswith(prefixes) or len(
-                        kinds_of[key]) > 1, (base, kind, reason)
-                got[key] += 1
-                sources[headers.get(SOURCE_QUEUE_HEADER)] += 1
-                reasons[base][reason_category(reason)] += 1
-            assert got == expected[base], f"{base}: dead letters differ from what was sent"
-            if base == WEIGHT_UPDATES:
-                assert sources == dict.fromkeys(subscribers, len(sent[base])), sources
-            else:
-                assert sources == {topology.name(base): len(sent[base])}, sources
-        timings["dlq check"] = time.monotonic() - phase
+def assert_only_the_poison_dead_lettered(fleet: PoisonFleet, plan: DeadLetterPlan) -> None:
+    """A second later: no more dead letters, every work queue empty, every service healthy."""
+    time.sleep(1.0)
+    assert fleet.dlq_depths() == plan.want  # and nothing more
+    for base in WORK_QUEUES:
+        assert fleet.depth(fleet.topology.name(base)) == 0, base
+    fleet.assert_healthy("after the poison")
 
-    timings["total"] = time.monotonic() - started
+
+def run_valid_work(fleet: PoisonFleet) -> tuple[Any, list[str]]:
+    """Valid work, afterwards: the scheduler's loop starts the whole chain, a group is
+    sampled, judged, stored and trained on, and every service takes version 1. Returns the
+    group and its results' statuses."""
+    store = fleet.scheduler.store
+    learner, generator = fleet.learner, fleet.generator
+    scheduler_service = fleet.scheduler_service
+    scheduler_service.opened.set()
+    wait_for(
+        lambda: store.count_batches_sent() == 1,
+        240,
+        "the group to be sampled, judged, stored and sent to the learner",
+        lambda: {"dlq": fleet.dlq_depths(), "groups": store.groups_of_iteration(0)},
+    )
+    [group] = store.groups_of_iteration(0)
+    assert group.state == "closed" and group.close_reason == "complete"
+    assert store.count_results(group.id) == GROUP_SIZE
+    statuses = sorted(r.status for r in store.results_of(group.id))
+    wait_for(
+        lambda: learner.version == 1,
+        240,
+        "the learner's step and commit",
+        lambda: learner.health(),
+    )
+    wait_for(
+        lambda: store.get("policy_version", 0) == 1 and scheduler_service.finished,
+        120,
+        "the scheduler to see version 1 and finish",
+        lambda: scheduler_service.health(),
+    )
+    wait_for(
+        lambda: generator.tracker.loaded == 1,
+        120,
+        "the generator to load version 1",
+        lambda: generator.health(),
+    )
+    return group, statuses
+
+
+def assert_the_valid_work_left_nothing(fleet: PoisonFleet, plan: DeadLetterPlan) -> None:
+    """One version committed, every work queue empty, no dead letter added, all healthy."""
+    assert [v.version for v in CheckpointStore(fleet.checkpoints).versions()] == [1]
+    for base in WORK_QUEUES:
+        assert fleet.depth(fleet.topology.name(base)) == 0, base
+    assert fleet.dlq_depths() == plan.want  # the valid work added no dead letter
+    fleet.assert_healthy("after the valid work")
+
+
+def check_every_dead_letter(
+    fleet: PoisonFleet, poison: list[Poison], plan: DeadLetterPlan
+) -> dict[str, Counter]:
+    """Every dead letter: the body sent, to the DLQ of its queue, with a reason. Returns the
+    reasons' categories per queue."""
+    topology = fleet.topology
+    kinds_of: dict[str, set[str]] = defaultdict(set)
+    for item in poison:
+        kinds_of[sha(item.body)].add(item.kind.split(":")[0])
+    reasons: dict[str, Counter] = {}
+    for base in fleet.bases:
+        got: Counter = Counter()
+        sources: Counter = Counter()
+        reasons[base] = Counter()
+        while True:
+            method, properties, body = fleet.raw_channel.basic_get(
+                topology.dlq(base), auto_ack=True
+            )
+            if method is None:
+                break
+            headers = properties.headers or {}
+            reason = headers.get(REASON_HEADER)
+            assert isinstance(reason, str) and reason.strip(), (base, headers)
+            assert reason != "forged reason", (base, headers)
+            key = sha(body)
+            for kind in kinds_of.get(key, ()):
+                prefixes = REASON_PREFIXES.get(kind)
+                ok = prefixes is None or reason.startswith(prefixes) or len(kinds_of[key]) > 1
+                assert ok, (base, kind, reason)
+            got[key] += 1
+            sources[headers.get(SOURCE_QUEUE_HEADER)] += 1
+            reasons[base][reason_category(reason)] += 1
+        assert got == plan.expected[base], f"{base}: dead letters differ from what was sent"
+        if base == WEIGHT_UPDATES:
+            assert sources == dict.fromkeys(fleet.subscribers, len(plan.sent[base])), sources
+        else:
+            assert sources == {topology.name(base): len(plan.sent[base])}, sources
+    return reasons
+
+
+def print_what_was_sent_and_dead_lettered(
+    fleet: PoisonFleet,
+    poison: list[Poison],
+    plan: DeadLetterPlan,
+    reasons: dict[str, Counter],
+    group: Any,
+    statuses: list[str],
+) -> None:
+    sent, copies, want = plan.sent, plan.copies, plan.want
     print(f"\n{'queue':<18}{'sent':>6}{'x':>3}{'dead letters':>14}  weird headers")
-    for base in bases:
+    for base in fleet.bases:
         weird = sum(1 for p in sent[base] if p.headers or p.raw_headers)
         print(f"{base:<18}{len(sent[base]):>6}{copies[base]:>3}{want[base]:>14}  {weird}")
     print(f"{'total':<18}{len(poison):>6}{'':>3}{sum(want.values()):>14}")
-    for base in bases:
+    for base in fleet.bases:
         kinds = Counter(p.kind for p in sent[base])
         print(f"\n{base} kinds: " + ", ".join(f"{k}={n}" for k, n in sorted(kinds.items())))
-        print(f"{base} reasons: " + ", ".join(f"{k!r}={n}"
-                                            for k, n in reasons[base].most_common()))
-    print(f"\nvalid chain: group {group.id}: results {statuses}, learner version "
-          f"{learner.version}, generator loaded {generator.tracker.loaded}")
+        print(f"{base} reasons: " + ", ".join(f"{k!r}={n}" for k, n in reasons[base].most_common()))
+    print(
+        f"\nvalid chain: group {group.id}: results {statuses}, learner version "
+        f"{fleet.learner.version}, generator loaded {fleet.generator.tracker.loaded}"
+    )
+
+
+@pytest.mark.slow
+def test_poison_at_volume_is_dead_lettered_and_the_fleet_keeps_serving(
+    broker_settings, raw_channel, tmp_path
+):
+    started = time.monotonic()
+    timings: dict[str, float] = {}
+
+    def lap(name: str, since: float) -> None:
+        timings[name] = time.monotonic() - since
+
+    rng = random.Random(SEED)
+    settings = broker_settings.model_copy(update={"max_message_bytes": MAX_BYTES})
+    poison = make_checked_poison(rng)
+    fleet = build_fleet(settings, raw_channel, tmp_path)
+    plan = plan_dead_letters(poison, fleet)
+    lap("set-up", started)
+    with contextlib.ExitStack() as stack:
+        stack.callback(fleet.sampler.close)
+        for consumer, _ in fleet.services.values():
+            stack.enter_context(RunningConsumer(consumer))
+        assert_everyone_listening(fleet)
+        phase = time.monotonic()
+        publish_the_poison(fleet, poison, rng)
+        lap("publish", phase)
+        wait_for_every_dead_letter(fleet, plan)
+        lap("dead-lettering", phase)
+        assert_only_the_poison_dead_lettered(fleet, plan)
+        phase = time.monotonic()
+        group, statuses = run_valid_work(fleet)
+        lap("valid chain", phase)
+        assert_the_valid_work_left_nothing(fleet, plan)
+        phase = time.monotonic()
+        reasons = check_every_dead_letter(fleet, poison, plan)
+        lap("dlq check", phase)
+    lap("total", started)
+    print_what_was_sent_and_dead_lettered(fleet, poison, plan, reasons, group, statuses)
     print("timings: " + ", ".join(f"{k} {v:.1f} s" for k, v in timings.items()))
 
 
