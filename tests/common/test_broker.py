@@ -11,7 +11,7 @@ import msgpack
 import pika
 import pytest
 
-from hpcrl_common.broker import DEFER, Consumer, Publish, Publisher, Reject
+from hpcrl_common.broker import DEFER, Consumer, Publish, Publisher, Reject, consuming
 from hpcrl_common.messages import BenchSpec, Candidate, GenerateRequest, encode
 from hpcrl_common.topology import (
     BENCH_RESULTS,
@@ -275,6 +275,31 @@ def test_deferred_settlement_survives_a_reconnect(broker_settings):
         wait_for(lambda: outputs == ["held-1/0"], what="the settled output")
         wait_for(lambda: not consumer._inflight, what="ack")
     assert calls == {"held-1": 1}
+
+
+def test_a_settle_from_another_thread_wakes_the_loop(broker_settings, monkeypatch):
+    """A worker thread's settle reaches the broker at once, not at the loop's next tick: with
+    a 5 s tick and prefetch 1, three messages settled one after another take well under one
+    tick (each would wait for a tick if the settle sat in the queue until then)."""
+    monkeypatch.setattr(consuming, "_LOOP_TICK_S", 5.0)
+    settings = broker_settings.model_copy(update={"prefetch": 1})
+    topology = Topology(settings.namespace, settings.delivery_limit)
+    arrived: list[float] = []
+    consumer = Consumer(settings, "waking")
+
+    def hand_off(_message, delivery):
+        arrived.append(time.monotonic())
+        threading.Thread(target=consumer.settle, args=(delivery,)).start()
+        return DEFER
+
+    consumer.subscribe(GENERATE_REQUESTS, hand_off)
+    with Publisher(settings, "p") as publisher:
+        publisher.publish(*(Publish(topology.name(GENERATE_REQUESTS), sample_request(f"w{i}"))
+                            for i in range(3)))
+    with RunningConsumer(consumer):
+        wait_for(lambda: len(arrived) == 3 and not consumer._inflight, timeout=30,
+                 what="three settles")
+    assert arrived[-1] - arrived[0] < 2.5, arrived
 
 
 def test_publish_from_another_thread_is_confirmed(broker_settings):

@@ -1,8 +1,12 @@
 """Consuming: :class:`Consumer` takes deliveries, runs handlers on worker threads, settles
 (publishes the outputs, then acks), dead-letters, runs periodic tasks and reconnects.
 
-All channel operations happen on the thread that calls :meth:`Consumer.run`; other threads
-talk to it through a queue of actions.
+All channel operations happen on the thread that calls :meth:`Consumer.run` (the I/O
+thread); other threads hand it actions (a settle, a publish) through a queue and wake its
+loop at once with pika's ``add_callback_threadsafe``. The queue, not the wake-up, carries
+the action, so one handed over while the connection is down runs on the next connection;
+an ack or nack of a delivery from a lost channel is dropped there (its tag meant something
+only on that channel), and the broker's redelivery is deduplicated by message id.
 """
 
 from __future__ import annotations
@@ -72,6 +76,8 @@ from hpcrl_common.topology import (
 log = structlog.get_logger("hpcrl.broker")
 
 _COMPLETED_MEMORY = 50_000
+# The loop wakes at least this often (timers, a stop, the health clock) and at once for an
+# action handed over from another thread.
 _LOOP_TICK_S = 0.05
 
 
@@ -177,18 +183,18 @@ class Consumer:
     def publish(self, *items: Publish) -> Future:
         """Publish from any thread; the future resolves once the broker confirmed all."""
         done: Future = Future()
-        self._actions.put(partial(self._publish_request, list(items), done))
+        self._submit(partial(self._publish_request, list(items), done))
         return done
 
     def settle(self, delivery: Delivery, outputs: Sequence[Publish] = ()) -> None:
         """Finish a deferred delivery: publish ``outputs``, then ack it (any thread)."""
-        self._actions.put(partial(self._finish, delivery, list(outputs)))
+        self._submit(partial(self._finish, delivery, list(outputs)))
 
     def fail(self, delivery: Delivery, error: Exception) -> None:
         """Hand a deferred delivery back as failed (any thread): it is tried again, and
         dead-lettered with ``error`` once it has failed ``delivery_limit`` times."""
         sub = next(s for s in self._subscriptions if s.queue == delivery.queue)
-        self._actions.put(partial(self._finish_failed, sub, delivery, error))
+        self._submit(partial(self._finish_failed, sub, delivery, error))
 
     def stop(self) -> None:
         """Stop taking work; :meth:`run` returns once the handlers already running have
@@ -335,6 +341,18 @@ class Consumer:
     def _close(self) -> None:
         self._lost_connection()
 
+    def _submit(self, action: Callable[[], None]) -> None:
+        """Hand ``action`` to the I/O thread from any other thread, and wake its loop now
+        rather than at its next tick (pika's threaded-consumer way)."""
+        self._actions.put(action)
+        connection = self._connection
+        if connection is None:
+            return  # the next connection's loop drains the queue
+        # Only a wake-up: a closed or closing connection refuses it, and the action waits in
+        # the queue for the loop all the same.
+        with contextlib.suppress(Exception):
+            connection.add_callback_threadsafe(_wake)
+
     def _drain_actions(self) -> None:
         while True:
             try:
@@ -411,23 +429,23 @@ class Consumer:
             with self._executing():
                 result = sub.handler(message, delivery)
         except Reject as exc:
-            self._actions.put(partial(self._finish_rejected, sub, delivery, str(exc)))
+            self._submit(partial(self._finish_rejected, sub, delivery, str(exc)))
             return
         except Ignore as exc:
             log.info("message ignored", queue=sub.queue, message_id=delivery.message_id,
                      reason=str(exc)[:500])
-            self._actions.put(partial(self._finish_ignored, delivery))
+            self._submit(partial(self._finish_ignored, delivery))
             return
         except Exception as exc:
             log.exception("handler failed", queue=sub.queue, message_id=delivery.message_id,
                           attempt=delivery.attempt)
-            self._actions.put(partial(self._finish_failed, sub, delivery, exc))
+            self._submit(partial(self._finish_failed, sub, delivery, exc))
             return
         finally:
             HANDLER_SECONDS.labels(sub.queue).observe(time.monotonic() - started)
         if result is DEFER:
             return
-        self._actions.put(partial(self._finish, delivery, list(result)))  # type: ignore[arg-type]
+        self._submit(partial(self._finish, delivery, list(result)))  # type: ignore[arg-type]
 
     # --- settling (I/O thread only) ----------------------------------------------------
 
@@ -584,6 +602,11 @@ class Consumer:
         else:
             timer.failing_since, timer.last_error = None, ""
         if outputs:
-            self._actions.put(partial(self._publish_request, outputs, None))
+            self._submit(partial(self._publish_request, outputs, None))
         timer.due = time.monotonic() + timer.every_s
         timer.running = False
+
+
+def _wake() -> None:
+    """Nothing: its arrival makes ``process_data_events`` return, and the loop drains the
+    actions outside pika's callbacks, as it does after a tick."""
