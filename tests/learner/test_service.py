@@ -339,7 +339,8 @@ def test_a_skipped_step_consumes_no_batch(broker_settings, raw_channel, tiny_mod
 def test_absurd_rewards_never_reach_training(broker_settings, raw_channel, tiny_model,
                                              tmp_path):
     """A reward of 1e200 made advantages NaN: it is refused at the boundary (dead-lettered),
-    and the valid groups around it are trained."""
+    and the valid groups around it are trained; a reward within the contract but beyond the
+    learner's bound is refused by the learner and counted as dropped."""
     import msgpack
 
     from hpcrl_common.messages import encode
@@ -348,9 +349,13 @@ def test_absurd_rewards_never_reach_training(broker_settings, raw_channel, tiny_
     lp = base_logprobs(tiny_model)
     absurd = msgpack.unpackb(encode(good_bad_batch("absurd", lp)))
     absurd["samples"][0]["reward"] = 1e200
+    # Within the contract's bound (1e6), beyond learner.max_abs_reward: refused by the learner.
+    too_big = msgpack.unpackb(encode(good_bad_batch("too-big", lp)))
+    too_big["samples"][0]["reward"] = 5e5
     topology.declare(raw_channel)
-    raw_channel.basic_publish(topology.work_exchange(ROLLOUT_BATCHES),
-                              topology.name(ROLLOUT_BATCHES), msgpack.packb(absurd))
+    for raw in (absurd, too_big):
+        raw_channel.basic_publish(topology.work_exchange(ROLLOUT_BATCHES),
+                                  topology.name(ROLLOUT_BATCHES), msgpack.packb(raw))
     publish(broker_settings, good_bad_batch("v0", lp), good_bad_batch("v1", lp))
     config = LearnerConfig(broker=broker_settings, learner=LearnerSettings(
         model_path=tiny_model, checkpoint_dir=tmp_path / "store", groups_per_step=2,
@@ -360,8 +365,13 @@ def test_absurd_rewards_never_reach_training(broker_settings, raw_channel, tiny_
     with RunningConsumer(consumer):
         wait_for(lambda: len(store.versions()) == 1, 120, "a step of the valid groups")
     assert store.versions()[0].metrics["groups_trained"] == 2.0
-    method, props, _body = raw_channel.basic_get(topology.dlq(ROLLOUT_BATCHES), auto_ack=True)
-    assert method is not None and "reward" in props.headers["x-hpcrl-reason"]
+    # The group the learner refused is done too (the scheduler must not count it outstanding
+    # for good); the one the contract refused at the boundary never reached it.
+    assert store.versions()[0].metrics["groups_dropped"] == 1.0
+    reasons = []
+    while (got := raw_channel.basic_get(topology.dlq(ROLLOUT_BATCHES), auto_ack=True))[0]:
+        reasons.append(got[1].headers["x-hpcrl-reason"])
+    assert len(reasons) == 2 and all("reward" in reason for reason in reasons), reasons
 
 
 def test_a_second_learner_on_the_same_store_refuses_to_start(broker_settings, tiny_model,

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import msgpack
 import pytest
+from prometheus_client import REGISTRY
 
 from hpcrl_common.broker import Consumer, Publish, Publisher
 from hpcrl_common.checkpoints import CheckpointInfo, CheckpointStore
@@ -180,12 +181,20 @@ def test_pacing_figures_are_typed_and_in_range(broker_settings, raw_channel, tmp
         assert [r.iteration for r in released] == [1] and released[0].min_policy_version == 1
         wait_for(lambda: svc.health()[0], 5, "healthy again", svc.health)
 
-        # More groups done than batches sent, or fewer than before: refused.
+        # More groups done than batches sent (forged or replayed batches counted): the
+        # store's version is taken, paced by the batches sent. Refusing it held every
+        # request for good.
         v2 = commit(store, 2, groups_trained=7, groups_dropped=0, groups_per_step=1)
         announce(publisher, topology, v2.weight_update(store.root, run=run()))
-        [reason] = dead_letters(raw_channel, dlq, expect=1)
-        assert "7 groups done, but this scheduler sent only 1 rollout batches" in reason
+        wait_for(lambda: int(scheduler.store.get("policy_version", 0)) == 2, 10, "v2 taken")
         assert int(scheduler.store.get("groups_trained", 0)) == 1
+        assert REGISTRY.get_sample_value("hpcrl_scheduler_pacing_clamped_total") >= 1
+        # Fewer done than an earlier version: refused.
+        v3 = commit(store, 3, groups_trained=0, groups_dropped=0, groups_per_step=1)
+        announce(publisher, topology, v3.weight_update(store.root, run=run()))
+        [reason] = dead_letters(raw_channel, dlq, expect=1)
+        assert "0 groups done is fewer than the 1 of an earlier version" in reason
+        assert int(scheduler.store.get("policy_version", 0)) == 2
 
 
 def test_weight_update_2_is_what_the_store_announces(tmp_path):

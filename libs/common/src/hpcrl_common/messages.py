@@ -386,7 +386,8 @@ class WeightUpdate(Message):
     checksum: Annotated[str, StringConstraints(pattern=r"^sha256:[0-9a-f]{64}$")]
     base_model: ShortText = ""
     # The learner's progress for the scheduler's pacing (hpcrl_scheduler.pacing): groups
-    # trained and dropped as stale in this run up to this version, and groups per step. None:
+    # trained, and dropped (as stale, or refused: dead-lettered), in this run up to this
+    # version, and groups per step. None:
     # not reported (a version committed without them).
     groups_trained: GroupCount | None = None
     groups_dropped: GroupCount = 0

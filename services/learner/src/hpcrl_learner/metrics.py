@@ -60,6 +60,10 @@ STALENESS = Histogram(
 STALE_DROPPED = Counter(
     "hpcrl_learner_stale_groups_dropped_total", "Groups dropped as older than max_staleness"
 )
+REFUSED = Counter(
+    "hpcrl_learner_refused_batches_total",
+    "Batches that can never be trained on (dead-lettered with the reason), counted as dropped",
+)
 DUPLICATES = Counter(
     "hpcrl_learner_duplicate_batches_total", "Redelivered batches already trained on (acked)"
 )

@@ -131,6 +131,11 @@ class Learner:
                 )
                 self.texts.check(batch)
             except BadBatch as exc:
+                # Done, like a stale group: reported as dropped with the next version, or the
+                # scheduler would count it outstanding for good and its window would shrink
+                # by one group per refusal until nothing is requested.
+                metrics.REFUSED.inc()
+                self.dropped_since_commit += 1
                 raise Reject(str(exc)) from None
             self.pending.append((group, delivery))
             metrics.PENDING_GROUPS.set(len(self.pending))

@@ -21,6 +21,11 @@ UPDATES_IGNORED = Counter("hpcrl_scheduler_weight_updates_ignored_total",
                           "no_store, not_in_store, mismatch (not the manifest's entry), "
                           "too_far (above floor + max_version_jump), pacing (figures out of "
                           "range)", ["reason"])
+PACING_CLAMPED = Counter(
+    "hpcrl_scheduler_pacing_clamped_total",
+    "Weight announcements whose groups done (trained + dropped) exceeded the rollout batches "
+    "this scheduler sent (forged batches, replayed dead letters): paced by the batches sent",
+)
 EXCLUDED = Counter("hpcrl_scheduler_results_excluded_total",
                    "Results left out of their group because of a minority host class")
 NO_ROLLOUT = Counter("hpcrl_scheduler_samples_without_rollout_total",

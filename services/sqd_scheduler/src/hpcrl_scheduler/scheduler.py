@@ -389,8 +389,14 @@ class Scheduler:
             self._refuse(update, "pacing", f"{done} groups done is fewer than the {before} "
                          f"of an earlier version (they only grow within a run)")
         if done > sent:
-            self._refuse(update, "pacing", f"{done} groups done, but this scheduler sent "
-                         f"only {sent} rollout batches")
+            # More than were sent: batches not of this scheduler (forged with its credential,
+            # or dead letters replayed) were counted. The version is the store's, so it is
+            # taken; refusing it would hold every request for good. Pacing counts at most
+            # what was sent, so no request runs further ahead than it should.
+            metrics.PACING_CLAMPED.inc()
+            log.warning("learner reports more groups done than were sent; counting the sent",
+                        version=update.version, done=done, sent=sent)
+            done = sent
         per_step = update.groups_per_step or int(
             self.store.get("groups_per_step", self.section.initial_groups_per_step))
         return done, per_step
