@@ -16,7 +16,10 @@ from hpcrl_benchmarker.pipeline import Benchmarker
 from hpcrl_benchmarker.steps import InternalError
 from hpcrl_common.task import TaskSpec
 
-GEMM_C = (resources.files("hpcrl_benchmarker.harness") / "gemm.c").read_text()
+HARNESS = resources.files("hpcrl_benchmarker.harness")
+# The part of the harness every task's template includes: the protocol and its exits.
+SHARED_H = (HARNESS / "harness.h").read_text()
+TEMPLATES = sorted(entry.name for entry in HARNESS.iterdir() if entry.name.endswith(".c"))
 
 
 def test_the_compile_script_exits_only_with_the_named_statuses() -> None:
@@ -26,18 +29,25 @@ def test_the_compile_script_exits_only_with_the_named_statuses() -> None:
 
 
 def test_the_harness_names_every_status_and_spells_none_as_a_number() -> None:
-    used = set(re.findall(r"\bHARNESS_EXIT_(\w+)\b", GEMM_C))
+    used = set(re.findall(r"\bHARNESS_EXIT_(\w+)\b", SHARED_H))
     assert used == {status.name for status in HarnessExit}
-    guarded = set(re.findall(r"defined\(HARNESS_EXIT_(\w+)\)", GEMM_C))
+    guarded = set(re.findall(r"defined\(HARNESS_EXIT_(\w+)\)", SHARED_H))
     assert guarded == used  # it refuses to compile without any one of them
-    assert not re.search(r"#\s*define\s+HARNESS_EXIT_", GEMM_C)  # no second definition
-    numeric = re.findall(r"\b(?:return|_?exit\s*\()\s*\(?\s*(\d+)", GEMM_C)
+    assert not re.search(r"#\s*define\s+HARNESS_EXIT_", SHARED_H)  # no second definition
+    numeric = re.findall(r"\b(?:return|_?exit\s*\()\s*\(?\s*(\d+)", SHARED_H)
     assert set(numeric) <= {"0"}, numeric
+    assert {"gemm.c", "gemv.c"} <= set(TEMPLATES)
+    for name in TEMPLATES:  # a template exits only through the shared part
+        text = (HARNESS / name).read_text()
+        assert '#include "harness.h"' in text, name
+        assert not re.search(r"\bHARNESS_EXIT_|\b(?:return|_?exit\s*\()\s*\(?\s*\d", text), name
 
 
-def test_the_harness_does_not_compile_without_the_definitions(tmp_path: Path) -> None:
-    source = tmp_path / "gemm.c"
-    source.write_text(GEMM_C)
+@pytest.mark.parametrize("name", TEMPLATES)
+def test_the_harness_does_not_compile_without_the_definitions(tmp_path: Path, name: str) -> None:
+    (tmp_path / "harness.h").write_text(SHARED_H)
+    source = tmp_path / name
+    source.write_text((HARNESS / name).read_text())
     done = subprocess.run(["gcc", "-fopenmp", "-c", str(source), "-o", str(tmp_path / "g.o")],
                           capture_output=True, text=True)
     assert done.returncode != 0 and "harness_defines" in done.stderr

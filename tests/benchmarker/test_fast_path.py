@@ -123,11 +123,11 @@ def test_expected_points_match_the_full_check() -> None:
     a, b = gemm.inputs(job.sizes, job.seed)
     ref = gemm.reference(a, b)
     expected = gemm.expect(job, 100, True, np.random.default_rng(3))
-    assert len(expected.rows) == 105
-    assert np.array_equal(expected.values, ref[expected.rows, expected.cols])
+    assert len(expected.points[0]) == 105
+    assert np.array_equal(expected.values, ref[expected.points[0], expected.points[1]])
     assert gemm.check_expected(ref.copy(), expected, 1e-6) == ""
     bad = ref.copy()
-    i, j = int(expected.rows[7]), int(expected.cols[7])
+    i, j = int(expected.points[0][7]), int(expected.points[1][7])
     bad[i, j] += 1.0
     assert f"C[{i}][{j}]" in gemm.check_expected(bad, expected, 1e-6)
     bad = ref.copy()
@@ -139,7 +139,7 @@ def test_the_full_matrix_check_catches_what_the_sampled_points_miss() -> None:
     job = gemm.Job("v", {"M": 64, "N": 48, "K": 40}, 777)
     expected = gemm.expect(job, 100, True, np.random.default_rng(5))
     assert expected.full is not None
-    sampled = set(zip(expected.rows.tolist(), expected.cols.tolist(), strict=True))
+    sampled = set(zip(expected.points[0].tolist(), expected.points[1].tolist(), strict=True))
     wrong = [(i, j) for i in range(64) for j in range(48) if (i, j) not in sampled][:40]
     c = expected.full.copy()
     for i, j in wrong:
@@ -177,7 +177,7 @@ JOBS = [gemm.Job("v", {"M": 3, "N": 5, "K": 2}, 1), gemm.Job("t", {"M": 2, "N": 
 def test_run_reader_follows_the_protocol_and_keeps_the_clocks() -> None:
     reader = gemm.RunReader(99, JOBS)
     [first] = _feed_job(reader, 99, 0, JOBS[0], 1_000_000)
-    assert first.c.shape == (3, 5) and first.c[2, 4] == 14.0
+    assert first.output.shape == (3, 5) and first.output[2, 4] == 14.0
     assert (first.sent_ns, first.t0_ns, first.begin_ns) == (1_000_000, 1_000_010, 1_000_020)
     assert first.seconds == pytest.approx(4990e-9) and first.timing_problem() == ""
     [second] = _feed_job(reader, 99, 1, JOBS[1], 2_000_000)
@@ -321,15 +321,15 @@ def test_threads_pinned_and_restricted_to_their_cpus(bench: Benchmarker, task: T
     jobs = [gemm.Job("v", {"M": 1, "N": 2, "K": 1}, secrets.randbits(63))]
     run = one.run(scratch, task, jobs, Events())
     assert run.failure is None, run.failure
-    assert run.frames[0].c[0, 0] == 1
+    assert run.frames[0].output[0, 0] == 1
     run = make(pin_threads=False).run(scratch, task, jobs, Events())
-    assert run.failure is None and run.frames[0].c[0, 0] == HOST.cores
+    assert run.failure is None and run.frames[0].output[0, 0] == HOST.cores
     # However many threads a team asks for, it gets at most `threads`.
     assert make(threads=1).harness_env()["OMP_THREAD_LIMIT"] == "1"
     assert one.compile(scratch, GREEDY_TEAM, task, flags, Events()).error == ""
     run = one.run(scratch, task, jobs, Events())
     assert run.failure is None, run.failure
-    assert run.frames[0].c[0, 0] == 1
+    assert run.frames[0].output[0, 0] == 1
 
 
 # Compiled straight into the harness (no checks): counts the CPUs of its affinity mask.

@@ -176,7 +176,8 @@ def test_harness_seccomp_blocks_processes_files_and_executable_memory(
     run = bench.run(scratch, task, jobs, Events())
     assert run.failure is None, run.failure
     a, b = gemm.inputs(jobs[0].sizes, jobs[0].seed)
-    assert gemm.check(run.frames[0].c, gemm.reference(a, b), a, b, [(0, 0), (15, 7)], 1e-9) == ""
+    c = run.frames[0].output
+    assert gemm.check(c, gemm.reference(a, b), a, b, [(0, 0), (15, 7)], 1e-9) == ""
 
 
 def test_a_kernel_cannot_name_the_files_its_compile_writes(tmp_path: Path, bench: Benchmarker,

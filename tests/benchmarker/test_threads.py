@@ -189,8 +189,8 @@ def test_a_thread_left_running_ends_the_run_before_the_next_job() -> None:
     assert reply is not None and reply.stop and reply.send == b""  # job 1 is never sent
     [frame] = talk.frames
     assert frame.stray_threads == 1
-    expected = gemm.Expected(np.zeros(1, np.intp), np.zeros(1, np.intp), np.zeros(1),
-                             np.ones(1))
+    expected = gemm.Expected((np.zeros(1, np.intp), np.zeros(1, np.intp)), np.zeros(1),
+                             np.ones(1), gemm.NAMES)
     assert "still running after the call returned" in steps.frame_message(frame, expected, 1e-6)
 
 

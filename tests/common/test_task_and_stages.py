@@ -7,7 +7,7 @@ from importlib import resources
 import pytest
 
 from hpcrl_common.stages import OPENMP, PREFETCH, SIMD, STAGES, stage
-from hpcrl_common.task import TaskError, builtin_tasks, load_task
+from hpcrl_common.task import TaskError, builtin_seed, builtin_tasks, load_task
 
 
 def test_builtin_matmul_task():
@@ -20,9 +20,18 @@ def test_builtin_matmul_task():
     assert task.timing.time_limit_s == 8 and task.verification.random_points == 100
 
 
+def test_builtin_gemv_task():
+    task = load_task("gemv")
+    assert "gemv" in builtin_tasks() and builtin_seed("gemv") is not None
+    assert task.signature.startswith("void gemv_optimized(const double *A")
+    assert task.flop_count(task.sizes.reward) == 2 * 1023 * 1021
+    assert all(s["M"] % 8 or s["N"] % 8 for s in [task.sizes.reward, *task.sizes.verify])
+    assert task.harness == "gemv" and task.reference == "cblas_dgemv"
+
+
 def test_bad_tasks_are_clear(tmp_path):
-    with pytest.raises(TaskError, match="unknown task 'gemv'"):
-        load_task("gemv")
+    with pytest.raises(TaskError, match="unknown task 'no_such_kernel'"):
+        load_task("no_such_kernel")
     text, source = tmp_path / "t.toml", tmp_path / "ok.toml"
     source.write_text((resources.files("hpcrl_common.tasks") / "matmul.toml").read_text()
                       .replace('flops = "2*M*N*K"', 'flops = "__import__(\'os\')"'))

@@ -163,15 +163,21 @@ def _digest(path: Path) -> str | None:
 
 def harness_object(task: TaskSpec, work_dir: Path, compiler_version: str,
                    lock: threading.Lock) -> Path:
-    """The harness template compiled once per (template, task function, compiler) and
-    process, and checked against what was compiled before every use."""
-    template = resources.files("hpcrl_benchmarker.harness") / f"{task.harness}.c"
+    """The harness template (with the ``harness.h`` it includes) compiled once per
+    (template, task function, compiler) and process, and checked against what was compiled
+    before every use."""
+    package = resources.files("hpcrl_benchmarker.harness")
+    template = package / f"{task.harness}.c"
     if not template.is_file():
         raise InternalError(f"no harness template {task.harness!r} for task {task.name!r}")
     text = template.read_bytes()
+    # The part every template includes (harness.h: the protocol, the lock-down).
+    headers = {entry.name: entry.read_bytes() for entry in package.iterdir()
+               if entry.name.endswith(".h")}
     flags = ["-O2", "-march=native", "-fopenmp", f"-DKERNEL_NAME={task.function}",
              *harness_defines()]
-    key = hashlib.sha256(text + repr((flags, compiler_version)).encode()).hexdigest()[:16]
+    sources = text + b"".join(name.encode() + body for name, body in sorted(headers.items()))
+    key = hashlib.sha256(sources + repr((flags, compiler_version)).encode()).hexdigest()[:16]
     directory = work_dir / f"harness-{key}"
     obj = directory / f"{task.harness}.o"
     with lock:
@@ -181,6 +187,8 @@ def harness_object(task: TaskSpec, work_dir: Path, compiler_version: str,
         if compiled is not None:
             log.warning("the cached harness changed on disk; compiling it again", path=str(obj))
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        for name, body in headers.items():
+            (directory / name).write_bytes(body)
         source = directory / f"{task.harness}.c"
         source.write_bytes(text)
         partial = directory / f".{task.harness}.o.{os.getpid()}"

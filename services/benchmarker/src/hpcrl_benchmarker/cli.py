@@ -10,6 +10,7 @@ from pathlib import Path
 
 from hpcrl_benchmarker.host import IsaRefused, detect
 from hpcrl_common.service import add_config_argument
+from hpcrl_common.task import builtin_tasks
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,12 +32,17 @@ def build_parser() -> argparse.ArgumentParser:
                        help="SQD stage whose technique rules apply (default 6: all allowed)")
     check.add_argument("--opt-level", default="O3", help="optimisation level (default O3)")
     check.add_argument("--task", default="matmul",
-                       help="built-in task name or path of a task TOML (default matmul)")
+                       help=f"built-in task name ({', '.join(builtin_tasks())}) or path of a "
+                       "task TOML (default matmul)")
     check.add_argument("--allow-isa", action="append", default=[], metavar="ISA", help=isa_help)
     check.add_argument("--json", action="store_true",
                        help="print exactly one JSON object on stdout")
     check.add_argument("--work-dir", type=Path, default=None,
                        help="scratch directory (default: $TMPDIR/hpcrl-bench)")
+    check.add_argument("--reference", action="store_true",
+                       help="also time the task's OpenBLAS routine (cblas_dgemm for matmul, "
+                       "cblas_dgemv for gemv) at the reward size on this node, now, as a "
+                       "kernel is timed, and compare (JSON: a 'reference' key)")
 
     serve = commands.add_parser(
         "serve", help="consume code-to-bench, publish bench-results",
@@ -50,8 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check(args: argparse.Namespace) -> int:
+    from hpcrl_benchmarker import harnesses
     from hpcrl_benchmarker.config import BenchmarkerSection
     from hpcrl_benchmarker.pipeline import Benchmarker
+    from hpcrl_benchmarker.steps import InternalError
     from hpcrl_common.task import TaskError, load_task
 
     host = detect()
@@ -63,6 +71,7 @@ def _check(args: argparse.Namespace) -> int:
     try:
         task = load_task(args.task)
         task.compile_flags(args.opt_level)
+        harness = harnesses.for_task(task)
     except (TaskError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -74,10 +83,23 @@ def _check(args: argparse.Namespace) -> int:
         return 2
     # One-shot use: scratch under the user's temporary directory unless told otherwise.
     work_dir = args.work_dir or Path(tempfile.gettempdir()) / "hpcrl-bench"
-    verdict = Benchmarker(BenchmarkerSection(work_dir=work_dir), host).evaluate(
-        text, stage=args.stage, opt_level=args.opt_level, task=task)
+    benchmarker = Benchmarker(BenchmarkerSection(work_dir=work_dir), host)
+    verdict = benchmarker.evaluate(text, stage=args.stage, opt_level=args.opt_level, task=task)
+    moved = harness.bytes_moved(task.sizes.reward)
+    bandwidth = (moved / verdict.timing.mean_s / 1e9
+                 if moved is not None and verdict.timing is not None else None)
+    try:
+        reference = benchmarker.reference(task) if args.reference else None
+    except InternalError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     if args.json:
-        print(json.dumps(verdict.to_json()))
+        data = verdict.to_json()
+        if moved is not None:
+            data["gbytes_per_s"] = bandwidth
+        if reference is not None:
+            data["reference"] = reference.to_json()
+        print(json.dumps(data))
     else:
         print(f"status:      {verdict.status}")
         print(f"reward:      {verdict.reward:g}")
@@ -86,6 +108,13 @@ def _check(args: argparse.Namespace) -> int:
             print(f"gflops:      {verdict.gflops:.2f} (mean {t.mean_s * 1e3:.3f} ms, median "
                   f"{t.median_s * 1e3:.3f}, min {t.min_s * 1e3:.3f}, max {t.max_s * 1e3:.3f}, "
                   f"cv {t.cv:.2%}, attempts {t.attempts}{', noisy' if t.noisy else ''})")
+        if bandwidth is not None:
+            print(f"bandwidth:   {bandwidth:.2f} GB/s ({moved / 1e6:.1f} MB moved per call at "
+                  "least, over the mean time)")
+        if reference is not None:
+            share = (f"; the kernel reaches {verdict.gflops / reference.gflops:.0%} of it"
+                     if verdict.gflops is not None else "")
+            print(f"reference:   {reference.text()}{share}")
         print(f"techniques:  {', '.join(verdict.techniques) or '-'}")
         print(f"generalizes: {verdict.generalizes}")
         print(f"host:        {verdict.host.host_class}")

@@ -24,11 +24,23 @@ from pathlib import Path
 
 import numpy as np
 
-from hpcrl_benchmarker import build, checks, cpuset, gemm, runner, sandbox, steps, timinglock
+from hpcrl_benchmarker import (
+    build,
+    checks,
+    cpuset,
+    harnesses,
+    protocol,
+    runner,
+    sandbox,
+    steps,
+    timinglock,
+    verify,
+)
 from hpcrl_benchmarker.build import Compiled
 from hpcrl_benchmarker.config import BenchmarkerSection
 from hpcrl_benchmarker.host import HostProfile, detect, reuse_freed_memory
 from hpcrl_benchmarker.metrics import LOCK_TIMEOUTS, LOCK_WAIT, RETIMED, SANDBOX_START
+from hpcrl_benchmarker.reference import Reference, ReferenceUnavailable, time_reference
 from hpcrl_benchmarker.runner import FrameWatch, HarnessRun
 from hpcrl_benchmarker.steps import InternalError, Measurement, Phase, StepFailure
 from hpcrl_benchmarker.verdict import Verdict
@@ -103,9 +115,9 @@ class _Findings:
 
 @dataclass
 class _Plan:
-    verify: list[gemm.Job]  # the reward size, then every extra verification size
-    timing: list[gemm.Job]  # warm-up, timed runs, final verification
-    expected: Future[list[gemm.Expected]]  # for verify + timing, in order
+    verify: list[protocol.Job]  # the reward size, then every extra verification size
+    timing: list[protocol.Job]  # warm-up, timed runs, final verification
+    expected: Future[list[verify.Expected]]  # for verify + timing, in order
 
 
 class Benchmarker:
@@ -177,7 +189,7 @@ class Benchmarker:
                              runtime_symbols=build.runtime_symbols())
 
     def _run(self, scratch: Path, candidate: _Candidate, plan: _Plan,
-             expected: list[gemm.Expected], watch: steps.EarlyVerdict, found: _Findings,
+             expected: list[verify.Expected], watch: steps.EarlyVerdict, found: _Findings,
              harness: sandbox.Pending) -> HarnessRun:
         """Verification at every size, then warm-up, timed runs and a last verification,
         in one harness process under the node's timing lock: one sandbox and one process
@@ -205,7 +217,7 @@ class Benchmarker:
         return timing
 
     def _time(self, scratch: Path, candidate: _Candidate, plan: _Plan, timing: Phase | None,
-              expected: list[gemm.Expected], found: _Findings) -> None:
+              expected: list[verify.Expected], found: _Findings) -> None:
         if timing is None:
             # It ended at an extra size, which only decides `generalizes`: time it in a
             # process of its own, as if the verification had been separate.
@@ -268,10 +280,10 @@ class Benchmarker:
             build.spec(scratch, task, harness, self.settings.address_space_mb,
                        cpus=self.cpus or None))
 
-    def run(self, scratch: Path, task: TaskSpec, jobs: list[gemm.Job], events: Events,
+    def run(self, scratch: Path, task: TaskSpec, jobs: list[protocol.Job], events: Events,
             *, verify_runs: int = 0, watch: FrameWatch | None = None,
             harness: sandbox.Pending | None = None,
-            expected: Sequence[gemm.Expected] | None = None,
+            expected: Sequence[verify.Expected] | None = None,
             threads: bool = True) -> HarnessRun:
         """Run ``jobs`` in one harness process. With ``verify_runs`` (0 < n < len(jobs)) the
         run has two phases, the first n jobs and the rest, each with the task's full wall
@@ -308,14 +320,14 @@ class Benchmarker:
         return HarnessRun(talk.frames, failure, started, outcome.wall_s, outcome.phase_started)
 
     @staticmethod
-    def _checker(task: TaskSpec, expected: Sequence[gemm.Expected] | None,
+    def _checker(task: TaskSpec, expected: Sequence[verify.Expected] | None,
                  ) -> Callable[[int, np.ndarray], None] | None:
         if expected is None:
             return None
         tolerance = task.verification.rel_tolerance
 
-        def check(job: int, c: np.ndarray) -> None:
-            gemm.check_expected(c, expected[job], tolerance)  # remembered for the verdict
+        def check(job: int, output: np.ndarray) -> None:
+            verify.check_expected(output, expected[job], tolerance)  # kept for the verdict
         return check
 
     def start_run(self, scratch: Path, task: TaskSpec, *, two_phases: bool,
@@ -354,34 +366,48 @@ class Benchmarker:
     def _plan(self, task: TaskSpec) -> _Plan:
         """Fresh seeds for every run, and their references computed in the background (they
         depend only on the seeds, so this overlaps with the compilation)."""
+        harness = harnesses.for_task(task)
         reward = task.sizes.reward
-        verify = [gemm.Job("v", s, secrets.randbits(63)) for s in [reward, *task.sizes.verify]]
+        verifying = [harness.job("v", s, secrets.randbits(63))
+                     for s in [reward, *task.sizes.verify]]
         timing = self._timing_jobs(task)
-        jobs = verify + timing
-        return _Plan(verify, timing, self._references.submit(self._expect, task, jobs))
+        jobs = verifying + timing
+        return _Plan(verifying, timing, self._references.submit(self._expect, task, jobs))
 
     @staticmethod
-    def _timing_jobs(task: TaskSpec) -> list[gemm.Job]:
+    def _timing_jobs(task: TaskSpec) -> list[protocol.Job]:
         """One timing attempt, with fresh seeds: warm-up, timed runs, final verification."""
+        harness = harnesses.for_task(task)
         reward = task.sizes.reward
-        jobs = [gemm.Job("w", reward, secrets.randbits(63))
+        jobs = [harness.job("w", reward, secrets.randbits(63))
                 for _ in range(task.timing.warmup_runs)]
-        jobs += [gemm.Job("t", reward, secrets.randbits(63))
+        jobs += [harness.job("t", reward, secrets.randbits(63))
                  for _ in range(task.timing.timed_runs)]
-        jobs.append(gemm.Job("v", reward, secrets.randbits(63)))
+        jobs.append(harness.job("v", reward, secrets.randbits(63)))
         return jobs
 
     @staticmethod
-    def _expect(task: TaskSpec, jobs: list[gemm.Job]) -> list[gemm.Expected]:
+    def _expect(task: TaskSpec, jobs: list[protocol.Job]) -> list[verify.Expected]:
         # The check points are drawn here, in the trusted process, and never leave it.
         rng = np.random.default_rng(secrets.randbits(64))
-        return [gemm.expect(job, task.verification.random_points,
-                            task.verification.corners_and_centre, rng) for job in jobs]
+        points = task.verification
+        return [harnesses.get(job.harness.name).expect(
+            job, points.random_points, points.corners_and_centre, rng) for job in jobs]
 
-    def _expected(self, task: TaskSpec, plan: _Plan) -> list[gemm.Expected]:
+    def _expected(self, task: TaskSpec, plan: _Plan) -> list[verify.Expected]:
         if plan.expected.cancel():  # not started yet (the pool is busy): do it here
             return self._expect(task, plan.verify + plan.timing)
         return plan.expected.result()
+
+    def reference(self, task: TaskSpec, runs: int = 9) -> Reference:
+        """The task's OpenBLAS routine at its reward size, timed now on this node as a
+        kernel is (its CPUs and threads, under the timing lock; ``reference`` module)."""
+        threads, cpus, _ = self._cpu_set()
+        with self.exclusive_timing():
+            try:
+                return time_reference(task, threads=threads, cpus=cpus, runs=runs)
+            except ReferenceUnavailable as exc:
+                raise InternalError(str(exc)) from None
 
     def _cpu_set(self) -> tuple[int, list[int], list[int]]:
         """(OpenMP threads, the CPUs a kernel runs on, the CPUs this process may use).

@@ -23,11 +23,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hpcrl_benchmarker import gemm, sandbox
+from hpcrl_benchmarker import protocol, sandbox
 from hpcrl_benchmarker.exitcodes import HARNESS_REFUSALS, HarnessExit
 from hpcrl_benchmarker.steps import InternalError, Phase, StepFailure, sizes_text
 
-FrameWatch = Callable[[gemm.Frame], bool]
+FrameWatch = Callable[[protocol.Frame], bool]
 # How long threads above the limit get to end before they count as left running. Only the
 # surplus threads that libgomp lets go when a team is smaller than its pool (told to exit
 # at the start of that team, at least the harness's 2 ms settle before this) could still be
@@ -62,7 +62,7 @@ class HarnessRun:
     """The calls that completed, in order, and how the process ended before the last job,
     if it did (timeout, crash, early exit, tampering), as the verdict that would be."""
 
-    frames: list[gemm.Frame]
+    frames: list[protocol.Frame]
     failure: StepFailure | None
     started: float  # monotonic
     wall_s: float
@@ -219,10 +219,10 @@ class Conversation:
     before the next line is sent; a thread left running stops the run. With ``idle`` (the
     harness runs with HPCRL_READY=1), each call begins only when the parent's go answers its
     READY, after ``IdleThreads`` found that the other threads did not work meanwhile.
-    ``on_result`` sees each C as soon as it is here (``gemm.RunReader``): work done then is
-    off the run's critical path."""
+    ``on_result`` sees each output as soon as it is here (``protocol.RunReader``): work done
+    then is off the run's critical path."""
 
-    def __init__(self, jobs: list[gemm.Job], verify_runs: int,
+    def __init__(self, jobs: list[protocol.Job], verify_runs: int,
                  watch: FrameWatch | None, threads: ThreadCount | None = None,
                  on_result: Callable[[int, np.ndarray], None] | None = None,
                  idle: IdleThreads | None = None) -> None:
@@ -234,31 +234,32 @@ class Conversation:
         self.idle = idle
         self.nonce = secrets.randbits(64)
         self.on_result = on_result
-        self.reader = gemm.RunReader(self.nonce, jobs, self._result,
-                                     handshake=idle is not None)
+        self.reader = protocol.RunReader(self.nonce, jobs, self._result,
+                                         handshake=idle is not None)
         self.tampered = ""
         self.worked_outside = ""  # why the run was stopped at a READY, if it was
 
     @property
-    def frames(self) -> list[gemm.Frame]:
+    def frames(self) -> list[protocol.Frame]:
         """The completed calls; none once the output was tampered with (none can be trusted)."""
         return [] if self.tampered else self.reader.frames
 
     def opening(self) -> bytes:
-        return gemm.header(self.nonce) + self.dispatch(0)
+        return protocol.header(self.nonce) + self.dispatch(0)
 
     def dispatch(self, job: int) -> bytes:
         """The next line for the harness: a job (its inputs exist from now on) or the end."""
         if job == len(self.jobs):
-            return gemm.END_LINE
+            return protocol.END_LINE
         self.reader.sent(job, time.monotonic_ns())
-        return gemm.job_line(self.jobs[job])
+        return protocol.job_line(self.jobs[job])
 
-    def _result(self, job: int, c: np.ndarray) -> None:
-        """C of ``job`` is here: the call is over (its threads were joined before it returned),
-        and the harness checks its inputs and sleeps before it reports the call complete."""
+    def _result(self, job: int, output: np.ndarray) -> None:
+        """The output of ``job`` is here: the call is over (its threads were joined before it
+        returned), and the harness checks its inputs and sleeps before it reports the call
+        complete."""
         if self.on_result is not None:
-            self.on_result(job, c)
+            self.on_result(job, output)
         if self.idle is not None and job + 1 < len(self.jobs):
             # From now until the next call's go, no thread but the main one may run.
             self.idle.baseline()
@@ -280,7 +281,7 @@ class Conversation:
             return sandbox.Reply(stop=True)
         self.reader.go(job, time.monotonic_ns())
         # The call runs now: read no marks until its C comes (not on the kernel's cores).
-        return sandbox.Reply(send=gemm.GO_LINE, marks_after_data=True)
+        return sandbox.Reply(send=protocol.GO_LINE, marks_after_data=True)
 
     def on_event(self, channel: str, payload: bytes, at_ns: int) -> sandbox.Reply | None:
         try:
@@ -288,7 +289,7 @@ class Conversation:
                 frames = self.reader.mark(payload, at_ns)
             else:
                 frames = self.reader.data(payload)
-        except gemm.ProtocolError as exc:
+        except protocol.ProtocolError as exc:
             self.tampered = self.tampered or str(exc)
             return sandbox.Reply(stop=True)
         if self.reader.ready is not None:

@@ -17,7 +17,9 @@ from collections.abc import Callable
 
 import structlog
 
+from hpcrl_benchmarker import harnesses
 from hpcrl_benchmarker.config import BenchmarkerConfig, BenchmarkerSection
+from hpcrl_benchmarker.harnesses import HarnessError
 from hpcrl_benchmarker.metrics import (
     CLIENT_LATENCY,
     CLIENT_REQUESTS,
@@ -63,8 +65,10 @@ class TaskCatalogue:
         with self._lock:
             if name not in self._cache:
                 try:
-                    self._cache[name] = load_task(name)
-                except (TaskError, OSError) as exc:
+                    task = load_task(name)
+                    harnesses.for_task(task)  # a harness that can run it
+                    self._cache[name] = task
+                except (TaskError, HarnessError, OSError) as exc:
                     raise Reject(f"task {name!r} cannot be loaded: {exc}") from None
             return self._cache[name]
 

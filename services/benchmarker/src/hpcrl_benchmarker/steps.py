@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from hpcrl_benchmarker import checks, gemm
+from hpcrl_benchmarker import checks, protocol, verify
 from hpcrl_benchmarker.extract import ExtractError, extract
 from hpcrl_benchmarker.verdict import timing_stats
 from hpcrl_common.messages import Status, Timing
@@ -43,7 +43,7 @@ class Phase:
     """The calls of one phase of a harness run, numbered from the phase's first job, and how
     the process ended if it ended before the phase was complete."""
 
-    frames: list[gemm.Frame]
+    frames: list[protocol.Frame]
     failure: StepFailure | None
 
 
@@ -116,19 +116,23 @@ def _obey(reasons: list[str], techniques: set[str], policy: Stage) -> None:
 # --- verify ----------------------------------------------------------------------------------
 
 
-def frame_message(frame: gemm.Frame, expected: gemm.Expected, tolerance: float) -> str:
-    """'' when the frame's C is right, else why not."""
-    if frame.flags & gemm.FLAG_INPUTS_MODIFIED:
-        return "the kernel modified its inputs A or B"
-    if frame.flags & gemm.FLAG_CHANGED_AFTER_RETURN:
-        return "C was still being written after the kernel returned"
-    if frame.flags & gemm.FLAG_PARALLEL_LEFT_OPEN:
+def frame_message(frame: protocol.Frame, expected: verify.Expected, tolerance: float) -> str:
+    """'' when the frame's output is right, else why not."""
+    names = expected.names
+    if frame.flags & protocol.FLAG_INPUTS_MODIFIED:
+        return f"the kernel modified its inputs {names.inputs}"
+    if frame.flags & protocol.FLAG_OUTSIDE_WRITTEN:
+        return (f"the kernel wrote outside its arrays (just before or after {names.arrays}: "
+                "out-of-bounds writes)")
+    if frame.flags & protocol.FLAG_CHANGED_AFTER_RETURN:
+        return f"{names.output} was still being written after the kernel returned"
+    if frame.flags & protocol.FLAG_PARALLEL_LEFT_OPEN:
         return ("the kernel returned with a parallel region still open (threads left "
                 "running after the call)")
     if frame.stray_threads:
         return (f"{frame.stray_threads} thread(s) that the kernel started were still running "
                 "after the call returned (beyond the main thread and OpenMP's thread pool)")
-    return gemm.check_expected(frame.c, expected, tolerance)
+    return verify.check_expected(frame.output, expected, tolerance)
 
 
 class EarlyVerdict:
@@ -136,21 +140,21 @@ class EarlyVerdict:
     run as soon as its outcome is known: a wrong result at the reward size (the kernel is
     then never timed) or, with generalisation penalised, a wrong one at any size."""
 
-    def __init__(self, task: TaskSpec, expected: Sequence[gemm.Expected], sizes: int) -> None:
+    def __init__(self, task: TaskSpec, expected: Sequence[verify.Expected], sizes: int) -> None:
         self.tolerance = task.verification.rel_tolerance
         self.penalize = task.penalize_generalization
         self.expected = expected
         self.sizes = sizes
         self.messages: dict[int, str] = {}
 
-    def __call__(self, frame: gemm.Frame) -> bool:
+    def __call__(self, frame: protocol.Frame) -> bool:
         self.messages[frame.job] = self.message(frame)
         if frame.job == 0:
             return bool(self.messages[0])  # the verdict is a verification error: stop
         return (frame.job == self.sizes - 1 and self.penalize
                 and any(self.messages.values()))
 
-    def message(self, frame: gemm.Frame) -> str:
+    def message(self, frame: protocol.Frame) -> str:
         # A frame that arrived in the same read as the one that stopped the run was not
         # watched: it is checked here.
         if frame.job in self.messages:
@@ -158,14 +162,14 @@ class EarlyVerdict:
         return frame_message(frame, self.expected[frame.job], self.tolerance)
 
 
-def check_clocks(frames: list[gemm.Frame]) -> None:
+def check_clocks(frames: list[protocol.Frame]) -> None:
     """Every call's reported clocks fit the host kernel's stamps of its messages."""
     for frame in frames:
         if problem := frame.timing_problem():
             raise StepFailure("verification_error", f"the timing was tampered with: {problem}")
 
 
-def verification_problems(jobs: list[gemm.Job], phase: Phase, watch: EarlyVerdict) -> list[str]:
+def verification_problems(jobs: list[protocol.Job], phase: Phase, watch: EarlyVerdict) -> list[str]:
     """What went wrong at the extra sizes; a failure at the reward size ends the candidate."""
     if not phase.frames:
         assert phase.failure is not None
@@ -201,8 +205,8 @@ def generalization_note(task: TaskSpec, problems: list[str]) -> str:
 _PHASES = {"w": "warm-up", "t": "timed", "v": "final verification"}
 
 
-def measure(task: TaskSpec, jobs: list[gemm.Job], phase: Phase,
-            expected: Sequence[gemm.Expected], peak_gflops: float) -> Measurement:
+def measure(task: TaskSpec, jobs: list[protocol.Job], phase: Phase,
+            expected: Sequence[verify.Expected], peak_gflops: float) -> Measurement:
     """The timing phase's verdict: every run right, clocks untampered, a possible speed."""
     if phase.failure is not None:
         raise phase.failure
@@ -213,7 +217,7 @@ def measure(task: TaskSpec, jobs: list[gemm.Job], phase: Phase,
                               f"{_PHASES[jobs[frame.job].kind]} run: {message}")
     check_clocks(phase.frames)
     runs = [f.effective_seconds() for f in phase.frames if jobs[f.job].kind == "t"]
-    if not all(gemm.is_finite_positive(r) for r in runs):
+    if not all(protocol.is_finite_positive(r) for r in runs):
         raise StepFailure("runtime_error", f"the harness's clock reported impossible times {runs}")
     timing = timing_stats(runs)
     gflops = task.flop_count(task.sizes.reward) / timing.mean_s / 1e9

@@ -1,0 +1,130 @@
+"""A task's performance reference on this node: its OpenBLAS routine timed as a kernel is.
+
+``Benchmarker.reference(task)`` runs this module as a child process under the node's timing
+lock, on the CPUs and with the threads a kernel gets: OpenBLAS picks its kernels once, when
+it loads, from the CPU model, and on virtual machines that hide the model it falls back to
+old generic ones; the child names the core type for the host's ISA (``OPENBLAS_CORETYPE``)
+before it loads, and its worker threads end with it. Every call gets fresh inputs and a
+fresh output, filled just before the call as the harness fills a kernel's (so a memory-bound
+routine finds its inputs in the caches a kernel finds them in); three untimed calls, then
+the median of ``runs`` timed ones, on one thread and on the kernel's threads, of which the
+faster counts (OpenBLAS's threads wait for each other actively: on a node whose other work
+takes a core, its team of all the cores was seen 5x slower than one thread). For a
+memory-bound task the bandwidth it reaches (the harness's bytes moved per call over the
+time) comes beside its GFLOPS.
+
+    python -m hpcrl_benchmarker.reference <harness> '<sizes as JSON>' <runs> <threads,...> <cpus>
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from hpcrl_benchmarker import harnesses
+from hpcrl_benchmarker.host import openblas_coretype
+from hpcrl_common.task import Sizes, TaskSpec
+
+WARMUP_CALLS = 3
+TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class Reference:
+    routine: str  # cblas_dgemm, cblas_dgemv, ...
+    sizes: Sizes
+    gflops: float  # the task's FLOPs over the median call
+    gbytes_per_s: float | None  # the harness's bytes moved over the median call
+    median_s: float
+    runs_s: list[float]
+    core: str  # OpenBLAS's kernels (its core name)
+    threads: int  # OpenBLAS threads of the faster measurement
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def text(self) -> str:
+        bandwidth = (f", {self.gbytes_per_s:.1f} GB/s" if self.gbytes_per_s is not None
+                     else "")
+        return (f"OpenBLAS {self.routine} {self.gflops:.2f} GFLOPS{bandwidth} ({self.core} "
+                f"kernels, {self.threads} thread{'s' if self.threads != 1 else ''}, median "
+                f"of {len(self.runs_s)} calls, this node, now)")
+
+
+class ReferenceUnavailable(RuntimeError):
+    pass
+
+
+def time_reference(task: TaskSpec, *, threads: int, cpus: list[int], runs: int = 9) -> Reference:
+    """The task's reference at its reward size, timed in a child process on ``cpus`` with
+    one thread and with ``threads`` (module docstring); the faster counts. The caller holds
+    the timing lock."""
+    harness = harnesses.for_task(task)
+    sizes = task.sizes.reward
+    core = openblas_coretype()
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": str(threads),
+           **({"OPENBLAS_CORETYPE": core} if core else {})}
+    counts = sorted({1, threads})
+    argv = [sys.executable, "-m", "hpcrl_benchmarker.reference", harness.name,
+            json.dumps(sizes), str(runs), ",".join(map(str, counts)), ",".join(map(str, cpus))]
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
+    except subprocess.TimeoutExpired:
+        raise ReferenceUnavailable(
+            f"{harness.routine} did not finish within {TIMEOUT_S:g} s") from None
+    if done.returncode != 0:
+        raise ReferenceUnavailable(f"{harness.routine} could not be timed: "
+                             f"{done.stderr.strip()[-500:]}")
+    measured = json.loads(done.stdout)
+    timed = {int(n): [float(r) for r in runs_s] for n, runs_s in measured["runs_s"].items()}
+    best = min(timed, key=lambda n: statistics.median(timed[n]))
+    median = statistics.median(timed[best])
+    moved = harness.bytes_moved(sizes)
+    return Reference(routine=harness.routine, sizes=dict(sizes),
+                     gflops=task.flop_count(sizes) / median / 1e9,
+                     gbytes_per_s=None if moved is None else moved / median / 1e9,
+                     median_s=median, runs_s=timed[best], core=measured["core"], threads=best)
+
+
+def _measure(name: str, sizes: Sizes, runs: int, counts: list[int]) -> dict[str, Any]:
+    harness = harnesses.get(name)
+    lib = harnesses.openblas()  # OPENBLAS_CORETYPE is in this process's environment
+    lib.openblas_get_corename.restype = ctypes.c_char_p
+    timed: dict[int, list[float]] = {}
+    for threads in counts:
+        lib.openblas_set_num_threads(threads)
+        runs_s = timed[threads] = []
+        for call in range(WARMUP_CALLS + runs):
+            # As the harness: fresh inputs (and their copies), a fresh NaN output, the call.
+            inputs = harness.inputs(sizes, call + 1)
+            copies = [np.copy(x) for x in inputs]
+            out = np.full(harness.output_shape(sizes), np.nan)
+            started = time.perf_counter()
+            harness.reference_into(inputs, out)
+            seconds = time.perf_counter() - started
+            del copies
+            if call >= WARMUP_CALLS:
+                runs_s.append(seconds)
+    return {"runs_s": timed, "core": lib.openblas_get_corename().decode()}
+
+
+def main(argv: list[str]) -> int:
+    name, sizes, runs, counts, cpus = argv
+    if cpus:
+        os.sched_setaffinity(0, [int(c) for c in cpus.split(",")])
+    print(json.dumps(_measure(name, json.loads(sizes), int(runs),
+                              [int(n) for n in counts.split(",")])))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
