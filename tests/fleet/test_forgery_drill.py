@@ -30,8 +30,8 @@ Each phase is a test of its own (in order, on the one fleet of its parametrizati
 5. *benchmarker*: with the replica frozen holding a whole group, a success of 5,000 GFLOPS
    claiming a peak of 1e6 for the real host's class, one under the peak (0.9 x) that does
    not reproduce, and one with an honest figure whose rollout is not the candidate's;
-6. *benchmarker*, on the next group: a success under the peak without its source (xfail:
-   it counts unconfirmed; see its reason);
+6. *benchmarker*, on the next group: a success under the peak without its source: it
+   cannot be measured again, so it is dropped (``scheduler.confirm_without_source``);
 7. *generator*: with the generator frozen holding a request, the text of a correct kernel
    with token ids ``[66] * 40``;
 8. whether phase 5's foreign rollout was trained (xfail: it was; see its reason);
@@ -643,12 +643,6 @@ class TestForgeryDrill:
         drill.notes.update(host=host, peak=peak, rollout=rollout, sha=text_sha256(judged))
         drill.lap("benchmarker")
 
-    @pytest.mark.xfail(strict=True, reason=(
-        "not stopped on today's code: a success without its source cannot be measured again, "
-        "and the scheduler closes such a group with it unconfirmed and counted (meant for "
-        "benchmarker.include_source = false), so 0.8 x the class's peak, under the peak "
-        "check, becomes the group's maximum (reward 100, its tokens trained, the others "
-        "normalised by it) and the run's best"))
     def test_6_benchmarker_success_without_source(self, drill: Drill):
         """Phase 5's forger again, on the next group: a success of 0.8 x the class's peak
         with no source (index 0), its own tokens and their hash."""

@@ -164,6 +164,37 @@ def test_a_winner_that_does_not_reproduce_is_dropped_and_its_host_suspect(
     assert group is not None and group.excluded == 1
 
 
+@pytest.mark.parametrize("without_source", ["drop", "count"])
+def test_a_winner_without_its_source_is_dropped_unless_told_to_count_it(
+        broker_settings, raw_channel, tmp_path, without_source):
+    """A success under the peak but with no source cannot be measured again. Counted, one
+    benchmarker credential set the group's maximum that way; now it is dropped and the next
+    best is confirmed, unless the operator runs benchmarkers without sources (count)."""
+    topology = Topology(broker_settings.namespace, broker_settings.delivery_limit)
+    _scheduler, consumer, _svc = service(broker_settings, tmp_path, f"nosrc-{without_source}",
+                                         reward_mode="group_normalized",
+                                         confirm_without_source=without_source)
+    with RunningConsumer(consumer), Publisher(broker_settings) as publisher:
+        [request] = take(raw_channel, topology.name(GENERATE_REQUESTS), GenerateRequest)
+        honest = bench_result(request.id, 0, 2.0, benchmarker="benchmarker-b", hostname="node2")
+        sourceless = bench_result(request.id, 1, 300.0, benchmarker="evil").model_copy(
+            update={"source": None})
+        publisher.publish(*(Publish(topology.name(BENCH_RESULTS), r)
+                            for r in (honest, sourceless)))
+        if without_source == "drop":
+            [check] = take(raw_channel, topology.name(CODE_TO_BENCH), Candidate)
+            assert check.group_id == f"{request.id}.confirm1"
+            assert "/* kernel 0 */" in check.completion  # the honest one, confirmed instead
+            publisher.publish(Publish(topology.name(BENCH_RESULTS), bench_result(
+                check.group_id, 0, 2.1, benchmarker="benchmarker-a")))
+        [batch] = take(raw_channel, topology.name(ROLLOUT_BATCHES), RolloutBatch)
+    rewards = dict((s.candidate_id, s.reward) for s in batch.samples)
+    if without_source == "drop":
+        assert rewards == {honest.id: 100.0}
+    else:
+        assert rewards[sourceless.id] == 100.0 and rewards[honest.id] < 1.0
+
+
 def test_a_confirmed_winner_counts_at_the_lower_of_its_two_measurements():
     from hpcrl_scheduler.confirm import ConfirmState, judge
 

@@ -63,7 +63,9 @@ class BenchmarkerSection(ServiceSection):
                              description="task TOML paths accepted besides the built-in "
                              "tasks (a message can never make the service read another path)")
     include_source: bool = Field(True, description="put the extracted code into each result "
-                                 "(the scheduler's pool needs it)")
+                                 "(the scheduler's pool needs it, and so does a winner's "
+                                 "second measurement: with false, set the scheduler's "
+                                 "confirm_without_source = \"count\")")
 
     @field_validator("cpus")
     @classmethod

@@ -110,6 +110,11 @@ class SchedulerSection(ServiceSection):
         "node differs up to 2x); within it, the winner counts at the lower measurement")
     confirm_rounds: int = Field(3, ge=1, le=16, description="re-measurements per group at "
                                 "most (each dropped winner's successor is confirmed too)")
+    confirm_without_source: Literal["drop", "count"] = Field(
+        "drop", description="a group winner that came without its source cannot be measured "
+        "again: drop it (its successor is confirmed instead); count: take it unconfirmed "
+        "(only for benchmarkers run with include_source = false, whose every result lacks "
+        "it: then one benchmarker credential can set a group's maximum)")
 
     @model_validator(mode="after")
     def _ratios(self) -> SchedulerSection:

@@ -34,7 +34,8 @@ CONFIRMATIONS = Counter(
     "hpcrl_scheduler_confirmations_total",
     "Second measurements of group winners: requested; answered agreed, disagreed (winner "
     "dropped, host suspect) or inconclusive (another host class); winners dropped timed_out "
-    "or unconfirmed (rounds spent); no_source (not re-measurable)", ["outcome"])
+    "or unconfirmed (rounds spent); no_source (not re-measurable: dropped, or counted with "
+    "confirm_without_source = count)", ["outcome"])
 SUSPECT_RESULTS = Counter("hpcrl_scheduler_suspect_results_total",
                           "Results marked suspect: a winner and the second measurement that "
                           "disagreed with it")

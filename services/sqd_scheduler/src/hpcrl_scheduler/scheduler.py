@@ -433,8 +433,17 @@ class Scheduler:
             s.set(key, state.to_json())
             return False
         if winner.source is None:
+            # Nothing to measure again. Counted only where no result has its source
+            # (benchmarker.include_source = false); else a benchmarker credential could set
+            # the group's maximum by leaving the source out.
             metrics.CONFIRMATIONS.labels("no_source").inc()
-            return False  # nothing to measure again (benchmarker.include_source = false)
+            if self.section.confirm_without_source == "count":
+                return False
+            log.warning("group winner without its source dropped", group=group.id,
+                        result=winner.id, gflops=winner.gflops, benchmarker=winner.benchmarker)
+            state.dropped.append(winner.id)
+            s.set(key, state.to_json())
+            return self._confirming(group, results, now, reason, overdue)
         state.round += 1
         state.waiting = winner.id
         state.reason = reason
