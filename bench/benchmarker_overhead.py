@@ -11,7 +11,7 @@ last. ``--breakdown`` also times each step alone, sandboxed and bare (the run's 
 up beforehand, as the service does during the compile), and a sandbox start.
 
     .venv/bin/python bench/benchmarker_overhead.py [--repeats 5] [--timing-attempts 1]
-                                                   [--breakdown]
+                                                   [--breakdown] [--task matmul|gemv]
 """
 
 from __future__ import annotations
@@ -26,19 +26,21 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from hpcrl_benchmarker import gemm, sandbox
+from hpcrl_benchmarker import harnesses, protocol, sandbox
 from hpcrl_benchmarker.config import BenchmarkerSection
 from hpcrl_benchmarker.host import detect
 from hpcrl_benchmarker.pipeline import Benchmarker, Events
 from hpcrl_benchmarker.service import BenchHandler
 from hpcrl_common.messages import BenchSpec, Candidate
-from hpcrl_common.task import load_task
+from hpcrl_common.task import TaskSpec, load_task
 
 KERNELS = Path(__file__).resolve().parent.parent / "tests" / "benchmarker" / "kernels"
+# The kernels timed per task: a plain loop, an OpenMP one, a third of each task's own.
+TASK_KERNELS = {"matmul": ("naive.c", "ikj_omp.c", "avx2_prefetch.c"),
+                "gemv": ("gemv/naive.c", "gemv/omp.c", "gemv/slow.c")}
 
 
-def floor_compile(code: str, bench: Benchmarker, work: Path) -> None:
-    task = load_task("matmul")
+def floor_compile(code: str, bench: Benchmarker, work: Path, task: TaskSpec) -> None:
     flags = task.compile_flags("O3")
     (work / "kernel.c").write_text(code)
     cc = task.compile.compiler
@@ -47,39 +49,39 @@ def floor_compile(code: str, bench: Benchmarker, work: Path) -> None:
                     "-lm"], cwd=work, check=True)
 
 
-def run_jobs() -> list[gemm.Job]:
+def run_jobs(task: TaskSpec) -> list[protocol.Job]:
     """The jobs of one service run: verification at every size, then one timing attempt."""
-    task = load_task("matmul")
+    harness = harnesses.for_task(task)
     sizes = [task.sizes.reward, *task.sizes.verify]
-    jobs = [gemm.Job("v", s, secrets.randbits(63)) for s in sizes]
-    jobs += [gemm.Job("w", task.sizes.reward, secrets.randbits(63))
+    jobs = [harness.job("v", s, secrets.randbits(63)) for s in sizes]
+    jobs += [harness.job("w", task.sizes.reward, secrets.randbits(63))
              for _ in range(task.timing.warmup_runs)]
-    jobs += [gemm.Job("t", task.sizes.reward, secrets.randbits(63))
+    jobs += [harness.job("t", task.sizes.reward, secrets.randbits(63))
              for _ in range(task.timing.timed_runs)]
-    jobs += [gemm.Job("v", task.sizes.reward, secrets.randbits(63))]
+    jobs += [harness.job("v", task.sizes.reward, secrets.randbits(63))]
     return jobs
 
 
-def floor_run(bench: Benchmarker, work: Path) -> None:
+def floor_run(bench: Benchmarker, work: Path, task: TaskSpec) -> None:
     nonce = secrets.randbits(64)
     env = {**os.environ, **bench.harness_env()}
     with open(work / "out.bin", "wb") as out:
         subprocess.run([str(work / "run"), str(out.fileno())],
-                       input=gemm.request(nonce, run_jobs()), check=True,
+                       input=protocol.request(nonce, run_jobs(task)), check=True,
                        pass_fds=(out.fileno(),), capture_output=True, env=env)
 
 
-def floor(code: str, bench: Benchmarker, work: Path) -> float:
+def floor(code: str, bench: Benchmarker, work: Path, task: TaskSpec) -> float:
     started = time.perf_counter()
-    floor_compile(code, bench, work)
-    floor_run(bench, work)
+    floor_compile(code, bench, work, task)
+    floor_run(bench, work, task)
     return time.perf_counter() - started
 
 
-def breakdown(code: str, bench: Benchmarker, root: Path, repeats: int) -> dict[str, float]:
+def breakdown(code: str, bench: Benchmarker, root: Path, repeats: int,
+              task: TaskSpec) -> dict[str, float]:
     """Median ms of each step alone, sandboxed (the service's own call) and bare, and of a
     sandbox start (``/bin/true``) against a plain process start."""
-    task = load_task("matmul")
     flags = task.compile_flags("O3")
     times: dict[str, list[float]] = {k: [] for k in (
         "compile bare", "compile sandboxed", "run bare", "run sandboxed", "start bare",
@@ -96,10 +98,10 @@ def breakdown(code: str, bench: Benchmarker, root: Path, repeats: int) -> dict[s
         bare, boxed = root / f"bare-{i}", root / f"boxed-{i}"
         bare.mkdir()
         boxed.mkdir()
-        timed("compile bare", floor_compile, code, bench, bare)
+        timed("compile bare", floor_compile, code, bench, bare, task)
         timed("compile sandboxed", bench.compile, boxed, code, task, flags, Events())
-        timed("run bare", floor_run, bench, bare)
-        jobs = run_jobs()
+        timed("run bare", floor_run, bench, bare, task)
+        jobs = run_jobs(task)
         # As in the service: the sandbox is set up beforehand (during the compile there).
         harness = bench.start_run(boxed, task, two_phases=True)
         time.sleep(0.05)
@@ -122,29 +124,32 @@ def main() -> None:
     parser.add_argument("--breakdown", action="store_true",
                         help="also time each step alone, sandboxed and bare, and a sandbox "
                         "start: where the difference comes from")
+    parser.add_argument("--task", default="matmul", choices=sorted(TASK_KERNELS),
+                        help="the task whose harness is measured (default matmul)")
     args = parser.parse_args()
+    task = load_task(args.task)
     root = Path(tempfile.mkdtemp(prefix="hpcrl-overhead-"))
     settings = BenchmarkerSection(work_dir=root / "work", lock_path=root / "lock",
                                   timing_attempts=args.timing_attempts)
     bench = Benchmarker(settings, detect())
     handler = BenchHandler(bench, BenchmarkerSection(), "bench-results", "overhead")
     ratios = []
-    for k, name in enumerate(("naive.c", "ikj_omp.c", "avx2_prefetch.c")):
+    for k, name in enumerate(TASK_KERNELS[args.task]):
         code = (KERNELS / name).read_text()
         service_s, floor_s = [], []
         for i in range(args.repeats + 1):  # the first round warms caches and is dropped
-            work = root / f"floor-{name}-{i}"
+            work = root / f"floor-{name.replace('/', '-')}-{i}"
             work.mkdir()
             if i % 2:
-                floor_time = floor(code, bench, work)
+                floor_time = floor(code, bench, work, task)
             cand = Candidate(id=f"o{k}/{i}", group_id=f"o{k}", index=i, completion=code,
-                             bench=BenchSpec(task="matmul", stage=6))
+                             bench=BenchSpec(task=task.name, stage=6))
             started = time.perf_counter()
             [out] = handler(cand, None)  # type: ignore[arg-type]
             service_time = time.perf_counter() - started
             assert out.message.status == "success", out.message.error
             if not i % 2:
-                floor_time = floor(code, bench, work)
+                floor_time = floor(code, bench, work, task)
             if i:
                 service_s.append(service_time)
                 floor_s.append(floor_time)
@@ -153,7 +158,8 @@ def main() -> None:
         print(f"{name:18s} service {s * 1e3:8.1f} ms  floor {f * 1e3:8.1f} ms  "
               f"ratio {s / f:.3f}")
         if args.breakdown:
-            parts = breakdown(code, bench, root / f"breakdown-{name}", args.repeats)
+            parts = breakdown(code, bench, root / f"breakdown-{name.replace('/', '-')}",
+                              args.repeats, task)
             print("    " + "  ".join(f"{part} {ms:.1f} ms" for part, ms in parts.items()))
     print(f"overhead ratio (median over kernels): {statistics.median(ratios):.3f}")
 

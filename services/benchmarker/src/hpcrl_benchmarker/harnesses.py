@@ -33,13 +33,26 @@ CBLAS_ROW_MAJOR, CBLAS_NO_TRANS = 101, 111
 
 
 def random_values(seed: int, count: int) -> np.ndarray:
-    """splitmix64 values in [-1, 1), bit-identical to the harness's ``fill``."""
+    """splitmix64 values in [-1, 1), bit-identical to the harness's ``fill``. In place, one
+    temporary: 9.5 ms for GEMV's 1 M values against 14.6 ms with a new array per step (the
+    references of a candidate's ten jobs are computed while it compiles)."""
     with np.errstate(over="ignore"):
-        z = np.uint64(seed) + np.arange(1, count + 1, dtype=np.uint64) * _GOLDEN
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        z = z ^ (z >> np.uint64(31))
-    return (z >> np.uint64(11)).astype(np.float64) * 2.0**-53 * 2.0 - 1.0
+        z = np.arange(1, count + 1, dtype=np.uint64)
+        z *= _GOLDEN
+        z += np.uint64(seed)
+        shifted = z >> np.uint64(30)
+        z ^= shifted
+        z *= np.uint64(0xBF58476D1CE4E5B9)
+        np.right_shift(z, np.uint64(27), out=shifted)
+        z ^= shifted
+        z *= np.uint64(0x94D049BB133111EB)
+        np.right_shift(z, np.uint64(31), out=shifted)
+        z ^= shifted
+        z >>= np.uint64(11)
+    values = z.astype(np.float64)
+    values *= 2.0**-52  # (z >> 11) * 2^-53 * 2, exactly
+    values -= 1.0
+    return values
 
 
 _BLAS: ctypes.CDLL | None = None
