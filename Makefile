@@ -17,7 +17,7 @@ help:
 	@echo "make install  - system packages, RabbitMQ, .venv with every package (editable)"
 	@echo "make test     - install, then run the whole test suite"
 	@echo "make test-fast - the fast tier (about 2 min on 2 cores): no broker, no vLLM, no demo, no drills"
-	@echo "make lint     - ruff"
+	@echo "make lint     - ruff check and ruff format --check"
 	@echo "make demo     - install, then run the whole system locally (DEMO_ARGS=--fresh to restart)"
 	@echo "make install-swift - optional: the ms-swift learner backend's own venv (.venv-swift)"
 
@@ -63,6 +63,7 @@ test-fast: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 demo: install
 	$(BIN)/python deploy/local/demo.py $(DEMO_ARGS)

@@ -36,8 +36,10 @@ from hpcrl_common.task import TaskSpec, load_task
 
 KERNELS = Path(__file__).resolve().parent.parent / "tests" / "benchmarker" / "kernels"
 # The kernels timed per task: a plain loop, an OpenMP one, a third of each task's own.
-TASK_KERNELS = {"matmul": ("naive.c", "ikj_omp.c", "avx2_prefetch.c"),
-                "gemv": ("gemv/naive.c", "gemv/omp.c", "gemv/slow.c")}
+TASK_KERNELS = {
+    "matmul": ("naive.c", "ikj_omp.c", "avx2_prefetch.c"),
+    "gemv": ("gemv/naive.c", "gemv/omp.c", "gemv/slow.c"),
+}
 
 
 def floor_compile(code: str, bench: Benchmarker, work: Path, task: TaskSpec) -> None:
@@ -45,8 +47,11 @@ def floor_compile(code: str, bench: Benchmarker, work: Path, task: TaskSpec) -> 
     (work / "kernel.c").write_text(code)
     cc = task.compile.compiler
     subprocess.run([cc, *flags, "-c", "kernel.c", "-o", "kernel.o"], cwd=work, check=True)
-    subprocess.run([cc, *flags, "kernel.o", str(bench.harness_object(task)), "-o", "run",
-                    "-lm"], cwd=work, check=True)
+    subprocess.run(
+        [cc, *flags, "kernel.o", str(bench.harness_object(task)), "-o", "run", "-lm"],
+        cwd=work,
+        check=True,
+    )
 
 
 def run_jobs(task: TaskSpec) -> list[protocol.Job]:
@@ -54,10 +59,14 @@ def run_jobs(task: TaskSpec) -> list[protocol.Job]:
     harness = harnesses.for_task(task)
     sizes = [task.sizes.reward, *task.sizes.verify]
     jobs = [harness.job("v", s, secrets.randbits(63)) for s in sizes]
-    jobs += [harness.job("w", task.sizes.reward, secrets.randbits(63))
-             for _ in range(task.timing.warmup_runs)]
-    jobs += [harness.job("t", task.sizes.reward, secrets.randbits(63))
-             for _ in range(task.timing.timed_runs)]
+    jobs += [
+        harness.job("w", task.sizes.reward, secrets.randbits(63))
+        for _ in range(task.timing.warmup_runs)
+    ]
+    jobs += [
+        harness.job("t", task.sizes.reward, secrets.randbits(63))
+        for _ in range(task.timing.timed_runs)
+    ]
     jobs += [harness.job("v", task.sizes.reward, secrets.randbits(63))]
     return jobs
 
@@ -66,9 +75,14 @@ def floor_run(bench: Benchmarker, work: Path, task: TaskSpec) -> None:
     nonce = secrets.randbits(64)
     env = {**os.environ, **bench.harness_env()}
     with open(work / "out.bin", "wb") as out:
-        subprocess.run([str(work / "run"), str(out.fileno())],
-                       input=protocol.request(nonce, run_jobs(task)), check=True,
-                       pass_fds=(out.fileno(),), capture_output=True, env=env)
+        subprocess.run(
+            [str(work / "run"), str(out.fileno())],
+            input=protocol.request(nonce, run_jobs(task)),
+            check=True,
+            pass_fds=(out.fileno(),),
+            capture_output=True,
+            env=env,
+        )
 
 
 def floor(code: str, bench: Benchmarker, work: Path, task: TaskSpec) -> float:
@@ -78,14 +92,23 @@ def floor(code: str, bench: Benchmarker, work: Path, task: TaskSpec) -> float:
     return time.perf_counter() - started
 
 
-def breakdown(code: str, bench: Benchmarker, root: Path, repeats: int,
-              task: TaskSpec) -> dict[str, float]:
+def breakdown(
+    code: str, bench: Benchmarker, root: Path, repeats: int, task: TaskSpec
+) -> dict[str, float]:
     """Median ms of each step alone, sandboxed (the service's own call) and bare, and of a
     sandbox start (``/bin/true``) against a plain process start."""
     flags = task.compile_flags("O3")
-    times: dict[str, list[float]] = {k: [] for k in (
-        "compile bare", "compile sandboxed", "run bare", "run sandboxed", "start bare",
-        "start sandboxed")}
+    times: dict[str, list[float]] = {
+        k: []
+        for k in (
+            "compile bare",
+            "compile sandboxed",
+            "run bare",
+            "run sandboxed",
+            "start bare",
+            "start sandboxed",
+        )
+    }
 
     def timed(name: str, fn: Callable[..., object], *args: object, **kwargs: object) -> None:
         started = time.perf_counter()
@@ -106,8 +129,16 @@ def breakdown(code: str, bench: Benchmarker, root: Path, repeats: int,
         harness = bench.start_run(boxed, task, two_phases=True)
         time.sleep(0.05)
         with harness, bench.exclusive_timing():
-            timed("run sandboxed", bench.run, boxed, task, jobs, Events(),
-                  verify_runs=len(task.sizes.verify) + 1, harness=harness)
+            timed(
+                "run sandboxed",
+                bench.run,
+                boxed,
+                task,
+                jobs,
+                Events(),
+                verify_runs=len(task.sizes.verify) + 1,
+                harness=harness,
+            )
         timed("start bare", subprocess.run, ["/bin/true"], check=True)
         timed("start sandboxed", sandbox.run, ["/bin/true"], empty)
     return {name: statistics.median(values) * 1e3 for name, values in times.items()}
@@ -116,21 +147,32 @@ def breakdown(code: str, bench: Benchmarker, root: Path, repeats: int,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--timing-attempts", type=int,
-                        default=BenchmarkerSection().timing_attempts,
-                        help="the service's timing attempts per candidate (default: the "
-                        "service's; 1 leaves out re-timing noisy measurements, which the floor "
-                        "never does, to see the pipeline's own cost)")
-    parser.add_argument("--breakdown", action="store_true",
-                        help="also time each step alone, sandboxed and bare, and a sandbox "
-                        "start: where the difference comes from")
-    parser.add_argument("--task", default="matmul", choices=sorted(TASK_KERNELS),
-                        help="the task whose harness is measured (default matmul)")
+    parser.add_argument(
+        "--timing-attempts",
+        type=int,
+        default=BenchmarkerSection().timing_attempts,
+        help="the service's timing attempts per candidate (default: the "
+        "service's; 1 leaves out re-timing noisy measurements, which the floor "
+        "never does, to see the pipeline's own cost)",
+    )
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also time each step alone, sandboxed and bare, and a sandbox "
+        "start: where the difference comes from",
+    )
+    parser.add_argument(
+        "--task",
+        default="matmul",
+        choices=sorted(TASK_KERNELS),
+        help="the task whose harness is measured (default matmul)",
+    )
     args = parser.parse_args()
     task = load_task(args.task)
     root = Path(tempfile.mkdtemp(prefix="hpcrl-overhead-"))
-    settings = BenchmarkerSection(work_dir=root / "work", lock_path=root / "lock",
-                                  timing_attempts=args.timing_attempts)
+    settings = BenchmarkerSection(
+        work_dir=root / "work", lock_path=root / "lock", timing_attempts=args.timing_attempts
+    )
     bench = Benchmarker(settings, detect())
     handler = BenchHandler(bench, BenchmarkerSection(), "bench-results", "overhead")
     ratios = []
@@ -142,8 +184,13 @@ def main() -> None:
             work.mkdir()
             if i % 2:
                 floor_time = floor(code, bench, work, task)
-            cand = Candidate(id=f"o{k}/{i}", group_id=f"o{k}", index=i, completion=code,
-                             bench=BenchSpec(task=task.name, stage=6))
+            cand = Candidate(
+                id=f"o{k}/{i}",
+                group_id=f"o{k}",
+                index=i,
+                completion=code,
+                bench=BenchSpec(task=task.name, stage=6),
+            )
             started = time.perf_counter()
             [out] = handler(cand, None)  # type: ignore[arg-type]
             service_time = time.perf_counter() - started
@@ -155,11 +202,11 @@ def main() -> None:
                 floor_s.append(floor_time)
         s, f = statistics.median(service_s), statistics.median(floor_s)
         ratios.append(s / f)
-        print(f"{name:18s} service {s * 1e3:8.1f} ms  floor {f * 1e3:8.1f} ms  "
-              f"ratio {s / f:.3f}")
+        print(f"{name:18s} service {s * 1e3:8.1f} ms  floor {f * 1e3:8.1f} ms  ratio {s / f:.3f}")
         if args.breakdown:
-            parts = breakdown(code, bench, root / f"breakdown-{name.replace('/', '-')}",
-                              args.repeats, task)
+            parts = breakdown(
+                code, bench, root / f"breakdown-{name.replace('/', '-')}", args.repeats, task
+            )
             print("    " + "  ".join(f"{part} {ms:.1f} ms" for part, ms in parts.items()))
     print(f"overhead ratio (median over kernels): {statistics.median(ratios):.3f}")
 

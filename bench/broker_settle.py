@@ -72,14 +72,25 @@ FIGURES = (
 
 
 def request(index: int) -> GenerateRequest:
-    return GenerateRequest(id=f"m{index:06d}", experiment="bench", iteration=0, mode="seed",
-                           prompt=[ChatMessage(role="user", content="write a kernel")],
-                           group_size=1, bench=BenchSpec(task="matmul", stage=1))
+    return GenerateRequest(
+        id=f"m{index:06d}",
+        experiment="bench",
+        iteration=0,
+        mode="seed",
+        prompt=[ChatMessage(role="user", content="write a kernel")],
+        group_size=1,
+        bench=BenchSpec(task="matmul", stage=1),
+    )
 
 
 def output(message: GenerateRequest) -> Candidate:
-    return Candidate(id=candidate_id(message.id, 0), group_id=message.id, index=0,
-                     completion="code", bench=message.bench)
+    return Candidate(
+        id=candidate_id(message.id, 0),
+        group_id=message.id,
+        index=0,
+        completion="code",
+        bench=message.bench,
+    )
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -117,12 +128,14 @@ class Sink:
 
 def fill(settings: BrokerSettings, topology: Topology, first: int, count: int) -> None:
     with Publisher(settings, "settle-bench-fill") as publisher:
-        publisher.publish(*(Publish(topology.name(GENERATE_REQUESTS), request(first + i))
-                            for i in range(count)))
+        publisher.publish(
+            *(Publish(topology.name(GENERATE_REQUESTS), request(first + i)) for i in range(count))
+        )
 
 
-def deferring_run(settings: BrokerSettings, topology: Topology, count: int,
-                  with_output: bool, url: str) -> dict[str, Any]:
+def deferring_run(
+    settings: BrokerSettings, topology: Topology, count: int, with_output: bool, url: str
+) -> dict[str, Any]:
     """The consumer under test: handler DEFERs, one worker thread settles each delivery."""
     arrived: dict[str, float] = {}
     settled: dict[str, float] = {}
@@ -137,15 +150,18 @@ def deferring_run(settings: BrokerSettings, topology: Topology, count: int,
     def worker() -> None:
         while (item := handoff.get()) is not None:
             message, delivery = item
-            outputs = [Publish(topology.name(CODE_TO_BENCH), output(message))] if with_output \
-                else []
+            outputs = (
+                [Publish(topology.name(CODE_TO_BENCH), output(message))] if with_output else []
+            )
             settled[message.id] = time.perf_counter()
             consumer.settle(delivery, outputs)
 
     consumer.subscribe(GENERATE_REQUESTS, handle)
     sink = Sink(url, topology.name(CODE_TO_BENCH)) if with_output else None
-    threads = [threading.Thread(target=consumer.run, daemon=True),
-               threading.Thread(target=worker, daemon=True)]
+    threads = [
+        threading.Thread(target=consumer.run, daemon=True),
+        threading.Thread(target=worker, daemon=True),
+    ]
     for thread in threads:
         thread.start()
     try:
@@ -162,12 +178,12 @@ def deferring_run(settings: BrokerSettings, topology: Topology, count: int,
             thread.join(30)
         if sink is not None:
             sink.close()
-    return {"arrived": arrived, "settled": settled,
-            "outputs": {} if sink is None else sink.arrived}
+    return {"arrived": arrived, "settled": settled, "outputs": {} if sink is None else sink.arrived}
 
 
-def floor_run(url: str, topology: Topology, count: int, prefetch: int,
-              with_output: bool) -> dict[str, Any]:
+def floor_run(
+    url: str, topology: Topology, count: int, prefetch: int, with_output: bool
+) -> dict[str, Any]:
     """Plain pika on one thread: ack (after a confirmed publish) inside the callback."""
     arrived: dict[str, float] = {}
     settled: dict[str, float] = {}
@@ -182,8 +198,7 @@ def floor_run(url: str, topology: Topology, count: int, prefetch: int,
         arrived[message.id] = time.perf_counter()
         settled[message.id] = time.perf_counter()
         if with_output:
-            broker.publish_on(ch, Publish(topology.name(CODE_TO_BENCH), output(message)),
-                              1 << 20)
+            broker.publish_on(ch, Publish(topology.name(CODE_TO_BENCH), output(message)), 1 << 20)
         ch.basic_ack(method.delivery_tag)
         if len(settled) >= count:
             ch.stop_consuming()
@@ -194,8 +209,7 @@ def floor_run(url: str, topology: Topology, count: int, prefetch: int,
         sink.wait(count, 60)
         sink.close()
     connection.close()
-    return {"arrived": arrived, "settled": settled,
-            "outputs": {} if sink is None else sink.arrived}
+    return {"arrived": arrived, "settled": settled, "outputs": {} if sink is None else sink.arrived}
 
 
 def latency_figures(run: dict[str, Any]) -> dict[str, float]:
@@ -207,29 +221,36 @@ def latency_figures(run: dict[str, Any]) -> dict[str, float]:
 def throughput_figures(run: dict[str, Any]) -> dict[str, float]:
     outs = [(run["outputs"][candidate_id(i, 0)] - run["settled"][i]) * 1e3 for i in run["settled"]]
     span = max(run["outputs"].values()) - min(run["arrived"].values())
-    return {"output_p50_ms": statistics.median(outs), "output_p95_ms": percentile(outs, 0.95),
-            "messages_per_s": len(run["outputs"]) / span}
+    return {
+        "output_p50_ms": statistics.median(outs),
+        "output_p95_ms": percentile(outs, 0.95),
+        "messages_per_s": len(run["outputs"]) / span,
+    }
 
 
 def one_round(args: argparse.Namespace) -> dict[str, dict[str, float]]:
-    settings = BrokerSettings(url=args.url, namespace=f"settle-{uuid.uuid4().hex[:8]}",
-                              declare_topology=True, prefetch=1)
+    settings = BrokerSettings(
+        url=args.url, namespace=f"settle-{uuid.uuid4().hex[:8]}", declare_topology=True, prefetch=1
+    )
     topology = Topology(settings.namespace, settings.delivery_limit)
     out: dict[str, dict[str, float]] = {"consumer": {}, "floor": {}}
     try:
         n = args.latency_messages
         fill(settings, topology, 0, n)
-        out["consumer"].update(latency_figures(deferring_run(settings, topology, n, False,
-                                                             args.url)))
+        out["consumer"].update(
+            latency_figures(deferring_run(settings, topology, n, False, args.url))
+        )
         fill(settings, topology, n, n)
         out["floor"].update(latency_figures(floor_run(args.url, topology, n, 1, False)))
         wide = settings.model_copy(update={"prefetch": args.prefetch})
         fill(settings, topology, 2 * n, args.messages)
-        out["consumer"].update(throughput_figures(deferring_run(
-            wide, topology, args.messages, True, args.url)))
+        out["consumer"].update(
+            throughput_figures(deferring_run(wide, topology, args.messages, True, args.url))
+        )
         fill(settings, topology, 2 * n + args.messages, args.messages)
-        out["floor"].update(throughput_figures(floor_run(
-            args.url, topology, args.messages, args.prefetch, True)))
+        out["floor"].update(
+            throughput_figures(floor_run(args.url, topology, args.messages, args.prefetch, True))
+        )
     finally:
         connection = pika.BlockingConnection(pika.URLParameters(args.url))
         topology.delete(connection.channel())
@@ -253,16 +274,32 @@ def print_own(rounds: list[dict[str, dict[str, float]]]) -> None:
     print(f"medians over {len(rounds)} rounds ({broker.__file__}):")
     for key, label, unit, _ in FIGURES:
         ratio = consumer[key] / floor[key] if floor[key] else float("nan")
-        print(f"  {label:32s} consumer {consumer[key]:9.2f} {unit:3s} floor "
-              f"{floor[key]:9.2f} {unit:3s} consumer/floor {ratio:6.2f}")
+        print(
+            f"  {label:32s} consumer {consumer[key]:9.2f} {unit:3s} floor "
+            f"{floor[key]:9.2f} {unit:3s} consumer/floor {ratio:6.2f}"
+        )
 
 
 def child(src: Path, args: argparse.Namespace) -> dict[str, Any]:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(src), *filter(None, [os.environ.get("PYTHONPATH")])]))
-    command = [sys.executable, __file__, "--json", "--rounds", "1", "--url", args.url,
-               "--messages", str(args.messages), "--prefetch", str(args.prefetch),
-               "--latency-messages", str(args.latency_messages)]
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(src), *filter(None, [os.environ.get("PYTHONPATH")])]),
+    )
+    command = [
+        sys.executable,
+        __file__,
+        "--json",
+        "--rounds",
+        "1",
+        "--url",
+        args.url,
+        "--messages",
+        str(args.messages),
+        "--prefetch",
+        str(args.prefetch),
+        "--latency-messages",
+        str(args.latency_messages),
+    ]
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -274,39 +311,69 @@ def compare(args: argparse.Namespace) -> None:
         for side in ("against", "this") if index % 2 == 0 else ("this", "against"):
             result = child(sides[side], args)
             runs[side].append(result)
-            print(f"round {index + 1} {side:7s} ({result['module']}): " + ", ".join(
-                f"{key} {result['rounds'][0]['consumer'][key]:.2f}" for key, *_ in FIGURES),
-                flush=True)
-    medians = {side: summary([r["rounds"][0] for r in runs[side]], "consumer")
-               for side in runs}
+            print(
+                f"round {index + 1} {side:7s} ({result['module']}): "
+                + ", ".join(
+                    f"{key} {result['rounds'][0]['consumer'][key]:.2f}" for key, *_ in FIGURES
+                ),
+                flush=True,
+            )
+    medians = {side: summary([r["rounds"][0] for r in runs[side]], "consumer") for side in runs}
     floors = summary([r["rounds"][0] for side in runs for r in runs[side]], "floor")
-    print(f"medians over {args.rounds} alternated rounds each; this = {sides['this']}, "
-          f"against = {sides['against']}:")
+    print(
+        f"medians over {args.rounds} alternated rounds each; this = {sides['this']}, "
+        f"against = {sides['against']}:"
+    )
     for key, label, unit, lower in FIGURES:
         this, against = medians["this"][key], medians["against"][key]
         better = "better" if (this < against) == lower else "worse"
-        print(f"  {label:32s} this {this:9.2f} {unit:3s} against {against:9.2f} {unit:3s} "
-              f"this/against {this / against:6.3f} ({better}); floor {floors[key]:.2f}")
+        print(
+            f"  {label:32s} this {this:9.2f} {unit:3s} against {against:9.2f} {unit:3s} "
+            f"this/against {this / against:6.3f} ({better}); floor {floors[key]:.2f}"
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0].replace("\n", " "),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--url", default="amqp://guest:guest@127.0.0.1:5672/%2F",
-                        help="the RabbitMQ to run on (a scratch namespace, deleted after)")
-    parser.add_argument("--rounds", type=int, default=3,
-                        help="rounds (with --against: rounds per side, alternated)")
-    parser.add_argument("--messages", type=int, default=1000,
-                        help="messages through the throughput phase (and its floor)")
-    parser.add_argument("--prefetch", type=int, default=8,
-                        help="prefetch of the throughput phase (broker.prefetch's default)")
-    parser.add_argument("--latency-messages", type=int, default=200,
-                        help="messages through the settle-latency phase (prefetch 1)")
-    parser.add_argument("--against", metavar="SRC",
-                        help="another libs/common/src to compare with, alternated in one run")
-    parser.add_argument("--json", action="store_true",
-                        help="print the rounds as one JSON line (what --against reads)")
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "--url",
+        default="amqp://guest:guest@127.0.0.1:5672/%2F",
+        help="the RabbitMQ to run on (a scratch namespace, deleted after)",
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="rounds (with --against: rounds per side, alternated)"
+    )
+    parser.add_argument(
+        "--messages",
+        type=int,
+        default=1000,
+        help="messages through the throughput phase (and its floor)",
+    )
+    parser.add_argument(
+        "--prefetch",
+        type=int,
+        default=8,
+        help="prefetch of the throughput phase (broker.prefetch's default)",
+    )
+    parser.add_argument(
+        "--latency-messages",
+        type=int,
+        default=200,
+        help="messages through the settle-latency phase (prefetch 1)",
+    )
+    parser.add_argument(
+        "--against",
+        metavar="SRC",
+        help="another libs/common/src to compare with, alternated in one run",
+    )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print the rounds as one JSON line (what --against reads)",
+    )
     args = parser.parse_args()
     if args.against:
         print(f"node: {cpu_model()}, {os.cpu_count()} CPUs", flush=True)

@@ -45,8 +45,9 @@ def sample_forever(policy: str, ready: str) -> None:
     """The load: the demo's vLLM settings, one group of 8 samples after another."""
     from hpcrl_generator.backends.vllm import VLLMSampler
 
-    sampler = VLLMSampler(policy, dtype="float32", max_model_len=2048, max_num_seqs=8,
-                          kv_cache_space_gib=1)
+    sampler = VLLMSampler(
+        policy, dtype="float32", max_model_len=2048, max_num_seqs=8, kv_cache_space_gib=1
+    )
     prompt = sampler.tokenizer.encode("Write a fast C matrix multiplication kernel.")
     Path(ready).touch()
     seed = 0
@@ -58,15 +59,19 @@ def sample_forever(policy: str, ready: str) -> None:
 def newest_policy() -> Path:
     found = sorted((ROOT / "data" / "policy").glob("bootstrap-*"), key=os.path.getmtime)
     if not found:
-        raise SystemExit("no bootstrapped policy under data/policy: run `make demo` once, "
-                         "or give --policy")
+        raise SystemExit(
+            "no bootstrapped policy under data/policy: run `make demo` once, or give --policy"
+        )
     return found[-1]
 
 
 def start_load(policy: Path, work: Path) -> subprocess.Popen:
     ready = work / "ready"
-    load = subprocess.Popen([sys.executable, __file__, "--sample", str(policy), str(ready)],
-                            stdout=subprocess.DEVNULL, stderr=(work / "vllm.log").open("wb"))
+    load = subprocess.Popen(
+        [sys.executable, __file__, "--sample", str(policy), str(ready)],
+        stdout=subprocess.DEVNULL,
+        stderr=(work / "vllm.log").open("wb"),
+    )
     deadline = time.monotonic() + 300
     while not ready.exists():
         if load.poll() is not None or time.monotonic() > deadline:
@@ -82,15 +87,22 @@ def main() -> None:
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=100.0, help="how long to judge")
-    parser.add_argument("--kernel", default="naive.c", help="a correct kernel in "
-                        "tests/benchmarker/kernels")
-    parser.add_argument("--policy", type=Path, default=None,
-                        help="the model vLLM samples from (default: the newest bootstrap)")
+    parser.add_argument(
+        "--kernel", default="naive.c", help="a correct kernel in tests/benchmarker/kernels"
+    )
+    parser.add_argument(
+        "--policy",
+        type=Path,
+        default=None,
+        help="the model vLLM samples from (default: the newest bootstrap)",
+    )
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="hpcrl-busy-node-"))
     code = (KERNELS / args.kernel).read_text()
-    bench = Benchmarker(BenchmarkerSection(work_dir=work / "bench", lock_path=work / "lock",
-                                           pin_threads=False), detect())
+    bench = Benchmarker(
+        BenchmarkerSection(work_dir=work / "bench", lock_path=work / "lock", pin_threads=False),
+        detect(),
+    )
     task = load_task("matmul")
     starts: list[float] = []
     timeouts: list[tuple[float, sandbox.Schedule]] = []  # (wall past the start, schedule)
@@ -113,17 +125,20 @@ def main() -> None:
             name = list(VARIANTS)[i % 2]
             runner.START_LIMIT_S = build.START_LIMIT_S = VARIANTS[name]
             try:
-                status = bench.evaluate(f"```c\n{code}\n```", stage=1, opt_level="O3",
-                                        task=task).status
+                status = bench.evaluate(
+                    f"```c\n{code}\n```", stage=1, opt_level="O3", task=task
+                ).status
             except InternalError:
                 status = "handed back"
             verdicts[name][status] += 1
             print(f"{time.monotonic() - began:6.1f} s  {name:28s} {status}", flush=True)
             while timeouts:
                 wall, got = timeouts.pop(0)
-                print(f"         a sandbox timed out: {wall:.1f} s, its {got.threads} threads "
-                      f"on a CPU {got.cpu_s:.2f} s, waiting for one {got.waiting_s:.2f} s",
-                      flush=True)
+                print(
+                    f"         a sandbox timed out: {wall:.1f} s, its {got.threads} threads "
+                    f"on a CPU {got.cpu_s:.2f} s, waiting for one {got.waiting_s:.2f} s",
+                    flush=True,
+                )
             i += 1
     finally:
         load.kill()
@@ -132,13 +147,16 @@ def main() -> None:
         # Handed back is no verdict: the candidate goes back to the queue (starved of CPU,
         # or a sandbox that never started).
         false = sum(n for status, n in counts.items() if status not in ("success", "handed back"))
-        print(f"{name:28s} {sum(counts.values())} evaluated, {false} false verdicts: "
-              f"{dict(counts)}")
+        print(
+            f"{name:28s} {sum(counts.values())} evaluated, {false} false verdicts: {dict(counts)}"
+        )
     if starts:
         starts.sort()
-        print(f"sandbox starts (to the first mark or output): {len(starts)}, median "
-              f"{statistics.median(starts) * 1e3:.0f} ms, max {starts[-1]:.2f} s, "
-              f"{sum(s > 1 for s in starts)} over 1 s")
+        print(
+            f"sandbox starts (to the first mark or output): {len(starts)}, median "
+            f"{statistics.median(starts) * 1e3:.0f} ms, max {starts[-1]:.2f} s, "
+            f"{sum(s > 1 for s in starts)} over 1 s"
+        )
 
 
 if __name__ == "__main__":

@@ -41,8 +41,7 @@ KERNELS = Path(__file__).resolve().parent.parent / "tests" / "benchmarker" / "ke
 # One group's samples, about as often correct as the demo's policy (0.6 at v0, 0.85 at the
 # end): correct kernels of different speeds, a wrong one, one without code; at stages 1-2
 # the SIMD and OpenMP kernels are stage violations.
-MIX = ("naive.c", "avx2_prefetch.c", "naive.c", "ikj_omp.c", "wrong.c", "naive.c",
-       "naive.c", None)
+MIX = ("naive.c", "avx2_prefetch.c", "naive.c", "ikj_omp.c", "wrong.c", "naive.c", "naive.c", None)
 OUTCOMES = ("requested", "agreed", "disagreed", "inconclusive", "timed_out", "unconfirmed")
 
 
@@ -54,30 +53,56 @@ def metric(name: str, labels: dict[str, str]) -> float:
     return REGISTRY.get_sample_value(name, labels) or 0.0
 
 
-def one_run(url: str, confirm: bool, iterations: int, group_size: int, groups: int,
-            root: Path) -> dict[str, float]:
-    settings = BrokerSettings(url=url, namespace=f"cost-{uuid.uuid4().hex[:8]}",
-                              declare_topology=True)
-    bench_config = BenchmarkerConfig(broker=settings, benchmarker={
-        "metrics_port": 0, "concurrency": 1, "work_dir": str(root / "work"),
-        "lock_path": str(root / "timing.lock"),
-        "allow_isa": [] if has_avx512() else ["avx2"]})
+def one_run(
+    url: str, confirm: bool, iterations: int, group_size: int, groups: int, root: Path
+) -> dict[str, float]:
+    settings = BrokerSettings(
+        url=url, namespace=f"cost-{uuid.uuid4().hex[:8]}", declare_topology=True
+    )
+    bench_config = BenchmarkerConfig(
+        broker=settings,
+        benchmarker={
+            "metrics_port": 0,
+            "concurrency": 1,
+            "work_dir": str(root / "work"),
+            "lock_path": str(root / "timing.lock"),
+            "allow_isa": [] if has_avx512() else ["avx2"],
+        },
+    )
     benchmarker = Benchmarker(bench_config.benchmarker, detect())
     bench = build_consumer(bench_config, benchmarker)
-    config = SchedulerConfig(broker=settings, experiment={"name": "cost", "seed": 5},
-                             scheduler={"iterations": iterations, "group_size": group_size,
-                                        "node_budget": groups, "max_staleness": 0,
-                                        "metrics_port": 0, "tick_s": 0.1,
-                                        "exit_when_done": True, "confirm_winners": confirm})
+    config = SchedulerConfig(
+        broker=settings,
+        experiment={"name": "cost", "seed": 5},
+        scheduler={
+            "iterations": iterations,
+            "group_size": group_size,
+            "node_budget": groups,
+            "max_staleness": 0,
+            "metrics_port": 0,
+            "tick_s": 0.1,
+            "exit_when_done": True,
+            "confirm_winners": confirm,
+        },
+    )
     scheduler = Scheduler(config, Store(root / f"{settings.namespace}.sqlite"))
     sched = Consumer(settings, "cost-scheduler", concurrency=2)
     SchedulerService(scheduler, sched)
 
     def generate(request: GenerateRequest, _delivery) -> list[Publish]:
-        return [Publish(settings_topology.name(CODE_TO_BENCH), Candidate(
-            id=candidate_id(request.id, i), group_id=request.id, index=i,
-            completion=sample(MIX[i % len(MIX)]), bench=request.bench))
-            for i in range(request.group_size)]
+        return [
+            Publish(
+                settings_topology.name(CODE_TO_BENCH),
+                Candidate(
+                    id=candidate_id(request.id, i),
+                    group_id=request.id,
+                    index=i,
+                    completion=sample(MIX[i % len(MIX)]),
+                    bench=request.bench,
+                ),
+            )
+            for i in range(request.group_size)
+        ]
 
     generator = Consumer(settings, "cost-generator")
     settings_topology = generator.topology
@@ -99,8 +124,9 @@ def one_run(url: str, confirm: bool, iterations: int, group_size: int, groups: i
     count = metric("hpcrl_broker_handler_seconds_count", {"queue": queue})
     out = {"bench_s": handled, "candidates": count, "wall_s": wall}
     for outcome in OUTCOMES:
-        out[outcome] = metric("hpcrl_scheduler_confirmations_total",
-                              {"outcome": outcome}) - before[outcome]
+        out[outcome] = (
+            metric("hpcrl_scheduler_confirmations_total", {"outcome": outcome}) - before[outcome]
+        )
     return out
 
 
@@ -124,18 +150,22 @@ def main() -> None:
     totals: dict[bool, list[dict[str, float]]] = {True: [], False: []}
     for round_ in range(args.rounds):
         for confirm in (True, False) if round_ % 2 == 0 else (False, True):
-            run = one_run(args.url, confirm, args.iterations, args.group_size, args.groups,
-                          root)
+            run = one_run(args.url, confirm, args.iterations, args.group_size, args.groups, root)
             totals[confirm].append(run)
             per_iteration = run["bench_s"] / args.iterations
-            print(f"confirm={'on ' if confirm else 'off'} benchmarker {run['bench_s']:.1f} s "
-                  f"({per_iteration:.2f} s/iteration) over {run['candidates']:.0f} deliveries, "
-                  f"wall {run['wall_s']:.1f} s; confirmations: "
-                  + ", ".join(f"{o} {run[o]:.0f}" for o in OUTCOMES if run[o]), flush=True)
+            print(
+                f"confirm={'on ' if confirm else 'off'} benchmarker {run['bench_s']:.1f} s "
+                f"({per_iteration:.2f} s/iteration) over {run['candidates']:.0f} deliveries, "
+                f"wall {run['wall_s']:.1f} s; confirmations: "
+                + ", ".join(f"{o} {run[o]:.0f}" for o in OUTCOMES if run[o]),
+                flush=True,
+            )
     on = sum(r["bench_s"] for r in totals[True])
     off = sum(r["bench_s"] for r in totals[False])
-    print(f"benchmarker time, on / off: {on:.1f} / {off:.1f} s = {on / off:.3f} "
-          f"(+{100 * (on / off - 1):.1f} %)")
+    print(
+        f"benchmarker time, on / off: {on:.1f} / {off:.1f} s = {on / off:.3f} "
+        f"(+{100 * (on / off - 1):.1f} %)"
+    )
 
 
 if __name__ == "__main__":

@@ -46,9 +46,14 @@ from hpcrl_common.topology import BENCH_RESULTS, CODE_TO_BENCH, Topology
 
 KERNELS = Path(__file__).resolve().parent.parent / "tests" / "benchmarker" / "kernels"
 # (label, file, opt level): correct, wrong, correct, slow, correct, wrong
-MIX = [("naive", "naive.c", "O3"), ("wrong", "wrong.c", "O3"),
-       ("avx2_prefetch", "avx2_prefetch.c", "O3"), ("naive_O0", "naive.c", "O0"),
-       ("ikj_omp", "ikj_omp.c", "O3"), ("sparse_wrong", "sparse_wrong.c", "O3")]
+MIX = [
+    ("naive", "naive.c", "O3"),
+    ("wrong", "wrong.c", "O3"),
+    ("avx2_prefetch", "avx2_prefetch.c", "O3"),
+    ("naive_O0", "naive.c", "O0"),
+    ("ikj_omp", "ikj_omp.c", "O3"),
+    ("sparse_wrong", "sparse_wrong.c", "O3"),
+]
 FLOPS = load_task("matmul").flop_count(load_task("matmul").sizes.reward)
 
 
@@ -79,15 +84,17 @@ def percentiles(values: list[float]) -> str:
     return f"p50 {at(0.5):6.2f}  p90 {at(0.9):6.2f}  p99 {at(0.99):6.2f} s"
 
 
-def write_config(path: Path, url: str, namespace: str, root: Path, cpus: str,
-                 concurrency: int) -> None:
+def write_config(
+    path: Path, url: str, namespace: str, root: Path, cpus: str, concurrency: int
+) -> None:
     threads = "threads = 1\n" if not cpus else ""  # a set's size is 1 already
     path.write_text(
         f'[broker]\nurl = "{url}"\nnamespace = "{namespace}"\nprefetch = {concurrency}\n'
         f'[logging]\nformat = "json"\n'
         f'[benchmarker]\nmetrics_port = 0\nconcurrency = {concurrency}\ncpus = "{cpus}"\n'
         f'{threads}work_dir = "{root}/work-{cpus or "node"}"\n'
-        f'lock_path = "{root.parent}/timing.lock"\n')
+        f'lock_path = "{root.parent}/timing.lock"\n'
+    )
 
 
 def candidates(group: str, count: int) -> list[Candidate]:
@@ -95,14 +102,25 @@ def candidates(group: str, count: int) -> list[Candidate]:
     out = []
     for i in range(count):
         _label, name, opt = MIX[i % len(MIX)]
-        out.append(Candidate(id=f"{group}/{i}", group_id=group, index=i,
-                             completion=codes[name],
-                             bench=BenchSpec(task="matmul", stage=6, opt_level=opt)))
+        out.append(
+            Candidate(
+                id=f"{group}/{i}",
+                group_id=group,
+                index=i,
+                completion=codes[name],
+                bench=BenchSpec(task="matmul", stage=6, opt_level=opt),
+            )
+        )
     return out
 
 
-def wait_for_consumers(channel: pika.adapters.blocking_connection.BlockingChannel, queue: str,
-                       count: int, procs: list[subprocess.Popen], timeout_s: float = 90) -> None:
+def wait_for_consumers(
+    channel: pika.adapters.blocking_connection.BlockingChannel,
+    queue: str,
+    count: int,
+    procs: list[subprocess.Popen],
+    timeout_s: float = 90,
+) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         for proc in procs:
@@ -114,8 +132,12 @@ def wait_for_consumers(channel: pika.adapters.blocking_connection.BlockingChanne
     raise SystemExit(f"{count} replicas did not connect within {timeout_s:g} s")
 
 
-def collect(channel: pika.adapters.blocking_connection.BlockingChannel, queue: str,
-            expected: set[str], timeout_s: float) -> dict[str, tuple[float, BenchResult]]:
+def collect(
+    channel: pika.adapters.blocking_connection.BlockingChannel,
+    queue: str,
+    expected: set[str],
+    timeout_s: float,
+) -> dict[str, tuple[float, BenchResult]]:
     got: dict[str, tuple[float, BenchResult]] = {}
     deadline = time.monotonic() + timeout_s
     for method, _props, body in channel.consume(queue, auto_ack=True, inactivity_timeout=0.02):
@@ -131,8 +153,9 @@ def collect(channel: pika.adapters.blocking_connection.BlockingChannel, queue: s
     return got
 
 
-def run(name: str, sets: list[str], count: int, args: argparse.Namespace, allow: list[str],
-        base: Path) -> Outcome:
+def run(
+    name: str, sets: list[str], count: int, args: argparse.Namespace, allow: list[str], base: Path
+) -> Outcome:
     settings = BrokerSettings(url=args.url, namespace=f"fleet-{uuid.uuid4().hex[:8]}")
     topology = Topology(settings.namespace, settings.delivery_limit)
     root = base / name
@@ -202,15 +225,20 @@ def run(name: str, sets: list[str], count: int, args: argparse.Namespace, allow:
 def report(outcome: Outcome) -> None:
     statuses = ", ".join(f"{k} {v}" for k, v in sorted(outcome.statuses.items()))
     attempts = statistics.fmean(outcome.attempts) if outcome.attempts else 0.0
-    print(f"{outcome.name:5s} {outcome.replicas} replica(s): {outcome.rate:5.2f} candidates/s  "
-          f"(load average {outcome.load[0]:.2f} -> {outcome.load[1]:.2f}; {statuses}; "
-          f"timing attempts mean {attempts:.2f}, noisy {outcome.noisy})")
-    print(f"      latency {percentiles(outcome.latency)}   service "
-          f"{percentiles(outcome.service)}   queue lag {percentiles(outcome.lag)}")
+    print(
+        f"{outcome.name:5s} {outcome.replicas} replica(s): {outcome.rate:5.2f} candidates/s  "
+        f"(load average {outcome.load[0]:.2f} -> {outcome.load[1]:.2f}; {statuses}; "
+        f"timing attempts mean {attempts:.2f}, noisy {outcome.noisy})"
+    )
+    print(
+        f"      latency {percentiles(outcome.latency)}   service "
+        f"{percentiles(outcome.service)}   queue lag {percentiles(outcome.lag)}"
+    )
 
 
 def fidelity(shared: list[Outcome], exclusive: list[Outcome]) -> None:
     """Median GFLOPS and median CV per correct kernel: one replica per core against node."""
+
     def pooled(outcomes: list[Outcome], what: str) -> dict[str, list[float]]:
         pool: dict[str, list[float]] = defaultdict(list)
         for outcome in outcomes:
@@ -223,31 +251,48 @@ def fidelity(shared: list[Outcome], exclusive: list[Outcome]) -> None:
     c_shared, c_node = pooled(shared, "cv"), pooled(exclusive, "cv")
     for label in sorted(set(g_shared) & set(g_node)):
         a, b = statistics.median(g_shared[label]), statistics.median(g_node[label])
-        print(f"  {label:14s} GFLOPS {a:7.3f} vs {b:7.3f} ({a / b - 1:+6.1%})   "
-              f"cv {statistics.median(c_shared[label]):6.2%} vs "
-              f"{statistics.median(c_node[label]):6.2%}   "
-              f"(n {len(g_shared[label])} / {len(g_node[label])})")
+        print(
+            f"  {label:14s} GFLOPS {a:7.3f} vs {b:7.3f} ({a / b - 1:+6.1%})   "
+            f"cv {statistics.median(c_shared[label]):6.2%} vs "
+            f"{statistics.median(c_node[label]):6.2%}   "
+            f"(n {len(g_shared[label])} / {len(g_node[label])})"
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--candidates", type=int, default=32, help="per configuration")
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="repeat the configurations (alternating) this many times")
-    parser.add_argument("--cpus", default=None,
-                        help="two CPUs A,B for the replicas (default: the first two of this "
-                        "process's affinity)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="repeat the configurations (alternating) this many times",
+    )
+    parser.add_argument(
+        "--cpus",
+        default=None,
+        help="two CPUs A,B for the replicas (default: the first two of this process's affinity)",
+    )
     parser.add_argument("--configs", default="1x1,2x1,node")
-    parser.add_argument("--rate", type=float, default=0.0,
-                        help="publish at this many candidates/s (default 0: all at once)")
-    parser.add_argument("--concurrency", type=int, default=1,
-                        help="benchmarker.concurrency of each replica (prefetch too)")
+    parser.add_argument(
+        "--rate",
+        type=float,
+        default=0.0,
+        help="publish at this many candidates/s (default 0: all at once)",
+    )
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        default=1,
+        help="benchmarker.concurrency of each replica (prefetch too)",
+    )
     parser.add_argument("--url", default="amqp://guest:guest@127.0.0.1:5672/%2F")
     args = parser.parse_args()
     if not 1 <= args.candidates < 1024:
         parser.error("--candidates must be 1..1023")
-    cpus = (args.cpus.split(",") if args.cpus
-            else [str(c) for c in sorted(os.sched_getaffinity(0))[:2]])
+    cpus = (
+        args.cpus.split(",") if args.cpus else [str(c) for c in sorted(os.sched_getaffinity(0))[:2]]
+    )
     if len(cpus) < 2:
         parser.error("needs two CPUs")
     a, b = cpus[:2]
@@ -257,24 +302,35 @@ def main() -> None:
         parser.error(f"unknown configurations {sorted(unknown)} (known: {', '.join(configs)})")
     allow = [] if has_avx512() else ["avx2"]
     base = Path(tempfile.mkdtemp(prefix="hpcrl-fleet-"))
-    print(f"{args.candidates} candidates per configuration, mix "
-          f"{', '.join(lab for lab, _, _ in MIX)}; CPUs {a},{b}; "
-          f"concurrency {args.concurrency}; {os.cpu_count()} CPUs on the node")
+    print(
+        f"{args.candidates} candidates per configuration, mix "
+        f"{', '.join(lab for lab, _, _ in MIX)}; CPUs {a},{b}; "
+        f"concurrency {args.concurrency}; {os.cpu_count()} CPUs on the node"
+    )
     outcomes: dict[str, list[Outcome]] = defaultdict(list)
     for r in range(args.rounds):
         order = names if r % 2 == 0 else names[::-1]
         for name in order:
-            outcome = run(f"{name}-{r}" if args.rounds > 1 else name, configs[name],
-                          args.candidates, args, allow, base / f"round{r}")
+            outcome = run(
+                f"{name}-{r}" if args.rounds > 1 else name,
+                configs[name],
+                args.candidates,
+                args,
+                allow,
+                base / f"round{r}",
+            )
             outcome.name = name
             outcomes[name].append(outcome)
             report(outcome)
     if outcomes["1x1"] and outcomes["2x1"]:
-        ratios = [two.rate / one.rate for one, two in zip(outcomes["1x1"], outcomes["2x1"],
-                                                          strict=True)]
-        print(f"speed-up 2x1 vs 1x1: {', '.join(f'{x:.2f}' for x in ratios)}"
-              f"{f' (median {statistics.median(ratios):.2f})' if len(ratios) > 1 else ''}"
-              f"  target >= 1.8")
+        ratios = [
+            two.rate / one.rate for one, two in zip(outcomes["1x1"], outcomes["2x1"], strict=True)
+        ]
+        print(
+            f"speed-up 2x1 vs 1x1: {', '.join(f'{x:.2f}' for x in ratios)}"
+            f"{f' (median {statistics.median(ratios):.2f})' if len(ratios) > 1 else ''}"
+            f"  target >= 1.8"
+        )
     if outcomes["2x1"] and outcomes["node"]:
         fidelity(outcomes["2x1"], outcomes["node"])
 

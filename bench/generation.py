@@ -30,8 +30,9 @@ PROMPTS = [
 
 
 def measure(sampler, prompts: list[list[int]], group: int, max_tokens: int) -> tuple[int, float]:
-    params = [SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=i)
-              for i in range(len(prompts))]
+    params = [
+        SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=i) for i in range(len(prompts))
+    ]
     sampler.generate(prompts[0], group, params[0])  # warm-up (first-call allocations)
     started = time.perf_counter()
     tokens = 0
@@ -40,12 +41,15 @@ def measure(sampler, prompts: list[list[int]], group: int, max_tokens: int) -> t
     return tokens, time.perf_counter() - started
 
 
-def measure_batched(sampler, prompts: list[list[int]], group: int, max_tokens: int
-                    ) -> tuple[int, float]:
+def measure_batched(
+    sampler, prompts: list[list[int]], group: int, max_tokens: int
+) -> tuple[int, float]:
     from hpcrl_generator.sampling import GroupJob
 
-    jobs = [GroupJob(ids, group, SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=i))
-            for i, ids in enumerate(prompts)]
+    jobs = [
+        GroupJob(ids, group, SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=i))
+        for i, ids in enumerate(prompts)
+    ]
     started = time.perf_counter()
     groups = sampler.generate_groups(jobs)
     elapsed = time.perf_counter() - started
@@ -70,34 +74,48 @@ def main() -> None:
 
     model = args.model
     if model is None:
-        model = write_random_model(Path(tempfile.mkdtemp(prefix="hpcrl-genbench-")) / "tiny",
-                                   tiny_shape(args.hidden_size, args.layers, args.heads))
-    print(f"model {model}; G={args.group_size}, {args.prompts} prompts, "
-          f"max_tokens={args.max_tokens}, {os.cpu_count()} CPUs")
+        model = write_random_model(
+            Path(tempfile.mkdtemp(prefix="hpcrl-genbench-")) / "tiny",
+            tiny_shape(args.hidden_size, args.layers, args.heads),
+        )
+    print(
+        f"model {model}; G={args.group_size}, {args.prompts} prompts, "
+        f"max_tokens={args.max_tokens}, {os.cpu_count()} CPUs"
+    )
 
     hf = TransformersSampler(model, dtype="float32")
     texts = (PROMPTS * args.prompts)[: args.prompts]
-    prompts = [render_prompt(hf.tokenizer, [ChatMessage(role="user", content=t)])
-               for t in texts]
+    prompts = [render_prompt(hf.tokenizer, [ChatMessage(role="user", content=t)]) for t in texts]
     hf_tokens, hf_s = measure(hf, prompts, args.group_size, args.max_tokens)
     hf.close()
     print(f"transformers: {hf_tokens} tokens in {hf_s:.2f} s = {hf_tokens / hf_s:.1f} tokens/s")
 
     started = time.perf_counter()
     context = max(512, max(map(len, prompts)) + args.max_tokens)
-    vllm = VLLMSampler(model, dtype="float32", max_model_len=context,
-                       max_num_seqs=max(8, args.group_size * args.prompts), kv_cache_space_gib=1)
+    vllm = VLLMSampler(
+        model,
+        dtype="float32",
+        max_model_len=context,
+        max_num_seqs=max(8, args.group_size * args.prompts),
+        kv_cache_space_gib=1,
+    )
     print(f"vllm engine start: {time.perf_counter() - started:.1f} s")
     vl_tokens, vl_s = measure(vllm, prompts, args.group_size, args.max_tokens)
-    print(f"vllm:         {vl_tokens} tokens in {vl_s:.2f} s = {vl_tokens / vl_s:.1f} tokens/s "
-          "(one group per engine call)")
+    print(
+        f"vllm:         {vl_tokens} tokens in {vl_s:.2f} s = {vl_tokens / vl_s:.1f} tokens/s "
+        "(one group per engine call)"
+    )
     vb_tokens, vb_s = measure_batched(vllm, prompts, args.group_size, args.max_tokens)
     vllm.close()
-    print(f"vllm batched: {vb_tokens} tokens in {vb_s:.2f} s = {vb_tokens / vb_s:.1f} tokens/s "
-          f"({args.prompts} groups in one engine call)")
+    print(
+        f"vllm batched: {vb_tokens} tokens in {vb_s:.2f} s = {vb_tokens / vb_s:.1f} tokens/s "
+        f"({args.prompts} groups in one engine call)"
+    )
     print(f"vllm/transformers tokens/s ratio: {(vl_tokens / vl_s) / (hf_tokens / hf_s):.2f}")
-    print(f"vllm batched/one group per call tokens/s ratio: "
-          f"{(vb_tokens / vb_s) / (vl_tokens / vl_s):.2f}")
+    print(
+        f"vllm batched/one group per call tokens/s ratio: "
+        f"{(vb_tokens / vb_s) / (vl_tokens / vl_s):.2f}"
+    )
 
 
 if __name__ == "__main__":

@@ -46,17 +46,23 @@ def make_batch(args: argparse.Namespace, vocab: int, seed: int = 0) -> list[dict
     rng = np.random.default_rng(seed)
     batch = []
     for _ in range(args.groups):
-        prompt = rng.integers(3, vocab, int(rng.integers(args.prompt_len * 9 // 10,
-                                                         args.prompt_len * 11 // 10 + 1)))
+        prompt = rng.integers(
+            3, vocab, int(rng.integers(args.prompt_len * 9 // 10, args.prompt_len * 11 // 10 + 1))
+        )
         rewards = rng.normal(size=args.group_size)
         adv = (rewards - rewards.mean()) / (rewards.std() + 1e-4)
         for i in range(args.group_size):
             length = int(rng.integers(args.completion_min, args.completion_max + 1))
-            batch.append({"prompt": prompt, "completion": rng.integers(3, vocab, length),
-                          # about what a policy near uniform would have sampled them with
-                          "logp": np.full(length, -np.log(vocab), np.float32)
-                          + rng.normal(0, 0.05, length).astype(np.float32),
-                          "adv": float(adv[i])})
+            batch.append(
+                {
+                    "prompt": prompt,
+                    "completion": rng.integers(3, vocab, length),
+                    # about what a policy near uniform would have sampled them with
+                    "logp": np.full(length, -np.log(vocab), np.float32)
+                    + rng.normal(0, 0.05, length).astype(np.float32),
+                    "adv": float(adv[i]),
+                }
+            )
     return batch
 
 
@@ -67,8 +73,9 @@ def peak_memory_mb(device: torch.device) -> float:
 
 
 def resolve(device: str) -> torch.device:
-    return torch.device(device if device != "auto" else
-                        ("cuda" if torch.cuda.is_available() else "cpu"))
+    return torch.device(
+        device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    )
 
 
 def timed(step, batches: list[list[dict]], device: torch.device) -> list[float]:
@@ -84,8 +91,9 @@ def timed(step, batches: list[list[dict]], device: torch.device) -> list[float]:
     return times[1:]
 
 
-def run_grpo(args: argparse.Namespace, model: Path, batches: list[list[dict]],
-             share: bool = True) -> list[float]:
+def run_grpo(
+    args: argparse.Namespace, model: Path, batches: list[list[dict]], share: bool = True
+) -> list[float]:
     from hpcrl_learner.backends.torch import TorchTrainer
     from hpcrl_learner.batches import TrainSequence
     from hpcrl_learner.config import LearnerSettings
@@ -97,13 +105,22 @@ def run_grpo(args: argparse.Namespace, model: Path, batches: list[list[dict]],
         extra["micro_batch_tokens"] = args.micro_tokens
     if "share_prompt_forward" in LearnerSettings.model_fields:
         extra["share_prompt_forward"] = share
-    trainer = TorchTrainer(LearnerSettings(
-        model_path=model, learning_rate=1e-6, beta=args.beta, micro_batch_size=args.micro_batch,
-        device=args.device, dtype="float32", **extra))
+    trainer = TorchTrainer(
+        LearnerSettings(
+            model_path=model,
+            learning_rate=1e-6,
+            beta=args.beta,
+            micro_batch_size=args.micro_batch,
+            device=args.device,
+            dtype="float32",
+            **extra,
+        )
+    )
 
     def step(batch: list[dict]) -> None:
-        metrics = trainer.step([TrainSequence(b["prompt"], b["completion"], b["logp"], b["adv"])
-                                for b in batch])
+        metrics = trainer.step(
+            [TrainSequence(b["prompt"], b["completion"], b["logp"], b["adv"]) for b in batch]
+        )
         if args.verbose:
             print(json.dumps(metrics.metrics()), file=sys.stderr)
 
@@ -117,13 +134,20 @@ def run_sft(args: argparse.Namespace, model: Path, batches: list[list[dict]]) ->
 
     device = resolve(args.device)
     net = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).to(device)
-    settings = TrainSettings(steps=-(-len(batches[0]) // args.micro_batch),
-                             batch_size=args.micro_batch, learning_rate=1e-4, warmup_steps=1,
-                             max_tokens=1 << 20, bf16=bf16_wanted(args.precision, device))
+    settings = TrainSettings(
+        steps=-(-len(batches[0]) // args.micro_batch),
+        batch_size=args.micro_batch,
+        learning_rate=1e-4,
+        warmup_steps=1,
+        max_tokens=1 << 20,
+        bf16=bf16_wanted(args.precision, device),
+    )
 
     def step(batch: list[dict]) -> None:
-        encoded = [Encoded([*b["prompt"].tolist(), *b["completion"].tolist()],
-                           len(b["prompt"])) for b in batch]
+        encoded = [
+            Encoded([*b["prompt"].tolist(), *b["completion"].tolist()], len(b["prompt"]))
+            for b in batch
+        ]
         train(net, encoded, settings, pad_id=0)
 
     return timed(step, batches, device)
@@ -138,12 +162,17 @@ def run_bare(args: argparse.Namespace, model: Path, batches: list[list[dict]]) -
     return timed(lambda batch: bare_step(args, net, optimizer, batch, device), batches, device)
 
 
-def bare_step(args: argparse.Namespace, net: torch.nn.Module, optimizer: torch.optim.Optimizer,
-              batch: list[dict], device: torch.device) -> None:
+def bare_step(
+    args: argparse.Namespace,
+    net: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: list[dict],
+    device: torch.device,
+) -> None:
     ordered = sorted(batch, key=lambda b: len(b["prompt"]) + len(b["completion"]))
     micro = []
     for start in range(0, len(ordered), args.micro_batch):
-        part = ordered[start:start + args.micro_batch]
+        part = ordered[start : start + args.micro_batch]
         # right padding, mask over completion targets: the textbook layout
         length = max(len(b["prompt"]) + len(b["completion"]) for b in part)
         ids = torch.zeros(len(part), length, dtype=torch.long)
@@ -152,11 +181,11 @@ def bare_step(args: argparse.Namespace, net: torch.nn.Module, optimizer: torch.o
         old = torch.zeros(len(part), length - 1)
         for row, b in enumerate(part):
             tokens = np.concatenate([b["prompt"], b["completion"]])
-            ids[row, :len(tokens)] = torch.from_numpy(tokens)
-            attn[row, :len(tokens)] = 1
+            ids[row, : len(tokens)] = torch.from_numpy(tokens)
+            attn[row, : len(tokens)] = 1
             p, c = len(b["prompt"]), len(b["completion"])
-            mask[row, p - 1:p - 1 + c] = 1
-            old[row, p - 1:p - 1 + c] = torch.from_numpy(b["logp"])
+            mask[row, p - 1 : p - 1 + c] = 1
+            old[row, p - 1 : p - 1 + c] = torch.from_numpy(b["logp"])
         adv = torch.tensor([b["adv"] for b in part])
         micro.append(tuple(t.to(device) for t in (ids, attn, mask, old, adv)))
     total = sum(float(m[2].sum()) for m in micro)
@@ -193,40 +222,71 @@ def child(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
     # The same batches for every variant: a warm-up step, then one fresh batch per step.
     batches = [make_batch(args, args.vocab, seed) for seed in range(args.steps + 1)]
-    fn = {"grpo": run_grpo, "grpo-unshared": functools.partial(run_grpo, share=False),
-          "sft": run_sft, "bare": run_bare}[args.child]
+    fn = {
+        "grpo": run_grpo,
+        "grpo-unshared": functools.partial(run_grpo, share=False),
+        "sft": run_sft,
+        "bare": run_bare,
+    }[args.child]
     times = fn(args, Path(args.model), batches)
     tokens = sum(len(b["prompt"]) + len(b["completion"]) for batch in batches[1:] for b in batch)
     completion = sum(len(b["completion"]) for batch in batches[1:] for b in batch)
     device = resolve(args.device)
-    print(json.dumps({"tokens_per_s": tokens / sum(times),
-                      "completion_tokens_per_s": completion / sum(times),
-                      "step_s": float(np.mean(times)), "max_step_s": max(times),
-                      "peak_mb": peak_memory_mb(device), "device": str(device),
-                      "bf16": bf16_wanted(args.precision, device)}))
+    print(
+        json.dumps(
+            {
+                "tokens_per_s": tokens / sum(times),
+                "completion_tokens_per_s": completion / sum(times),
+                "step_s": float(np.mean(times)),
+                "max_step_s": max(times),
+                "peak_mb": peak_memory_mb(device),
+                "device": str(device),
+                "bf16": bf16_wanted(args.precision, device),
+            }
+        )
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--variants", default="sft,grpo",
-                        help="comma-separated, of sft, grpo, grpo-unshared, bare (the ratios "
-                        "need sft/bare/grpo-unshared)")
+    parser.add_argument(
+        "--variants",
+        default="sft,grpo",
+        help="comma-separated, of sft, grpo, grpo-unshared, bare (the ratios "
+        "need sft/bare/grpo-unshared)",
+    )
     parser.add_argument("--steps", type=int, default=2, help="timed steps per run")
-    parser.add_argument("--rounds", type=int, default=2,
-                        help="alternate the variants this many times; the best run counts")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="alternate the variants this many times; the best run counts",
+    )
     parser.add_argument("--groups", type=int, default=4)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=700, help="+-10%% per group")
     parser.add_argument("--completion-min", type=int, default=300)
     parser.add_argument("--completion-max", type=int, default=900)
-    parser.add_argument("--micro-batch", type=int, default=8,
-                        help="sequences per pass (SFT's batch size, learner.micro_batch_size)")
-    parser.add_argument("--micro-tokens", type=int, default=0,
-                        help="learner.micro_batch_tokens (0: the learner's default)")
+    parser.add_argument(
+        "--micro-batch",
+        type=int,
+        default=8,
+        help="sequences per pass (SFT's batch size, learner.micro_batch_size)",
+    )
+    parser.add_argument(
+        "--micro-tokens",
+        type=int,
+        default=0,
+        help="learner.micro_batch_tokens (0: the learner's default)",
+    )
     parser.add_argument("--beta", type=float, default=0.02)
-    parser.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
-                        help="bf16 autocast for SFT and GRPO alike (auto: where the CPU has "
-                        "avx512_bf16/amx_bf16, and on CUDA)")
+    parser.add_argument(
+        "--precision",
+        choices=["auto", "bf16", "fp32"],
+        default="auto",
+        help="bf16 autocast for SFT and GRPO alike (auto: where the CPU has "
+        "avx512_bf16/amx_bf16, and on CUDA)",
+    )
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=4)
@@ -234,11 +294,16 @@ def main() -> None:
     parser.add_argument("--mlp", type=int, default=688)
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch CPU threads (0: torch's default); 1 is steadier when shared")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads (0: torch's default); 1 is steadier when shared",
+    )
     parser.add_argument("--verbose", action="store_true", help="GRPO step metrics to stderr")
-    parser.add_argument("--child", choices=["grpo", "grpo-unshared", "sft", "bare"],
-                        help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--child", choices=["grpo", "grpo-unshared", "sft", "bare"], help=argparse.SUPPRESS
+    )
     parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -248,18 +313,31 @@ def main() -> None:
 
     variants = args.variants.split(",")
     with tempfile.TemporaryDirectory() as tmp:
-        shape = ModelShape(hidden_size=args.hidden, layers=args.layers, heads=args.heads,
-                           kv_heads=args.kv_heads, intermediate_size=args.mlp,
-                           max_positions=4096)
+        shape = ModelShape(
+            hidden_size=args.hidden,
+            layers=args.layers,
+            heads=args.heads,
+            kv_heads=args.kv_heads,
+            intermediate_size=args.mlp,
+            max_positions=4096,
+        )
         # The policy's architecture (tied embeddings, Qwen2's initialisation) at its vocab.
         vocab = max(args.vocab, len(tiny_tokenizer()))
-        model = write_random_model(Path(tmp) / "m", shape, vocab_size=vocab, init_std=None,
-                                   with_tokenizer=False)
+        model = write_random_model(
+            Path(tmp) / "m", shape, vocab_size=vocab, init_std=None, with_tokenizer=False
+        )
         results: dict[str, dict] = {}
         for _ in range(args.rounds):
             for variant in variants:
-                argv = [sys.executable, __file__, *sys.argv[1:], "--child", variant,
-                        "--model", str(model)]
+                argv = [
+                    sys.executable,
+                    __file__,
+                    *sys.argv[1:],
+                    "--child",
+                    variant,
+                    "--model",
+                    str(model),
+                ]
                 done = subprocess.run(argv, capture_output=True, text=True)
                 if done.returncode:
                     sys.exit(f"{variant} failed:\n{done.stderr}")
@@ -269,24 +347,27 @@ def main() -> None:
                 best = results.get(variant)
                 if best is None or run["tokens_per_s"] > best["tokens_per_s"]:
                     results[variant] = run
-                results[variant]["peak_mb"] = max(run["peak_mb"], best["peak_mb"] if best
-                                                  else 0.0)
+                results[variant]["peak_mb"] = max(run["peak_mb"], best["peak_mb"] if best else 0.0)
     sequences = args.groups * args.group_size
     first = results[variants[0]]
-    print(f"model: Qwen2 hidden {args.hidden}, {args.layers} layers, {args.heads} heads "
-          f"({args.kv_heads} KV), MLP {args.mlp}, vocab {args.vocab}; step: {sequences} "
-          f"sequences ({args.groups} groups), prompt ~{args.prompt_len}, completion "
-          f"{args.completion_min}-{args.completion_max} tokens, micro-batch {args.micro_batch}, "
-          f"beta {args.beta}, device {first['device']}, bf16 autocast {first['bf16']} "
-          f"(--precision {args.precision}), {args.threads or 'default'} CPU thread(s), "
-          f"best of {args.rounds} runs of a warm-up and {args.steps} timed steps, "
-          f"a fresh batch each")
+    print(
+        f"model: Qwen2 hidden {args.hidden}, {args.layers} layers, {args.heads} heads "
+        f"({args.kv_heads} KV), MLP {args.mlp}, vocab {args.vocab}; step: {sequences} "
+        f"sequences ({args.groups} groups), prompt ~{args.prompt_len}, completion "
+        f"{args.completion_min}-{args.completion_max} tokens, micro-batch {args.micro_batch}, "
+        f"beta {args.beta}, device {first['device']}, bf16 autocast {first['bf16']} "
+        f"(--precision {args.precision}), {args.threads or 'default'} CPU thread(s), "
+        f"best of {args.rounds} runs of a warm-up and {args.steps} timed steps, "
+        f"a fresh batch each"
+    )
     for variant in variants:
         r = results[variant]
-        print(f"{variant:13s} {r['tokens_per_s']:9.1f} tokens/s "
-              f"({r['completion_tokens_per_s']:8.1f} completion)  {r['step_s']:7.2f} s/step "
-              f"(slowest {r['max_step_s']:.2f})  "
-              f"peak {r['peak_mb']:7.1f} MiB")
+        print(
+            f"{variant:13s} {r['tokens_per_s']:9.1f} tokens/s "
+            f"({r['completion_tokens_per_s']:8.1f} completion)  {r['step_s']:7.2f} s/step "
+            f"(slowest {r['max_step_s']:.2f})  "
+            f"peak {r['peak_mb']:7.1f} MiB"
+        )
     if "grpo" in results and "bare" in results:
         ratio = results["grpo"]["tokens_per_s"] / results["bare"]["tokens_per_s"]
         print(f"learner/bare tokens/s ratio: {ratio:.3f}")

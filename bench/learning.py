@@ -61,8 +61,11 @@ from hpcrl_scheduler.config import SchedulerConfig
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "deploy/local/demo.py"
 CONFIG = ROOT / "deploy/local/demo.toml"
-SHOWN = {"share_correct": "share correct", "mean_reward": "mean reward (raw)",
-         "mean_gflops": "mean GFLOPS (failures 0)"}
+SHOWN = {
+    "share_correct": "share correct",
+    "mean_reward": "mean reward (raw)",
+    "mean_gflops": "mean GFLOPS (failures 0)",
+}
 console = Console()
 
 
@@ -103,16 +106,29 @@ def run_experiment(name: str, seed: int, arm: Arm, args: argparse.Namespace) -> 
     if args.reuse and finished.is_file():
         ran = iterations_run(args.runs / name)
         if ran not in (None, args.iterations_total):  # never replace it silently
-            raise SystemExit(f"{name}: the finished run in {finished.parent} ran {ran} "
-                             f"iterations, not {args.iterations_total}; give --iterations "
-                             f"{ran} to report on it, or another --runs")
+            raise SystemExit(
+                f"{name}: the finished run in {finished.parent} ran {ran} "
+                f"iterations, not {args.iterations_total}; give --iterations "
+                f"{ran} to report on it, or another --runs"
+            )
         console.print(f"--- {name}: reusing the finished run in {finished.parent}")
         return json.loads(finished.read_text())
     console.print(f"--- {name}: seed {seed}, {arm.label}")
     # --reevaluate: the run trained already (its checkpoints under data/); judge it again.
     mode = "--evaluate-only" if args.reevaluate else "--fresh"
-    done = subprocess.run([sys.executable, str(DEMO), mode, "--runs", str(args.runs),
-                           "--eval-samples", str(args.eval_samples)], env=env, cwd=ROOT)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(DEMO),
+            mode,
+            "--runs",
+            str(args.runs),
+            "--eval-samples",
+            str(args.eval_samples),
+        ],
+        env=env,
+        cwd=ROOT,
+    )
     if done.returncode != 0:
         raise SystemExit(f"{name} failed (exit {done.returncode})")
     evaluation = json.loads((args.runs / name / "evaluation.json").read_text())
@@ -133,7 +149,7 @@ def iterations_run(run_dir: Path) -> int | None:
 def _ci(interval: Interval | dict[str, float]) -> str:
     if isinstance(interval, Interval):
         interval = interval.to_json()
-    return (f"{interval['gain']:+.3g} [{interval['low']:+.3g}, {interval['high']:+.3g}]")
+    return f"{interval['gain']:+.3g} [{interval['low']:+.3g}, {interval['high']:+.3g}]"
 
 
 def arm_values(evaluation: dict[str, Any], metric: str) -> tuple[list[float], list[float]]:
@@ -142,16 +158,19 @@ def arm_values(evaluation: dict[str, Any], metric: str) -> tuple[list[float], li
     return metric_values(records_of(first), metric), metric_values(records_of(last), metric)
 
 
-def difference_of_gains(trained: dict[str, Any], control: dict[str, Any], metric: str,
-                        seed: int) -> Interval:
+def difference_of_gains(
+    trained: dict[str, Any], control: dict[str, Any], metric: str, seed: int
+) -> Interval:
     """(trained final - trained v0) - (control final - control v0), paired sample by sample."""
-    keys = [[(s["prompt"], s["index"]) for s in e["versions"][0]["samples"]]
-            for e in (trained, control)]
+    keys = [
+        [(s["prompt"], s["index"]) for s in e["versions"][0]["samples"]] for e in (trained, control)
+    ]
     if keys[0] != keys[1] or trained["sampling"]["seed"] != control["sampling"]["seed"]:
         raise SystemExit("the two arms were not evaluated on the same samples and seeds")
     strata = [prompt for prompt, _ in keys[0]]
-    return gain_difference(*arm_values(trained, metric), *arm_values(control, metric),
-                           strata=strata, seed=seed)
+    return gain_difference(
+        *arm_values(trained, metric), *arm_values(control, metric), strata=strata, seed=seed
+    )
 
 
 def per_run_table(runs: dict[Arm, list[dict[str, Any]]], seeds: list[int]) -> Table:
@@ -164,24 +183,31 @@ def per_run_table(runs: dict[Arm, list[dict[str, Any]]], seeds: list[int]) -> Ta
     for arm, evaluations in runs.items():
         for seed, evaluation in zip(seeds, evaluations, strict=True):
             comparison = evaluation["comparison"]
-            table.add_row(arm.label, str(seed),
-                          f"v{comparison['before']} -> v{comparison['after']}",
-                          *(_ci(comparison["metrics"][m]) for m in SHOWN))
+            table.add_row(
+                arm.label,
+                str(seed),
+                f"v{comparison['before']} -> v{comparison['after']}",
+                *(_ci(comparison["metrics"][m]) for m in SHOWN),
+            )
     return table
 
 
-def seed_differences(runs: dict[Arm, list[dict[str, Any]]], seeds: list[int], control: Arm,
-                     trained: Arm) -> list[dict[str, Interval]]:
+def seed_differences(
+    runs: dict[Arm, list[dict[str, Any]]], seeds: list[int], control: Arm, trained: Arm
+) -> list[dict[str, Interval]]:
     """Per seed, the difference of gains of every shown metric, with its CI."""
-    return [{metric: difference_of_gains(t_eval, c_eval, metric, seed) for metric in SHOWN}
-            for seed, t_eval, c_eval in zip(seeds, runs[trained], runs[control], strict=True)]
+    return [
+        {metric: difference_of_gains(t_eval, c_eval, metric, seed) for metric in SHOWN}
+        for seed, t_eval, c_eval in zip(seeds, runs[trained], runs[control], strict=True)
+    ]
 
 
-def learning_table(differences: list[dict[str, Interval]], seeds: list[int],
-                   trained: Arm) -> Table:
+def learning_table(differences: list[dict[str, Interval]], seeds: list[int], trained: Arm) -> Table:
     """Per seed, the difference of gains with its CI; then the mean and spread over seeds."""
-    table = Table(title=f"Learning gain: ({trained.label} gain) - (lr 0 gain), per seed "
-                        "[95 % CI], then across seeds")
+    table = Table(
+        title=f"Learning gain: ({trained.label} gain) - (lr 0 gain), per seed "
+        "[95 % CI], then across seeds"
+    )
     table.add_column("seed")
     for label in SHOWN.values():
         table.add_column(label)
@@ -191,8 +217,9 @@ def learning_table(differences: list[dict[str, Interval]], seeds: list[int],
     table.add_section()
     table.add_row("mean over seeds", *(f"{statistics.fmean(estimates[m]):+.3g}" for m in SHOWN))
     table.add_row("std over seeds", *(f"{_stdev(estimates[m]):.3g}" for m in SHOWN))
-    table.add_row("range", *(f"[{min(estimates[m]):+.3g}, {max(estimates[m]):+.3g}]"
-                             for m in SHOWN))
+    table.add_row(
+        "range", *(f"[{min(estimates[m]):+.3g}, {max(estimates[m]):+.3g}]" for m in SHOWN)
+    )
     return table
 
 
@@ -224,9 +251,13 @@ def stage_bests(metrics: dict[str, Any]) -> dict[int, dict[int, float | None]]:
     pool holds, over every iteration (None: no correct kernel of the stage in that pool)."""
     iterations = metrics["scheduler"]["iterations"]
     stages = sorted({int(stage) for it in iterations for stage in it["pool"]})
-    return {stage: {int(it["iteration"]): it["pool"].get(str(stage), {}).get("best_gflops")
-                    for it in iterations}
-            for stage in stages}
+    return {
+        stage: {
+            int(it["iteration"]): it["pool"].get(str(stage), {}).get("best_gflops")
+            for it in iterations
+        }
+        for stage in stages
+    }
 
 
 def run_best(metrics: dict[str, Any] | None) -> float | None:
@@ -273,15 +304,19 @@ def best_verdict(comparisons: list[BestComparison]) -> BestVerdict:
         raise ValueError("no seeds to judge")
     num, den = BEST_SHARE_OF_SEEDS
     n = len(comparisons)
-    return BestVerdict(higher=sum(c.higher for c in comparisons), required=-(-num * n // den),
-                       seeds=n, mean_gain=statistics.fmean(c.relative_gain
-                                                           for c in comparisons))
+    return BestVerdict(
+        higher=sum(c.higher for c in comparisons),
+        required=-(-num * n // den),
+        seeds=n,
+        mean_gain=statistics.fmean(c.relative_gain for c in comparisons),
+    )
 
 
 def ci_verdicts(differences: list[dict[str, Interval]]) -> list[dict[str, bool]]:
     """Per seed and target metric: is the difference of gains above 0, its CI included?"""
-    return [{metric: intervals[metric].low > 0 for metric in CI_TARGETS}
-            for intervals in differences]
+    return [
+        {metric: intervals[metric].low > 0 for metric in CI_TARGETS} for intervals in differences
+    ]
 
 
 def _verdict(passed: bool) -> str:
@@ -296,26 +331,35 @@ def _percent(gain: float) -> str:
     return f"{gain:+.0%}" if gain != float("inf") else "+inf"
 
 
-def stage_table(trained: dict[str, Any], control: dict[str, Any], seed: int,
-                arm: Arm) -> Table:
+def stage_table(trained: dict[str, Any], control: dict[str, Any], seed: int, arm: Arm) -> Table:
     """Fig. 8 as numbers: best GFLOPS per stage per iteration, trained/lr 0."""
     t_bests, c_bests = stage_bests(trained), stage_bests(control)
     stages = sorted(set(t_bests) | set(c_bests))
-    iterations = sorted({i for bests in (t_bests, c_bests) for per in bests.values()
-                         for i in per})
-    table = Table(title=f"Seed {seed}: best GFLOPS per stage per iteration, {arm.label}/lr 0 "
-                        "(Fig. 8)")
+    iterations = sorted({i for bests in (t_bests, c_bests) for per in bests.values() for i in per})
+    table = Table(
+        title=f"Seed {seed}: best GFLOPS per stage per iteration, {arm.label}/lr 0 (Fig. 8)"
+    )
     table.add_column("t")
     for stage in stages:
         table.add_column(f"stage {stage}", no_wrap=True)
     for i in iterations:
-        table.add_row(str(i), *(f"{_gflops(t_bests.get(s, {}).get(i), 1)}/"
-                                f"{_gflops(c_bests.get(s, {}).get(i), 1)}" for s in stages))
+        table.add_row(
+            str(i),
+            *(
+                f"{_gflops(t_bests.get(s, {}).get(i), 1)}/{_gflops(c_bests.get(s, {}).get(i), 1)}"
+                for s in stages
+            ),
+        )
     return table
 
 
-def plot_stage_bests(trained: dict[str, Any], control: dict[str, Any], out: Path,
-                     title: str, trained_label: str = "trained") -> None:
+def plot_stage_bests(
+    trained: dict[str, Any],
+    control: dict[str, Any],
+    out: Path,
+    title: str,
+    trained_label: str = "trained",
+) -> None:
     """The paper's Fig. 8 for one seed: a line per stage, solid trained, dashed lr 0."""
     import matplotlib
 
@@ -332,12 +376,22 @@ def plot_stage_bests(trained: dict[str, Any], control: dict[str, Any], out: Path
         for bests, style in ((t_bests, "-"), (c_bests, "--")):
             per = bests.get(stage, {})
             its = sorted(per)
-            axis.plot(its, [float("nan") if per[i] is None else per[i] for i in its],
-                      linestyle=style, marker="o", markersize=3, color=colours(k % 10))
-    handles = [Line2D([], [], color=colours(k % 10), label=f"stage {stage}")
-               for k, stage in enumerate(stages)]
-    handles += [Line2D([], [], color="black", linestyle="-", label=trained_label),
-                Line2D([], [], color="black", linestyle="--", label="no update (lr 0)")]
+            axis.plot(
+                its,
+                [float("nan") if per[i] is None else per[i] for i in its],
+                linestyle=style,
+                marker="o",
+                markersize=3,
+                color=colours(k % 10),
+            )
+    handles = [
+        Line2D([], [], color=colours(k % 10), label=f"stage {stage}")
+        for k, stage in enumerate(stages)
+    ]
+    handles += [
+        Line2D([], [], color="black", linestyle="-", label=trained_label),
+        Line2D([], [], color="black", linestyle="--", label="no update (lr 0)"),
+    ]
     axis.set(xlabel="SQD iteration", ylabel="best GFLOPS of the stage's pool", title=title)
     axis.xaxis.set_major_locator(MaxNLocator(integer=True))
     axis.legend(handles=handles, fontsize="small")
@@ -347,34 +401,44 @@ def plot_stage_bests(trained: dict[str, Any], control: dict[str, Any], out: Path
     plt.close(figure)
 
 
-def targets_table(differences: list[dict[str, Interval]], comparisons: list[BestComparison],
-                  arm: Arm) -> Table:
+def targets_table(
+    differences: list[dict[str, Interval]], comparisons: list[BestComparison], arm: Arm
+) -> Table:
     """Per seed: the run's best GFLOPS, trained against lr 0, and the CI targets met or not."""
-    table = Table(title=f"Experiment 2 targets: {arm.label} against no update (lr 0); "
-                        "gain - lr-0 gain on the fixed set [95 % CI], above 0?")
+    table = Table(
+        title=f"Experiment 2 targets: {arm.label} against no update (lr 0); "
+        "gain - lr-0 gain on the fixed set [95 % CI], above 0?"
+    )
     for column in ("seed", "best GFLOPS, lr 0", "trained", "gain"):
         table.add_column(column)
     for metric in CI_TARGETS:
         table.add_column(SHOWN[metric].split(" (")[0])
         table.add_column("> 0", no_wrap=True)
-    for intervals, verdicts, c in zip(differences, ci_verdicts(differences), comparisons,
-                                      strict=True):
-        table.add_row(str(c.seed), _gflops(c.control), _gflops(c.trained),
-                      _percent(c.relative_gain),
-                      *(cell for m in CI_TARGETS
-                        for cell in (_ci(intervals[m]), _verdict(verdicts[m]))))
+    for intervals, verdicts, c in zip(
+        differences, ci_verdicts(differences), comparisons, strict=True
+    ):
+        table.add_row(
+            str(c.seed),
+            _gflops(c.control),
+            _gflops(c.trained),
+            _percent(c.relative_gain),
+            *(cell for m in CI_TARGETS for cell in (_ci(intervals[m]), _verdict(verdicts[m]))),
+        )
     return table
 
 
 def print_best_verdict(verdict: BestVerdict) -> None:
-    console.print(f"best GFLOPS of the run higher with training in {verdict.higher} of "
-                  f"{verdict.seeds} seeds (target >= {verdict.required}), by "
-                  f"{_percent(verdict.mean_gain)} on average (target >= "
-                  f"{BEST_MIN_MEAN_GAIN:.0%}): {_verdict(verdict.passed)}")
+    console.print(
+        f"best GFLOPS of the run higher with training in {verdict.higher} of "
+        f"{verdict.seeds} seeds (target >= {verdict.required}), by "
+        f"{_percent(verdict.mean_gain)} on average (target >= "
+        f"{BEST_MIN_MEAN_GAIN:.0%}): {_verdict(verdict.passed)}"
+    )
 
 
-def report_best_gflops(runs: Path, seeds: list[int], control: Arm, trained: Arm,
-                       differences: list[dict[str, Interval]]) -> None:
+def report_best_gflops(
+    runs: Path, seeds: list[int], control: Arm, trained: Arm, differences: list[dict[str, Interval]]
+) -> None:
     """Fig. 8 per seed (printed and plotted), then the best-GFLOPS and CI targets."""
     comparisons, unread = [], []
     for seed in seeds:
@@ -386,14 +450,20 @@ def report_best_gflops(runs: Path, seeds: list[int], control: Arm, trained: Arm,
             continue
         console.print(stage_table(t_metrics, c_metrics, seed, trained))
         out = runs / f"fig8-{trained.run_name(seed)}.png"
-        plot_stage_bests(t_metrics, c_metrics, out,
-                         f"Seed {seed}: best GFLOPS per stage per iteration (Fig. 8)",
-                         f"trained ({trained.label})")
+        plot_stage_bests(
+            t_metrics,
+            c_metrics,
+            out,
+            f"Seed {seed}: best GFLOPS per stage per iteration (Fig. 8)",
+            f"trained ({trained.label})",
+        )
         console.print(f"figure: {out}")
     console.print(targets_table(differences, comparisons, trained))
     if unread:  # a missing report is no evidence of a run without a correct kernel
-        console.print(f"best GFLOPS target not judged: no metrics.json for seed(s) "
-                      f"{' '.join(map(str, unread))}")
+        console.print(
+            f"best GFLOPS target not judged: no metrics.json for seed(s) "
+            f"{' '.join(map(str, unread))}"
+        )
     else:
         print_best_verdict(best_verdict(comparisons))
 
@@ -401,50 +471,87 @@ def report_best_gflops(runs: Path, seeds: list[int], control: Arm, trained: Arm,
 def main() -> int:
     demo_learner = load_config(LearnerConfig, CONFIG, env={}).learner
     demo_scheduler = load_config(SchedulerConfig, CONFIG, env={}).scheduler
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
-                        help="experiment seeds, one run per arm each (default: 0 1 2)")
-    parser.add_argument("--iterations", type=int, default=None,
-                        help="SQD iterations per run (default: the demo's scheduler.iterations, "
-                        f"{demo_scheduler.iterations}, the paper's; HPCRL__SCHEDULER__ITERATIONS "
-                        "overrides it too)")
-    parser.add_argument("--learning-rate", type=float, nargs="+", default=None,
-                        help="the learning rate(s) compared with 0 (default: the demo's, "
-                        f"{demo_learner.learning_rate:g}); several make a sweep, each compared "
-                        "with the same lr-0 runs")
-    parser.add_argument("--reward-modes", nargs="+", default=None,
-                        choices=("parent_relative", "group_normalized", "raw"),
-                        help="train each learning rate under each of these reward modes "
-                        "(default: the demo's scheduler.reward_mode, "
-                        f"{demo_scheduler.reward_mode})")
-    parser.add_argument("--reuse", action="store_true",
-                        help="reuse runs that already finished (their evaluation.json) instead "
-                        "of running them again: resume an interrupted bench, add seeds, or "
-                        "print the report again (a run of another number of iterations stops "
-                        "the bench)")
-    parser.add_argument("--eval-samples", type=int, default=16,
-                        help="completions per prompt and version in each run's evaluation "
-                        "(default 16, the demo's)")
-    parser.add_argument("--reevaluate", action="store_true",
-                        help="train nothing: evaluate each run's finished checkpoints again "
-                        "(e.g. with more --eval-samples), results under --runs")
-    parser.add_argument("--runs", type=Path, default=ROOT / "runs" / "bench-learning",
-                        help="where the runs' reports and the Fig. 8 PNGs go "
-                        "(default: runs/bench-learning)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        nargs="+",
+        default=[0, 1, 2],
+        help="experiment seeds, one run per arm each (default: 0 1 2)",
+    )
+    parser.add_argument(
+        "--iterations",
+        type=int,
+        default=None,
+        help="SQD iterations per run (default: the demo's scheduler.iterations, "
+        f"{demo_scheduler.iterations}, the paper's; HPCRL__SCHEDULER__ITERATIONS "
+        "overrides it too)",
+    )
+    parser.add_argument(
+        "--learning-rate",
+        type=float,
+        nargs="+",
+        default=None,
+        help="the learning rate(s) compared with 0 (default: the demo's, "
+        f"{demo_learner.learning_rate:g}); several make a sweep, each compared "
+        "with the same lr-0 runs",
+    )
+    parser.add_argument(
+        "--reward-modes",
+        nargs="+",
+        default=None,
+        choices=("parent_relative", "group_normalized", "raw"),
+        help="train each learning rate under each of these reward modes "
+        "(default: the demo's scheduler.reward_mode, "
+        f"{demo_scheduler.reward_mode})",
+    )
+    parser.add_argument(
+        "--reuse",
+        action="store_true",
+        help="reuse runs that already finished (their evaluation.json) instead "
+        "of running them again: resume an interrupted bench, add seeds, or "
+        "print the report again (a run of another number of iterations stops "
+        "the bench)",
+    )
+    parser.add_argument(
+        "--eval-samples",
+        type=int,
+        default=16,
+        help="completions per prompt and version in each run's evaluation (default 16, the demo's)",
+    )
+    parser.add_argument(
+        "--reevaluate",
+        action="store_true",
+        help="train nothing: evaluate each run's finished checkpoints again "
+        "(e.g. with more --eval-samples), results under --runs",
+    )
+    parser.add_argument(
+        "--runs",
+        type=Path,
+        default=ROOT / "runs" / "bench-learning",
+        help="where the runs' reports and the Fig. 8 PNGs go (default: runs/bench-learning)",
+    )
     args = parser.parse_args()
     # What each run gets: --iterations, else the demo config as the environment overlays it.
-    args.iterations_total = (args.iterations if args.iterations is not None
-                             else load_config(SchedulerConfig, CONFIG).scheduler.iterations)
+    args.iterations_total = (
+        args.iterations
+        if args.iterations is not None
+        else load_config(SchedulerConfig, CONFIG).scheduler.iterations
+    )
 
     modes = args.reward_modes or [demo_scheduler.reward_mode]
     control = Arm(0.0)
-    trained = [Arm(lr, mode) for mode in modes
-               for lr in args.learning_rate or [demo_learner.learning_rate]]
+    trained = [
+        Arm(lr, mode) for mode in modes for lr in args.learning_rate or [demo_learner.learning_rate]
+    ]
     runs: dict[Arm, list[dict[str, Any]]] = {arm: [] for arm in (control, *trained)}
-    console.print(f"[bold]Experiment 2:[/] {args.iterations_total} iterations x seeds "
-                  f"{' '.join(map(str, args.seeds))} x {{{', '.join(a.label for a in runs)}}}: "
-                  f"{len(args.seeds) * len(runs)} runs, about 25 min each on 2 cores")
+    console.print(
+        f"[bold]Experiment 2:[/] {args.iterations_total} iterations x seeds "
+        f"{' '.join(map(str, args.seeds))} x {{{', '.join(a.label for a in runs)}}}: "
+        f"{len(args.seeds) * len(runs)} runs, about 25 min each on 2 cores"
+    )
     for seed in args.seeds:  # seed by seed, so an interrupted bench has whole seeds
         for arm in runs:
             runs[arm].append(run_experiment(arm.run_name(seed), seed, arm, args))

@@ -52,8 +52,15 @@ from hpcrl_common.topology import (
     Topology,
 )
 
-HOST = HostInfo(hostname="sleeper", cpu_model="none", isa=["avx2"], cores=1, compiler="none",
-                host_class="sleeper", peak_gflops=100.0)
+HOST = HostInfo(
+    hostname="sleeper",
+    cpu_model="none",
+    isa=["avx2"],
+    cores=1,
+    compiler="none",
+    host_class="sleeper",
+    peak_gflops=100.0,
+)
 PROMPT = [ChatMessage(role="user", content="Write a faster matrix multiplication kernel in C.")]
 
 
@@ -62,8 +69,9 @@ class Loop:
 
     def __init__(self, args: argparse.Namespace, models: list[Path], mode: str) -> None:
         self.args, self.models, self.mode = args, models, mode
-        self.settings = BrokerSettings(url=args.url, namespace=f"overlap-{uuid.uuid4().hex[:8]}",
-                                       prefetch=64)
+        self.settings = BrokerSettings(
+            url=args.url, namespace=f"overlap-{uuid.uuid4().hex[:8]}", prefetch=64
+        )
         self.topology = Topology(self.settings.namespace, self.settings.delivery_limit)
         self.store_root = Path(tempfile.mkdtemp(prefix="hpcrl-overlap-store-"))
         self.store = CheckpointStore(self.store_root)
@@ -83,10 +91,17 @@ class Loop:
         with self.lock:
             self.bench_first.setdefault(candidate.group_id, time.perf_counter())
         time.sleep(self.args.bench_s)
-        result = BenchResult(id=candidate.id, group_id=candidate.group_id,
-                             index=candidate.index, status="success", reward=1.0 + candidate.index,
-                             gflops=1.0 + candidate.index, bench=candidate.bench, host=HOST,
-                             rollout=candidate.rollout)
+        result = BenchResult(
+            id=candidate.id,
+            group_id=candidate.group_id,
+            index=candidate.index,
+            status="success",
+            reward=1.0 + candidate.index,
+            gflops=1.0 + candidate.index,
+            bench=candidate.bench,
+            host=HOST,
+            rollout=candidate.rollout,
+        )
         return [Publish(self.topology.name(BENCH_RESULTS), result)]
 
     def schedule(self, result: BenchResult, _delivery) -> list[Publish]:
@@ -98,14 +113,25 @@ class Loop:
             if len(group) < self.args.group_size:
                 return []
             self.bench_s.append(time.perf_counter() - self.bench_first[result.group_id])
-        samples = [RolloutSample(candidate_id=r.id,
-                                 completion_token_ids=r.rollout.completion_token_ids,
-                                 sampling_logprobs=r.rollout.sampling_logprobs,
-                                 policy_version=r.rollout.policy_version, reward=r.reward,
-                                 status=r.status) for r in group]
-        batch = RolloutBatch(id=result.group_id, experiment="overlap", iteration=0,
-                             prompt_token_ids=group[0].rollout.prompt_token_ids,
-                             samples=samples, reward_mode="raw")
+        samples = [
+            RolloutSample(
+                candidate_id=r.id,
+                completion_token_ids=r.rollout.completion_token_ids,
+                sampling_logprobs=r.rollout.sampling_logprobs,
+                policy_version=r.rollout.policy_version,
+                reward=r.reward,
+                status=r.status,
+            )
+            for r in group
+        ]
+        batch = RolloutBatch(
+            id=result.group_id,
+            experiment="overlap",
+            iteration=0,
+            prompt_token_ids=group[0].rollout.prompt_token_ids,
+            samples=samples,
+            reward_mode="raw",
+        )
         return [Publish(self.topology.name(ROLLOUT_BATCHES), batch)]
 
     def learn(self, batch: RolloutBatch, _delivery) -> list[Publish]:
@@ -142,8 +168,12 @@ class Loop:
 
         args = self.args
         sampler = TransformersSampler(self.models[0], dtype="float32")
-        section = GeneratorSection(model_path=self.models[0], checkpoint_dir=self.store_root,
-                                   backend="transformers", version_poll_s=0.02)
+        section = GeneratorSection(
+            model_path=self.models[0],
+            checkpoint_dir=self.store_root,
+            backend="transformers",
+            version_poll_s=0.02,
+        )
         gen_consumer = Consumer(self.settings, "overlap-generator", concurrency=2)
         generator = Generator(sampler, section, gen_consumer.topology, replica="overlap")
         original = generator.on_request
@@ -173,14 +203,24 @@ class Loop:
                 for i in range(args.iterations):
                     floor = i if self.mode == "sync" else max(0, i - args.staleness)
                     self.wait_version(floor)
-                    publisher.publish(Publish(self.topology.name(GENERATE_REQUESTS),
-                                              GenerateRequest(
-                        id=f"it{i}", experiment="overlap", iteration=i, mode="seed",
-                        prompt=PROMPT, group_size=args.group_size,
-                        sampling=SamplingParams(temperature=1.0, max_tokens=args.max_tokens,
-                                                seed=i),
-                        min_policy_version=floor,
-                        bench=BenchSpec(task="matmul", stage=1))))
+                    publisher.publish(
+                        Publish(
+                            self.topology.name(GENERATE_REQUESTS),
+                            GenerateRequest(
+                                id=f"it{i}",
+                                experiment="overlap",
+                                iteration=i,
+                                mode="seed",
+                                prompt=PROMPT,
+                                group_size=args.group_size,
+                                sampling=SamplingParams(
+                                    temperature=1.0, max_tokens=args.max_tokens, seed=i
+                                ),
+                                min_policy_version=floor,
+                                bench=BenchSpec(task="matmul", stage=1),
+                            ),
+                        )
+                    )
                 self.wait_version(args.iterations)
                 return time.perf_counter() - started
         finally:
@@ -210,8 +250,9 @@ def main() -> None:
 
     root = Path(tempfile.mkdtemp(prefix="hpcrl-overlap-models-"))
     # Versions only need to be distinct full checkpoints of one shape: other seeds will do.
-    models = [write_random_model(root / name, seed=seed)
-              for seed, name in enumerate(("v0", "a", "b"))]
+    models = [
+        write_random_model(root / name, seed=seed) for seed, name in enumerate(("v0", "a", "b"))
+    ]
     sync = Loop(args, models, "sync")
     sync_s = sync.run()
     overlap = Loop(args, models, "overlap")
@@ -223,8 +264,10 @@ def main() -> None:
     print(f"synchronous: {sync_s:.2f} s ({sync_s / n:.3f} s/iteration)")
     print(f"overlapped:  {overlap_s:.2f} s ({overlap_s / n:.3f} s/iteration)")
     print(f"speed-up sync/overlapped: {sync_s / overlap_s:.2f}")
-    print(f"overlapped s/iteration / max(gen, bench, learn): "
-          f"{(overlap_s / n) / max(gen, bench, learn):.2f}")
+    print(
+        f"overlapped s/iteration / max(gen, bench, learn): "
+        f"{(overlap_s / n) / max(gen, bench, learn):.2f}"
+    )
 
 
 if __name__ == "__main__":

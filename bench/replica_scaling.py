@@ -41,16 +41,30 @@ def run(replicas: int, count: int, url: str, allow: list[str], per_cpu: bool = F
     for i in range(replicas):
         config = root / f"bench-{i}.toml"
         own = f'cpus = "{cpus[i % len(cpus)]}"\n' if per_cpu else ""
-        config.write_text(f'[broker]\nurl = "{url}"\nnamespace = "{settings.namespace}"\n'
-                          f'[benchmarker]\nmetrics_port = 0\nconcurrency = 2\n{own}'
-                          f'work_dir = "{root}/work-{i}"\nlock_path = "{root}/timing.lock"\n')
+        config.write_text(
+            f'[broker]\nurl = "{url}"\nnamespace = "{settings.namespace}"\n'
+            f"[benchmarker]\nmetrics_port = 0\nconcurrency = 2\n{own}"
+            f'work_dir = "{root}/work-{i}"\nlock_path = "{root}/timing.lock"\n'
+        )
         configs.append(config)
     with Publisher(settings, "scaling") as publisher:
         publisher.topology.declare(publisher._ensure_channel())
     extra = [arg for isa in allow for arg in ("--allow-isa", isa)]
-    procs = [subprocess.Popen([sys.executable, "-m", "hpcrl_benchmarker.cli", "serve",
-                               "--config", str(config), *extra], stderr=subprocess.DEVNULL)
-             for config in configs]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "hpcrl_benchmarker.cli",
+                "serve",
+                "--config",
+                str(config),
+                *extra,
+            ],
+            stderr=subprocess.DEVNULL,
+        )
+        for config in configs
+    ]
     connection = pika.BlockingConnection(pika.URLParameters(url))
     channel = connection.channel()
     try:
@@ -59,9 +73,18 @@ def run(replicas: int, count: int, url: str, allow: list[str], per_cpu: bool = F
         started = time.monotonic()
         with Publisher(settings, "scaling") as publisher:
             for i in range(count):
-                publisher.publish(Publish(topology.name(CODE_TO_BENCH), Candidate(
-                    id=f"s/{i}", group_id="s", index=i, completion=codes[i % len(codes)],
-                    bench=BenchSpec(task="matmul", stage=6))))
+                publisher.publish(
+                    Publish(
+                        topology.name(CODE_TO_BENCH),
+                        Candidate(
+                            id=f"s/{i}",
+                            group_id="s",
+                            index=i,
+                            completion=codes[i % len(codes)],
+                            bench=BenchSpec(task="matmul", stage=6),
+                        ),
+                    )
+                )
         done = 0
         while done < count:
             method, _props, body = channel.basic_get(topology.name(BENCH_RESULTS), auto_ack=True)
@@ -83,8 +106,11 @@ def run(replicas: int, count: int, url: str, allow: list[str], per_cpu: bool = F
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--candidates", type=int, default=12)
-    parser.add_argument("--per-cpu", action="store_true",
-                        help="give each replica a CPU of its own (benchmarker.cpus)")
+    parser.add_argument(
+        "--per-cpu",
+        action="store_true",
+        help="give each replica a CPU of its own (benchmarker.cpus)",
+    )
     parser.add_argument("--url", default="amqp://guest:guest@127.0.0.1:5672/%2F")
     args = parser.parse_args()
     allow = [] if has_avx512() else ["avx2"]

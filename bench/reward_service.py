@@ -95,8 +95,13 @@ def pooled_overhead(client: dict[str, list[float]], inproc: dict[str, list[float
 def node() -> tuple[str, str]:
     """The CPU model and the ISA rewards are measured in here."""
     host = detect()
-    return host.cpu_model, ("AVX-512" if "avx512f" in host.flags else
-                            "AVX2" if "avx2" in host.flags else "neither AVX-512 nor AVX2")
+    return host.cpu_model, (
+        "AVX-512"
+        if "avx512f" in host.flags
+        else "AVX2"
+        if "avx2" in host.flags
+        else "neither AVX-512 nor AVX2"
+    )
 
 
 @dataclass
@@ -113,8 +118,9 @@ class Outcome:
     load: tuple[float, float] = (0.0, 0.0)
 
 
-def write_config(path: Path, url: str, namespace: str, root: Path, cpus: str,
-                 timing_attempts: int | None) -> None:
+def write_config(
+    path: Path, url: str, namespace: str, root: Path, cpus: str, timing_attempts: int | None
+) -> None:
     section = BenchmarkerSection()
     attempts = f"timing_attempts = {timing_attempts}\n" if timing_attempts else ""
     path.write_text(
@@ -123,7 +129,8 @@ def write_config(path: Path, url: str, namespace: str, root: Path, cpus: str,
         f'[logging]\nformat = "json"\n'
         f'[benchmarker]\nmetrics_port = 0\ncpus = "{cpus}"\n{attempts}'
         f'work_dir = "{root}/work-{cpus or "node"}-{path.stem}"\n'
-        f'lock_path = "{root}/timing.lock"\n')
+        f'lock_path = "{root}/timing.lock"\n'
+    )
 
 
 def judge_like_a_replica(bench: Benchmarker) -> ThreadPoolExecutor:
@@ -140,12 +147,17 @@ def judge_like_a_replica(bench: Benchmarker) -> ThreadPoolExecutor:
         if int(entry.name) != main:
             with contextlib.suppress(ProcessLookupError, ValueError):
                 os.sched_setaffinity(int(entry.name), bench.cpus)
-    return ThreadPoolExecutor(1, thread_name_prefix="in-process",
-                              initializer=os.sched_setaffinity, initargs=(0, bench.cpus))
+    return ThreadPoolExecutor(
+        1,
+        thread_name_prefix="in-process",
+        initializer=os.sched_setaffinity,
+        initargs=(0, bench.cpus),
+    )
 
 
-def wait_for_consumers(url: str, queue: str, count: int, procs: list[subprocess.Popen],
-                       timeout_s: float = 90) -> None:
+def wait_for_consumers(
+    url: str, queue: str, count: int, procs: list[subprocess.Popen], timeout_s: float = 90
+) -> None:
     connection = pika.BlockingConnection(pika.URLParameters(url))
     try:
         deadline = time.monotonic() + timeout_s
@@ -154,8 +166,9 @@ def wait_for_consumers(url: str, queue: str, count: int, procs: list[subprocess.
                 if proc.poll() is not None:
                     raise SystemExit(f"a replica exited with status {proc.returncode}")
             try:
-                consumers = connection.channel().queue_declare(
-                    queue, passive=True).method.consumer_count
+                consumers = (
+                    connection.channel().queue_declare(queue, passive=True).method.consumer_count
+                )
             except pika.exceptions.ChannelClosedByBroker:  # not declared yet
                 consumers = 0
             if consumers >= count:
@@ -166,8 +179,15 @@ def wait_for_consumers(url: str, queue: str, count: int, procs: list[subprocess.
         connection.close()
 
 
-def run(replicas: int, sets: list[str], codes: dict[str, str], args: argparse.Namespace,
-        allow: list[str], root: Path, progress: Progress) -> Outcome:
+def run(
+    replicas: int,
+    sets: list[str],
+    codes: dict[str, str],
+    args: argparse.Namespace,
+    allow: list[str],
+    root: Path,
+    progress: Progress,
+) -> Outcome:
     settings = BrokerSettings(url=args.url, namespace=f"reward-bench-{uuid.uuid4().hex[:8]}")
     topology = Topology(settings.namespace, settings.delivery_limit)
     root.mkdir(parents=True)
@@ -180,18 +200,24 @@ def run(replicas: int, sets: list[str], codes: dict[str, str], args: argparse.Na
             argv += ["--allow-isa", isa]
         with open(root / f"replica-{k}.log", "wb") as log:
             procs.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=log))
-    section = BenchmarkerSection(work_dir=root / "in-process", lock_path=root / "timing.lock",
-                                 cpus=sets[0], allow_isa=allow,
-                                 **({"timing_attempts": args.timing_attempts}
-                                    if args.timing_attempts else {}))
+    section = BenchmarkerSection(
+        work_dir=root / "in-process",
+        lock_path=root / "timing.lock",
+        cpus=sets[0],
+        allow_isa=allow,
+        **({"timing_attempts": args.timing_attempts} if args.timing_attempts else {}),
+    )
     bench = Benchmarker(section, detect())
     judge = judge_like_a_replica(bench)
     task = load_task("matmul")
     outcome = Outcome(replicas)
-    client = RewardClient(settings, "reward-bench", timeout_s=600,
-                          max_outstanding=max(64, args.burst))
-    step = progress.add_task(f"{replicas} replica(s)", total=(
-        replicas + 1) * len(codes) + args.empty + 2 * args.rounds * len(codes) + args.burst)
+    client = RewardClient(
+        settings, "reward-bench", timeout_s=600, max_outstanding=max(64, args.burst)
+    )
+    step = progress.add_task(
+        f"{replicas} replica(s)",
+        total=(replicas + 1) * len(codes) + args.empty + 2 * args.rounds * len(codes) + args.burst,
+    )
 
     def in_process(code: str) -> float:
         started = time.perf_counter()
@@ -218,7 +244,8 @@ def run(replicas: int, sets: list[str], codes: dict[str, str], args: argparse.Na
         for code in codes.values():
             in_process(code)
             for future in client.submit_many(
-                    [RewardRequestSpec(code, "matmul", 6, "O3")] * replicas):
+                [RewardRequestSpec(code, "matmul", 6, "O3")] * replicas
+            ):
                 future.result()
                 progress.advance(step)
         outcome.statuses.clear()
@@ -243,8 +270,10 @@ def run(replicas: int, sets: list[str], codes: dict[str, str], args: argparse.Na
                     outcome.inproc[name].append(in_process(code))
         # Throughput: everything at once.
         names = list(codes)
-        specs = [RewardRequestSpec(codes[names[i % len(names)]], "matmul", 6, "O3")
-                 for i in range(args.burst)]
+        specs = [
+            RewardRequestSpec(codes[names[i % len(names)]], "matmul", 6, "O3")
+            for i in range(args.burst)
+        ]
         done: list[float] = []
         lock = threading.Lock()
 
@@ -295,75 +324,119 @@ def paired(client: Sequence[float], inproc: Sequence[float]) -> float:
 
 
 def report(outcome: Outcome, console: Console) -> float:
-    console.print(f"[bold]{outcome.replicas} replica(s)[/bold] (load average "
-                  f"{outcome.load[0]:.2f} -> {outcome.load[1]:.2f}; "
-                  f"{', '.join(f'{k} {v}' for k, v in sorted(outcome.statuses.items()))})")
-    console.print("  one at a time, ms      in-process p50    p95 |  client p50    p95 | "
-                  "overhead | paired diff")
+    console.print(
+        f"[bold]{outcome.replicas} replica(s)[/bold] (load average "
+        f"{outcome.load[0]:.2f} -> {outcome.load[1]:.2f}; "
+        f"{', '.join(f'{k} {v}' for k, v in sorted(outcome.statuses.items()))})"
+    )
+    console.print(
+        "  one at a time, ms      in-process p50    p95 |  client p50    p95 | "
+        "overhead | paired diff"
+    )
     for name in outcome.client:
         inproc, client = outcome.inproc[name], outcome.client[name]
-        console.print(f"  {name:20s}     {ms(statistics.median(inproc))} "
-                      f"{ms(percentile(inproc, .95))} |     {ms(statistics.median(client))} "
-                      f"{ms(percentile(client, .95))} | {overhead(client, inproc):+7.1%}  | "
-                      f"{ms(paired(client, inproc))}")
+        console.print(
+            f"  {name:20s}     {ms(statistics.median(inproc))} "
+            f"{ms(percentile(inproc, 0.95))} |     {ms(statistics.median(client))} "
+            f"{ms(percentile(client, 0.95))} | {overhead(client, inproc):+7.1%}  | "
+            f"{ms(paired(client, inproc))}"
+        )
     every = [x for values in outcome.client.values() for x in values]
     every_in = [x for values in outcome.inproc.values() for x in values]
     pooled = pooled_overhead(outcome.client, outcome.inproc)
-    console.print(f"  {'all kernels':20s}     {ms(statistics.median(every_in))} "
-                  f"{ms(percentile(every_in, .95))} |     {ms(statistics.median(every))} "
-                  f"{ms(percentile(every, .95))} | {pooled:+7.1%}  (over the sum of the "
-                  f"kernels' medians; target <= {TARGET:.0%}: "
-                  f"{'met' if pooled <= TARGET else 'missed'})")
+    console.print(
+        f"  {'all kernels':20s}     {ms(statistics.median(every_in))} "
+        f"{ms(percentile(every_in, 0.95))} |     {ms(statistics.median(every))} "
+        f"{ms(percentile(every, 0.95))} | {pooled:+7.1%}  (over the sum of the "
+        f"kernels' medians; target <= {TARGET:.0%}: "
+        f"{'met' if pooled <= TARGET else 'missed'})"
+    )
     steps = statistics.median(outcome.handler)
-    console.print(f"  client latency = the replica's steps p50 {ms(steps)}"
-                  f" ms + the rest (the replica outside its steps, broker, client) p50 "
-                  f"{ms(statistics.median(outcome.transport))} ms, p95 "
-                  f"{ms(percentile(outcome.transport, .95))} ms")
+    console.print(
+        f"  client latency = the replica's steps p50 {ms(steps)}"
+        f" ms + the rest (the replica outside its steps, broker, client) p50 "
+        f"{ms(statistics.median(outcome.transport))} ms, p95 "
+        f"{ms(percentile(outcome.transport, 0.95))} ms"
+    )
     if outcome.empty:
-        console.print(f"  a verdict without a compile (format_violation), one at a time: p50 "
-                      f"{ms(statistics.median(outcome.empty))} ms, p95 "
-                      f"{ms(percentile(outcome.empty, .95))} ms")
+        console.print(
+            f"  a verdict without a compile (format_violation), one at a time: p50 "
+            f"{ms(statistics.median(outcome.empty))} ms, p95 "
+            f"{ms(percentile(outcome.empty, 0.95))} ms"
+        )
     inproc_rate = len(every_in) / sum(every_in)
-    console.print(f"  burst of {len(outcome.burst)}: {outcome.rate:.2f} verdicts/s through the "
-                  f"client (in-process one at a time {inproc_rate:.2f}/s: "
-                  f"{outcome.rate / inproc_rate:.2f}x); latency submit -> verdict p50 "
-                  f"{statistics.median(outcome.burst):.2f} s, p95 "
-                  f"{percentile(outcome.burst, .95):.2f} s")
+    console.print(
+        f"  burst of {len(outcome.burst)}: {outcome.rate:.2f} verdicts/s through the "
+        f"client (in-process one at a time {inproc_rate:.2f}/s: "
+        f"{outcome.rate / inproc_rate:.2f}x); latency submit -> verdict p50 "
+        f"{statistics.median(outcome.burst):.2f} s, p95 "
+        f"{percentile(outcome.burst, 0.95):.2f} s"
+    )
     return pooled
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Needs RabbitMQ (--url) and the benchmarker's sandbox (bubblewrap, gcc, "
-        "OpenBLAS), as `make install` sets up.")
-    parser.add_argument("--rounds", type=int, default=7,
-                        help="latency rounds: each kernel once in-process and once through the "
-                        "client per round (default 7)")
-    parser.add_argument("--burst", type=int, default=12,
-                        help="requests submitted at once for the throughput (default 12)")
-    parser.add_argument("--replicas", default="1,2",
-                        help="configurations, replicas per run (default 1,2)")
-    parser.add_argument("--kernels", default=DEFAULT_KERNELS,
-                        help=f"correct kernels of tests/benchmarker/kernels (default "
-                        f"{DEFAULT_KERNELS})")
-    parser.add_argument("--cpus", default=None,
-                        help="the replicas' CPUs, one each, comma-separated (default: the first "
-                        "ones of this process's affinity); the in-process benchmarker gets the "
-                        "first")
-    parser.add_argument("--node", action="store_true",
-                        help="no CPU sets: every replica (and the in-process benchmarker) on the "
-                        "whole node, timing exclusively there")
-    parser.add_argument("--empty", type=int, default=10,
-                        help="verdicts without a compile (no code: format_violation) sent one at "
-                        "a time first: the path's fixed cost (default 10)")
-    parser.add_argument("--timing-attempts", type=int, default=1,
-                        help="benchmarker.timing_attempts of the replicas and the in-process "
-                        "benchmarker alike (default 1: a noisy measurement is not timed again, "
-                        "which on a busy node adds a random second timing to either side; 0: "
-                        "the service's own setting)")
-    parser.add_argument("--url", default="amqp://guest:guest@127.0.0.1:5672/%2F",
-                        help="the broker (default: the local test broker, guest)")
+        "OpenBLAS), as `make install` sets up.",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=7,
+        help="latency rounds: each kernel once in-process and once through the "
+        "client per round (default 7)",
+    )
+    parser.add_argument(
+        "--burst",
+        type=int,
+        default=12,
+        help="requests submitted at once for the throughput (default 12)",
+    )
+    parser.add_argument(
+        "--replicas", default="1,2", help="configurations, replicas per run (default 1,2)"
+    )
+    parser.add_argument(
+        "--kernels",
+        default=DEFAULT_KERNELS,
+        help=f"correct kernels of tests/benchmarker/kernels (default {DEFAULT_KERNELS})",
+    )
+    parser.add_argument(
+        "--cpus",
+        default=None,
+        help="the replicas' CPUs, one each, comma-separated (default: the first "
+        "ones of this process's affinity); the in-process benchmarker gets the "
+        "first",
+    )
+    parser.add_argument(
+        "--node",
+        action="store_true",
+        help="no CPU sets: every replica (and the in-process benchmarker) on the "
+        "whole node, timing exclusively there",
+    )
+    parser.add_argument(
+        "--empty",
+        type=int,
+        default=10,
+        help="verdicts without a compile (no code: format_violation) sent one at "
+        "a time first: the path's fixed cost (default 10)",
+    )
+    parser.add_argument(
+        "--timing-attempts",
+        type=int,
+        default=1,
+        help="benchmarker.timing_attempts of the replicas and the in-process "
+        "benchmarker alike (default 1: a noisy measurement is not timed again, "
+        "which on a busy node adds a random second timing to either side; 0: "
+        "the service's own setting)",
+    )
+    parser.add_argument(
+        "--url",
+        default="amqp://guest:guest@127.0.0.1:5672/%2F",
+        help="the broker (default: the local test broker, guest)",
+    )
     return parser
 
 
@@ -389,20 +462,29 @@ def main(argv: list[str] | None = None) -> dict[int, float]:
     if args.node:
         cpus = [""] * max(counts)
     elif len(cpus) < max(counts):
-        parser.error(f"{max(counts)} replicas need {max(counts)} CPUs (have {','.join(cpus)}); "
-                     "or --node")
+        parser.error(
+            f"{max(counts)} replicas need {max(counts)} CPUs (have {','.join(cpus)}); or --node"
+        )
     console = Console(highlight=False, soft_wrap=True)
     model, isa = node()
     allow = [] if has_avx512() else ["avx2"]
-    console.print(f"node: {model}, {isa} ({len(affinity)} CPUs here, load average "
-                  f"{os.getloadavg()[0]:.2f}); kernels {', '.join(codes)}; "
-                  f"{'no CPU sets' if args.node else 'CPU sets ' + ','.join(cpus[:max(counts)])};"
-                  f" {args.rounds} rounds, burst {args.burst}, timing attempts "
-                  f"{args.timing_attempts or 'as the service'}")
+    console.print(
+        f"node: {model}, {isa} ({len(affinity)} CPUs here, load average "
+        f"{os.getloadavg()[0]:.2f}); kernels {', '.join(codes)}; "
+        f"{'no CPU sets' if args.node else 'CPU sets ' + ','.join(cpus[: max(counts)])};"
+        f" {args.rounds} rounds, burst {args.burst}, timing attempts "
+        f"{args.timing_attempts or 'as the service'}"
+    )
     base = Path(tempfile.mkdtemp(prefix="hpcrl-reward-bench-"))
     results = {}
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=Console(stderr=True), transient=True) as progress:
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    ) as progress:
         for replicas in counts:
             outcome = run(replicas, cpus, codes, args, allow, base / f"{replicas}", progress)
             results[replicas] = report(outcome, console)

@@ -19,8 +19,15 @@ from hpcrl_scheduler.config import SchedulerConfig, SchedulerSection
 from hpcrl_scheduler.scheduler import Scheduler
 from hpcrl_scheduler.store import Store
 
-HOST = HostInfo(hostname="bench", cpu_model="cpu", isa=["avx512f"], cores=8, compiler="gcc",
-                host_class="bench-class", peak_gflops=1000.0)
+HOST = HostInfo(
+    hostname="bench",
+    cpu_model="cpu",
+    isa=["avx512f"],
+    cores=8,
+    compiler="gcc",
+    host_class="bench-class",
+    peak_gflops=1000.0,
+)
 STATUSES = ("success", "compile_error", "verification_error", "success", "stage_violation")
 PENALTY = {"compile_error": -40.0, "verification_error": -10.0, "stage_violation": -100.0}
 
@@ -30,14 +37,22 @@ def result(group_id: str, index: int, stage: int) -> BenchResult:
     gflops = 1.0 + (hash((group_id, index)) % 1000) / 10 if status == "success" else None
     tokens = 300
     return BenchResult(
-        id=f"{group_id}/{index}", group_id=group_id, index=index, status=status,  # type: ignore[arg-type]
-        reward=gflops if gflops is not None else PENALTY[status], gflops=gflops,
+        id=f"{group_id}/{index}",
+        group_id=group_id,
+        index=index,
+        status=status,  # type: ignore[arg-type]
+        reward=gflops if gflops is not None else PENALTY[status],
+        gflops=gflops,
         source=f'void matmul_optimized(){{ const char *id = "{group_id}/{index}"; }}',
-        bench=BenchSpec(task="matmul", stage=stage), host=HOST, error="x.c:1: error",
-        rollout=RolloutData(prompt_token_ids=PackedArray.of(range(400), "<i4"),
-                            completion_token_ids=PackedArray.of(range(tokens), "<i4"),
-                            sampling_logprobs=PackedArray.of([-0.1] * tokens, "<f4"),
-                            policy_version=0),
+        bench=BenchSpec(task="matmul", stage=stage),
+        host=HOST,
+        error="x.c:1: error",
+        rollout=RolloutData(
+            prompt_token_ids=PackedArray.of(range(400), "<i4"),
+            completion_token_ids=PackedArray.of(range(tokens), "<i4"),
+            sampling_logprobs=PackedArray.of([-0.1] * tokens, "<f4"),
+            policy_version=0,
+        ),
     )
 
 
@@ -51,10 +66,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         config = SchedulerConfig(
             experiment={"name": "bench", "seed": 1},
-            scheduler=SchedulerSection(iterations=args.iterations, group_size=args.group_size,
-                                       node_budget=args.groups, max_staleness=0,
-                                       max_groups_in_flight=0, metrics_port=0,
-                                       confirm_winners=False),
+            scheduler=SchedulerSection(
+                iterations=args.iterations,
+                group_size=args.group_size,
+                node_budget=args.groups,
+                max_staleness=0,
+                max_groups_in_flight=0,
+                metrics_port=0,
+                confirm_winners=False,
+            ),
         )
         scheduler = Scheduler(config, Store(Path(tmp) / "bench.sqlite"))
         filed = 0
@@ -72,16 +92,20 @@ def main() -> None:
             elapsed = time.perf_counter() - started
             file_seconds += elapsed
             pool = len(scheduler.store.pool(scheduler.iteration()))
-            print(f"iteration {scheduler.iteration()}: planned+admitted {len(groups)} groups in "
-                  f"{plan_s * 1000:.1f} ms; filed {len(groups) * args.group_size} results in "
-                  f"{elapsed:.2f} s ({len(groups) * args.group_size / elapsed:.0f}/s); "
-                  f"pool {pool}")
+            print(
+                f"iteration {scheduler.iteration()}: planned+admitted {len(groups)} groups in "
+                f"{plan_s * 1000:.1f} ms; filed {len(groups) * args.group_size} results in "
+                f"{elapsed:.2f} s ({len(groups) * args.group_size / elapsed:.0f}/s); "
+                f"pool {pool}"
+            )
         started = time.perf_counter()
         scheduler.refresh_metrics()
         refresh_ms = (time.perf_counter() - started) * 1000
-        print(f"total: {filed} results in {file_seconds:.2f} s = {filed / file_seconds:.0f} "
-              f"results/s (each stored, joined, and its group closed into a rollout batch); "
-              f"metrics refresh {refresh_ms:.1f} ms")
+        print(
+            f"total: {filed} results in {file_seconds:.2f} s = {filed / file_seconds:.0f} "
+            f"results/s (each stored, joined, and its group closed into a rollout batch); "
+            f"metrics refresh {refresh_ms:.1f} ms"
+        )
 
 
 if __name__ == "__main__":

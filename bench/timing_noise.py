@@ -48,8 +48,10 @@ def kernel_path(name: str) -> Path:
     for candidate in (Path(name), KERNELS / name, KERNELS / f"{name}.c"):
         if candidate.is_file():
             return candidate
-    raise SystemExit(f"no kernel {name!r}: give a C file or one of "
-                     f"{', '.join(sorted(p.stem for p in KERNELS.glob('*.c')))}")
+    raise SystemExit(
+        f"no kernel {name!r}: give a C file or one of "
+        f"{', '.join(sorted(p.stem for p in KERNELS.glob('*.c')))}"
+    )
 
 
 def cv(values: list[float]) -> float:
@@ -76,8 +78,7 @@ class Sample:
         self.attempts.append(len(events.timings))
 
 
-def measure(bench: Benchmarker, code: str, task: TaskSpec, opt_level: str,
-            sample: Sample) -> None:
+def measure(bench: Benchmarker, code: str, task: TaskSpec, opt_level: str, sample: Sample) -> None:
     events = Events()
     verdict = bench.evaluate(code, stage=6, opt_level=opt_level, task=task, events=events)
     assert verdict.gflops is not None and verdict.timing is not None, verdict.error
@@ -88,8 +89,10 @@ def measure(bench: Benchmarker, code: str, task: TaskSpec, opt_level: str,
 def busy_loops(count: int) -> list[subprocess.Popen]:
     # Each in a session of its own, like another job's process: where the kernel schedules
     # by session first (autogroup), loops in this one would count as one process together.
-    return [subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
-            for _ in range(count)]
+    return [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+        for _ in range(count)
+    ]
 
 
 def signal_all(procs: list[subprocess.Popen], sig: signal.Signals) -> None:
@@ -98,37 +101,57 @@ def signal_all(procs: list[subprocess.Popen], sig: signal.Signals) -> None:
 
 
 def describe(label: str, sample: Sample) -> str:
-    return (f"{label:7s} reward {statistics.median(sample.reward):8.3f} GFLOPS (cv over "
-            f"{len(sample.reward)} measurements {cv(sample.reward):6.2%}, median cv of its runs "
-            f"{statistics.median(sample.inner):6.2%}, attempts mean "
-            f"{statistics.fmean(sample.attempts):.2f}, noisy {sample.noisy})   first attempt "
-            f"only {statistics.median(sample.first):8.3f} GFLOPS (cv {cv(sample.first):6.2%}, "
-            f"median cv of its runs {statistics.median(sample.inner_first):6.2%})")
+    return (
+        f"{label:7s} reward {statistics.median(sample.reward):8.3f} GFLOPS (cv over "
+        f"{len(sample.reward)} measurements {cv(sample.reward):6.2%}, median cv of its runs "
+        f"{statistics.median(sample.inner):6.2%}, attempts mean "
+        f"{statistics.fmean(sample.attempts):.2f}, noisy {sample.noisy})   first attempt "
+        f"only {statistics.median(sample.first):8.3f} GFLOPS (cv {cv(sample.first):6.2%}, "
+        f"median cv of its runs {statistics.median(sample.inner_first):6.2%})"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kernel", action="append", default=None,
-                        help="a C file, or the name of one in tests/benchmarker/kernels "
-                             "(.c optional; repeatable; default avx2_prefetch.c)")
-    parser.add_argument("--measurements", type=int, default=10,
-                        help="per kernel (and per condition with --load)")
+    parser.add_argument(
+        "--kernel",
+        action="append",
+        default=None,
+        help="a C file, or the name of one in tests/benchmarker/kernels "
+        "(.c optional; repeatable; default avx2_prefetch.c)",
+    )
+    parser.add_argument(
+        "--measurements", type=int, default=10, help="per kernel (and per condition with --load)"
+    )
     parser.add_argument("--opt-level", default="O3")
-    parser.add_argument("--load", type=int, default=0, metavar="N",
-                        help="also measure with N busy-looping processes beside the benchmarker")
+    parser.add_argument(
+        "--load",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also measure with N busy-looping processes beside the benchmarker",
+    )
     parser.add_argument("--no-pin", action="store_true", help="do not bind OpenMP threads")
-    parser.add_argument("--timed-runs", type=int, default=None,
-                        help="override the task's timed runs per measurement (paper: 3)")
+    parser.add_argument(
+        "--timed-runs",
+        type=int,
+        default=None,
+        help="override the task's timed runs per measurement (paper: 3)",
+    )
     defaults = BenchmarkerSection()
     parser.add_argument("--max-timing-cv", type=float, default=defaults.max_timing_cv)
     parser.add_argument("--timing-attempts", type=int, default=defaults.timing_attempts)
     parser.add_argument("--threads", type=int, default=0, help="benchmarker.threads")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="hpcrl-noise-"))
-    settings = BenchmarkerSection(work_dir=root / "work", lock_path=root / "lock",
-                                  pin_threads=not args.no_pin, threads=args.threads,
-                                  max_timing_cv=args.max_timing_cv,
-                                  timing_attempts=args.timing_attempts)
+    settings = BenchmarkerSection(
+        work_dir=root / "work",
+        lock_path=root / "lock",
+        pin_threads=not args.no_pin,
+        threads=args.threads,
+        max_timing_cv=args.max_timing_cv,
+        timing_attempts=args.timing_attempts,
+    )
     bench = Benchmarker(settings, detect())
     task = load_task("matmul")
     if args.timed_runs is not None:
@@ -153,10 +176,12 @@ def main() -> None:
         for proc in loops:
             proc.kill()
             proc.wait()
-    print(f"{task.timing.timed_runs} timed runs per attempt, up to {args.timing_attempts} "
-          f"attempts (max_timing_cv {args.max_timing_cv:g}), host {bench.host.host_class}, "
-          f"pinned {not args.no_pin}, threads {args.threads or 'all'}, load average "
-          f"{load_before:.2f} -> {os.getloadavg()[0]:.2f}")
+    print(
+        f"{task.timing.timed_runs} timed runs per attempt, up to {args.timing_attempts} "
+        f"attempts (max_timing_cv {args.max_timing_cv:g}), host {bench.host.host_class}, "
+        f"pinned {not args.no_pin}, threads {args.threads or 'all'}, load average "
+        f"{load_before:.2f} -> {os.getloadavg()[0]:.2f}"
+    )
     for name in codes:
         idle = samples[name, "idle"]
         print(f"kernel {name}")
@@ -166,11 +191,15 @@ def main() -> None:
             print("  " + describe(f"{args.load} busy", loaded))
             bias = statistics.median(loaded.reward) / statistics.median(idle.reward) - 1
             bias_first = statistics.median(loaded.first) / statistics.median(idle.first) - 1
-            print(f"  bias of the reward under load {bias:+.1%} with re-timing, "
-                  f"{bias_first:+.1%} without (first attempt only)")
+            print(
+                f"  bias of the reward under load {bias:+.1%} with re-timing, "
+                f"{bias_first:+.1%} without (first attempt only)"
+            )
     if len(codes) == 1 and not args.load:
-        print(f"cv over {args.measurements} measurements: "
-              f"{cv(samples[kernels[0], 'idle'].reward):.2%}")
+        print(
+            f"cv over {args.measurements} measurements: "
+            f"{cv(samples[kernels[0], 'idle'].reward):.2%}"
+        )
 
 
 if __name__ == "__main__":

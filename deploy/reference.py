@@ -68,9 +68,15 @@ def config_sections() -> dict[str, type[BaseModel]]:
     from hpcrl_learner.config import LearnerSettings
     from hpcrl_scheduler.config import SchedulerSection
 
-    return {"broker": BrokerSettings, "logging": LoggingSettings, "experiment": ExperimentSettings,
-            "scheduler": SchedulerSection, "generator": GeneratorSection,
-            "learner": LearnerSettings, "benchmarker": BenchmarkerSection}
+    return {
+        "broker": BrokerSettings,
+        "logging": LoggingSettings,
+        "experiment": ExperimentSettings,
+        "scheduler": SchedulerSection,
+        "generator": GeneratorSection,
+        "learner": LearnerSettings,
+        "benchmarker": BenchmarkerSection,
+    }
 
 
 def setting_rows(prefix: str, model: type[BaseModel]) -> Iterator[tuple[str, str, str]]:
@@ -97,8 +103,9 @@ def render_default(value: Any) -> str:
     if isinstance(value, list | tuple):
         return "[" + ", ".join(render_default(item) for item in value) + "]"
     if isinstance(value, dict):  # an inline TOML table
-        return "{" + ", ".join(f"{key} = {render_default(item)}"
-                               for key, item in value.items()) + "}"
+        return (
+            "{" + ", ".join(f"{key} = {render_default(item)}" for key, item in value.items()) + "}"
+        )
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, int | float):
@@ -112,8 +119,12 @@ def relation_rows(section: str | None = None) -> Iterator[tuple[str, str, str, s
     for relation in RELATIONS:
         sections = {relation.left.split(".")[0], relation.right.split(".")[0]}
         if section is None or section in sections:
-            yield (relation.left, RELATION_TEXT[relation.kind], relation.right,
-                   relation.why.replace("|", "\\|"))
+            yield (
+                relation.left,
+                RELATION_TEXT[relation.kind],
+                relation.right,
+                relation.why.replace("|", "\\|"),
+            )
 
 
 def metric_rows() -> dict[str, list[tuple[str, str, str, str]]]:
@@ -147,7 +158,8 @@ def tables(what: str, only: str | None = None) -> str:
 def readme_blocks() -> dict[Path, list[tuple[str, str, str | None]]]:
     """Each README with its generated blocks: (marker name, what, section or None for all)."""
     blocks: dict[Path, list[tuple[str, str, str | None]]] = {
-        README: [(what, what, None) for what in BLOCKS]}
+        README: [(what, what, None) for what in BLOCKS]
+    }
     for service, readme in SERVICE_READMES.items():
         blocks[readme] = [(f"{what}:{service}", what, service) for what in BLOCKS]
     return blocks
@@ -177,13 +189,20 @@ def check_readme(readme: Path, blocks: list[tuple[str, str, str | None]]) -> lis
     for name, what, only in blocks:
         found = block_pattern(name).findall(text)
         if len(found) != 1:
-            problems.append(f"{shown(readme)}: {len(found)} <!-- {name}:begin/end --> blocks, "
-                            "expected 1")
+            problems.append(
+                f"{shown(readme)}: {len(found)} <!-- {name}:begin/end --> blocks, expected 1"
+            )
             continue
         fresh = tables(what, only)
         if found[0].strip() != fresh:
-            diff = difflib.unified_diff(found[0].strip().splitlines(), fresh.splitlines(),
-                                        f"{shown(readme)} ({name})", "code", lineterm="", n=0)
+            diff = difflib.unified_diff(
+                found[0].strip().splitlines(),
+                fresh.splitlines(),
+                f"{shown(readme)} ({name})",
+                "code",
+                lineterm="",
+                n=0,
+            )
             problems.append("\n".join(diff))
     return problems
 
@@ -204,8 +223,10 @@ def main() -> int:
             if problems:
                 stale.append(readme)
         for readme in stale:
-            print(f"{shown(readme)}: its reference tables differ from the code: run "
-                  "`.venv/bin/python deploy/reference.py readme`")
+            print(
+                f"{shown(readme)}: its reference tables differ from the code: run "
+                "`.venv/bin/python deploy/reference.py readme`"
+            )
         return 1 if stale else 0
     groups = config_sections() if what == "settings" else METRIC_GROUPS
     if what not in BLOCKS or (only is not None and only not in groups):
@@ -227,10 +248,12 @@ def print_tables(what: str, only: str | None = None) -> None:
         relations = list(relation_rows(only))
         if not relations:
             return
-        print("\nKeys of different sections that must agree, checked by every service when it "
-              "loads the config (a section absent from the file and the environment is not "
-              "checked; a key absent from its section counts with its default):\n\n"
-              "| key | must be | key | why |\n|---|---|---|---|")
+        print(
+            "\nKeys of different sections that must agree, checked by every service when it "
+            "loads the config (a section absent from the file and the environment is not "
+            "checked; a key absent from its section counts with its default):\n\n"
+            "| key | must be | key | why |\n|---|---|---|---|"
+        )
         for left, relation, right, why in relations:
             print(f"| `{left}` | {relation} | `{right}` | {why} |")
     elif what == "metrics":

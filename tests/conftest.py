@@ -60,7 +60,9 @@ def broker_settings(rabbitmq: str) -> Iterator[BrokerSettings]:
 def list_queues(prefix: str) -> list[str]:
     out = subprocess.run(
         ["rabbitmqctl", "-q", "list_queues", "--no-table-headers", "name"],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     return [line.strip() for line in out.splitlines() if line.strip().startswith(prefix + ".")]
 
@@ -97,13 +99,18 @@ def close_connections(client: str) -> int:
     """Make the broker close every connection named ``client``, as an operator would."""
     out = subprocess.run(
         ["rabbitmqctl", "-q", "list_connections", "--no-table-headers", "pid", "client_properties"],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     closed = 0
     for line in out.splitlines():
         pid, _, props = line.partition("\t")
         if f'{{"connection_name","{client}"}}' in props:
-            subprocess.run(["rabbitmqctl", "-q", "close_connection", pid, "test: forced close"],
-                           check=True, capture_output=True)
+            subprocess.run(
+                ["rabbitmqctl", "-q", "close_connection", pid, "test: forced close"],
+                check=True,
+                capture_output=True,
+            )
             closed += 1
     return closed

@@ -13,10 +13,29 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ("docs/SPEC.md", "docs/DESIGN.md")
 # Built from pieces, so that this file does not match itself.
-OUTSIDE = re.compile("|".join(re.escape(p) for p in ("../" + "shared/", "shared/" + "SPEC.md",
-                                                     "shared/" + "DESIGN.md")))
-TEXT_SUFFIXES = {".py", ".md", ".toml", ".txt", ".sh", ".c", ".h", ".yaml", ".yml", ".json",
-                 ".cfg", ".ini", ".example", ".sbatch", ".service", ""}
+OUTSIDE = re.compile(
+    "|".join(
+        re.escape(p) for p in ("../" + "shared/", "shared/" + "SPEC.md", "shared/" + "DESIGN.md")
+    )
+)
+TEXT_SUFFIXES = {
+    ".py",
+    ".md",
+    ".toml",
+    ".txt",
+    ".sh",
+    ".c",
+    ".h",
+    ".yaml",
+    ".yml",
+    ".json",
+    ".cfg",
+    ".ini",
+    ".example",
+    ".sbatch",
+    ".service",
+    "",
+}
 
 
 def tracked_text_files() -> list[Path]:
@@ -46,8 +65,9 @@ def test_no_tracked_file_points_outside_the_repository():
 
 
 def test_cited_sections_exist():
-    headings = {doc: set(re.findall(r"^## (\d+)\.", (ROOT / doc).read_text(), flags=re.M))
-                for doc in DOCS}
+    headings = {
+        doc: set(re.findall(r"^## (\d+)\.", (ROOT / doc).read_text(), flags=re.M)) for doc in DOCS
+    }
     cite = re.compile(r"(docs/(?:SPEC|DESIGN)\.md)\)?,? section (\d+)")
     missing = []
     for path in tracked_text_files():
@@ -61,10 +81,12 @@ def test_cited_sections_exist():
     assert not missing, "no such section:\n" + "\n".join(missing)
 
 
-SERVICE_PACKAGES = {"generator": "services/generator/src/hpcrl_generator",
-                    "benchmarker": "services/benchmarker/src/hpcrl_benchmarker",
-                    "sqd_scheduler": "services/sqd_scheduler/src/hpcrl_scheduler",
-                    "learner": "services/learner/src/hpcrl_learner"}
+SERVICE_PACKAGES = {
+    "generator": "services/generator/src/hpcrl_generator",
+    "benchmarker": "services/benchmarker/src/hpcrl_benchmarker",
+    "sqd_scheduler": "services/sqd_scheduler/src/hpcrl_scheduler",
+    "learner": "services/learner/src/hpcrl_learner",
+}
 
 
 def test_the_reading_path_names_files_and_functions_that_exist():
@@ -72,8 +94,11 @@ def test_the_reading_path_names_files_and_functions_that_exist():
     each `Name` or `module.name` a definition there (or a subcommand of its command line)."""
     readme = (ROOT / "README.md").read_text()
     table = readme.split("### Reading the code", 1)[1].split("\n\n")[2]
-    rows = [line for line in table.splitlines()
-            if line.startswith("| ") and " → " in line and not line.startswith("| service |")]
+    rows = [
+        line
+        for line in table.splitlines()
+        if line.startswith("| ") and " → " in line and not line.startswith("| service |")
+    ]
     assert {row.split(" | ")[0][2:] for row in rows} == set(SERVICE_PACKAGES)
     for row in rows:
         service = row.split(" | ")[0][2:]
@@ -86,4 +111,6 @@ def test_the_reading_path_names_files_and_functions_that_exist():
                 last = re.escape(name.split(".")[-1])
                 # a definition, or a subcommand of the service's command line
                 assert re.search(rf"(def|class) {last}\b|add_parser\(\s*\"{last}\"", sources), (
-                    service, name)
+                    service,
+                    name,
+                )

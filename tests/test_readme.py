@@ -30,8 +30,13 @@ REGENERATE = "`.venv/bin/python deploy/reference.py readme`"
 def _reference(*args: str) -> subprocess.CompletedProcess[str]:
     # A fresh interpreter: the metrics table is read from the prometheus registry, which
     # other tests in this process may have added metrics to.
-    return subprocess.run([sys.executable, str(REFERENCE), *args], cwd=ROOT, text=True,
-                          capture_output=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, str(REFERENCE), *args],
+        cwd=ROOT,
+        text=True,
+        capture_output=True,
+        timeout=120,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +61,7 @@ def test_readme_tables_are_what_the_code_prints(check, readme):
 
 def test_check_passes(check):
     assert check.returncode == 0, (
-        f"reference tables differ from the code; run {REGENERATE}:\n"
-        + check.stdout + check.stderr
+        f"reference tables differ from the code; run {REGENERATE}:\n" + check.stdout + check.stderr
     )
 
 
@@ -77,8 +81,9 @@ def test_reference_output_is_stable_and_complete(settings):
 def test_no_reference_table_outside_the_generated_blocks(settings, readme):
     # A hand-written row elsewhere would not be regenerated, and would drift.
     text = (ROOT / readme).read_text()
-    outside = re.sub(r"<!-- ((?:settings|metrics)(?::\w+)?):begin -->.*?<!-- \1:end -->", "",
-                     text, flags=re.S)
+    outside = re.sub(
+        r"<!-- ((?:settings|metrics)(?::\w+)?):begin -->.*?<!-- \1:end -->", "", text, flags=re.S
+    )
     patterns = [rf"^\| `({'|'.join(SECTIONS)})\.\w", r"^\| `hpcrl_\w+`"]
     section = READMES[readme]
     if section is not None:
@@ -94,5 +99,5 @@ def test_no_reference_table_outside_the_generated_blocks(settings, readme):
 def test_readme_starts_with_the_two_commands():
     readme = (ROOT / "README.md").read_text()
     first = readme.index("```bash")
-    block = readme[first: readme.index("```", first + 7)]
+    block = readme[first : readme.index("```", first + 7)]
     assert "make demo" in block and "make test" in block

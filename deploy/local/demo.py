@@ -64,9 +64,14 @@ class Service:
     def start(self, env: dict[str, str]) -> None:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         self.handle = self.log.open("ab")
-        self.process = subprocess.Popen(self.argv, env=env, stdout=self.handle,
-                                        stderr=subprocess.STDOUT, start_new_session=True,
-                                        cwd=ROOT)
+        self.process = subprocess.Popen(
+            self.argv,
+            env=env,
+            stdout=self.handle,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            cwd=ROOT,
+        )
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
@@ -99,7 +104,9 @@ def bootstrap_policy(data_dir: Path, extra: list[str]) -> Path:
     console.print("[bold]policy:[/] checking the embedded model (built once, then cached)")
     out = subprocess.run(
         [str(BIN / "hpcrl-bootstrap"), "--data-dir", str(data_dir), *extra],
-        stdout=subprocess.PIPE, text=True, cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
     )
     if out.returncode != 0:
         raise SystemExit("error: building the embedded policy failed (see above)")
@@ -141,10 +148,16 @@ def progress_table(data: dict[str, Any] | None, version: int, started: float) ->
     best = data["best"]
     table.add_row("iteration", f"{data['iteration'] + 1} of {data['iterations_total']}")
     if current is not None:
-        table.add_row("groups done", f"{current['closed']} of {current['groups']} "
-                                     f"({current['in_flight']} in flight)")
-    table.add_row("best GFLOPS", "-" if best is None else
-                  f"{best['gflops']:.2f} (stage {best['stage']}, iteration {best['iteration']})")
+        table.add_row(
+            "groups done",
+            f"{current['closed']} of {current['groups']} ({current['in_flight']} in flight)",
+        )
+    table.add_row(
+        "best GFLOPS",
+        "-"
+        if best is None
+        else f"{best['gflops']:.2f} (stage {best['stage']}, iteration {best['iteration']})",
+    )
     table.add_row("policy version", str(version))
     return table
 
@@ -163,9 +176,14 @@ def latest_version(checkpoints: Path) -> int:
     return 0 if info is None else info.version
 
 
-def run_services(services: list[Service], env: dict[str, str], db: Path,
-                 checkpoints: Path, groups_per_step: int,
-                 probe: OverlapProbe | None = None) -> dict[str, Any]:
+def run_services(
+    services: list[Service],
+    env: dict[str, str],
+    db: Path,
+    checkpoints: Path,
+    groups_per_step: int,
+    probe: OverlapProbe | None = None,
+) -> dict[str, Any]:
     for service in services:
         service.start(env)
         console.print(f"started {service.name} (pid {service.process.pid}, log {service.log})")
@@ -175,16 +193,19 @@ def run_services(services: list[Service], env: dict[str, str], db: Path,
         while scheduler.alive():
             for service in services:
                 if not service.alive():
-                    raise RuntimeError(f"{service.name} exited unexpectedly "
-                                       f"(code {service.process.returncode}):\n{service.tail()}")
+                    raise RuntimeError(
+                        f"{service.name} exited unexpectedly "
+                        f"(code {service.process.returncode}):\n{service.tail()}"
+                    )
             live.update(progress_table(read_snapshot(db), latest_version(checkpoints), started))
             if probe is not None:  # the scheduler exits when done: keep its latest figure
                 probe.poll()
             time.sleep(1.0)
         live.update(progress_table(read_snapshot(db), latest_version(checkpoints), started))
     if scheduler.process.returncode != 0:
-        raise RuntimeError(f"scheduler failed (code {scheduler.process.returncode}):\n"
-                           f"{scheduler.tail()}")
+        raise RuntimeError(
+            f"scheduler failed (code {scheduler.process.returncode}):\n{scheduler.tail()}"
+        )
     data = read_snapshot(db)
     assert data is not None
     wait_for_learner(services[1], checkpoints, data, groups_per_step)
@@ -198,8 +219,13 @@ def groups_trained(checkpoints: Path) -> int:
     return 0 if info is None else int(info.metrics.get("groups_trained", 0))
 
 
-def wait_for_learner(learner: Service, checkpoints: Path, data: dict[str, Any],
-                     groups_per_step: int, timeout_s: float = 600.0) -> None:
+def wait_for_learner(
+    learner: Service,
+    checkpoints: Path,
+    data: dict[str, Any],
+    groups_per_step: int,
+    timeout_s: float = 600.0,
+) -> None:
     """Let the learner take the steps the finished groups fill (a remainder smaller than a
     step stays queued for a resumed run)."""
     sent = sum(it["batches_sent"] for it in data["iterations"])
@@ -212,20 +238,33 @@ def wait_for_learner(learner: Service, checkpoints: Path, data: dict[str, Any],
             time.sleep(1.0)
 
 
-def write_report(run_dir: Path, data: dict[str, Any], db: Path, checkpoints: Path,
-                 corpus_best: dict[str, Any] | None,
-                 overlap: dict[str, Any] | None = None) -> None:
+def write_report(
+    run_dir: Path,
+    data: dict[str, Any],
+    db: Path,
+    checkpoints: Path,
+    corpus_best: dict[str, Any] | None,
+    overlap: dict[str, Any] | None = None,
+) -> None:
     import demo_plots  # beside this script; imports matplotlib
 
     run_dir.mkdir(parents=True, exist_ok=True)
     export(Store(db), run_dir / "kernels")
     versions = CheckpointStore(checkpoints).versions()
-    learner = {"steps": len(versions), "policy_version": versions[-1].version if versions else 0,
-               "sampler_kl": sampler_kl_summary(versions),
-               "versions": [{"version": v.version, **v.metrics} for v in versions]}
+    learner = {
+        "steps": len(versions),
+        "policy_version": versions[-1].version if versions else 0,
+        "sampler_kl": sampler_kl_summary(versions),
+        "versions": [{"version": v.version, **v.metrics} for v in versions],
+    }
     evaluation = read_evaluation(run_dir)
-    summary = {"scheduler": data, "learner": learner, "corpus_best": corpus_best,
-               "evaluation": evaluation_summary(evaluation), "overlap": overlap}
+    summary = {
+        "scheduler": data,
+        "learner": learner,
+        "corpus_best": corpus_best,
+        "evaluation": evaluation_summary(evaluation),
+        "overlap": overlap,
+    }
     (run_dir / "metrics.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     rows = iteration_rows(data)
     columns = list(dict.fromkeys(key for row in rows for key in row)) or ["iteration"]
@@ -251,14 +290,18 @@ def iteration_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
         for stage in it["pool"].values():
             for status, share in stage["status_share"].items():
                 outcomes[status] = outcomes.get(status, 0) + round(share * stage["count"])
-        rows.append({
-            "iteration": it["iteration"], "groups": it["groups"],
-            "reward_mean": it["reward_mean"], "reward_max": it["reward_max"],
-            "best_gflops": max(bests) if bests else None,
-            **{f"stage{s}_best_gflops": v["best_gflops"] for s, v in it["pool"].items()},
-            **{f"stage{s}_median_gflops": v["median_gflops"] for s, v in it["pool"].items()},
-            **{f"n_{k}": v for k, v in sorted(outcomes.items())},
-        })
+        rows.append(
+            {
+                "iteration": it["iteration"],
+                "groups": it["groups"],
+                "reward_mean": it["reward_mean"],
+                "reward_max": it["reward_max"],
+                "best_gflops": max(bests) if bests else None,
+                **{f"stage{s}_best_gflops": v["best_gflops"] for s, v in it["pool"].items()},
+                **{f"stage{s}_median_gflops": v["median_gflops"] for s, v in it["pool"].items()},
+                **{f"n_{k}": v for k, v in sorted(outcomes.items())},
+            }
+        )
     return rows
 
 
@@ -266,36 +309,47 @@ def _num(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
-def print_summary(data: dict[str, Any], learner: dict[str, Any],
-                  corpus_best: dict[str, Any] | None) -> None:
+def print_summary(
+    data: dict[str, Any], learner: dict[str, Any], corpus_best: dict[str, Any] | None
+) -> None:
     table = Table(title="SQD iterations")
     for column in ("t", "stage: best / median GFLOPS", "reward mean", "reward max", "outcomes"):
         table.add_column(column)
     for row, it in zip(iteration_rows(data), data["iterations"], strict=True):
-        stages = "\n".join(f"{s}: {_num(v['best_gflops'])} / {_num(v['median_gflops'])}"
-                           for s, v in it["pool"].items())
+        stages = "\n".join(
+            f"{s}: {_num(v['best_gflops'])} / {_num(v['median_gflops'])}"
+            for s, v in it["pool"].items()
+        )
         outcomes = ", ".join(f"{k[2:]} {v}" for k, v in row.items() if k.startswith("n_"))
-        table.add_row(str(it["iteration"]), stages, _num(it["reward_mean"]),
-                      _num(it["reward_max"]), outcomes)
+        table.add_row(
+            str(it["iteration"]), stages, _num(it["reward_mean"]), _num(it["reward_max"]), outcomes
+        )
     console.print(table)
     console.print(f"learner: {learner['steps']} steps, policy version {learner['policy_version']}")
     best = data["best"]
     if best is not None:
-        console.print(f"best kernel of the run: {best['gflops']:.2f} GFLOPS (stage "
-                      f"{best['stage']}, iteration {best['iteration']})")
+        console.print(
+            f"best kernel of the run: {best['gflops']:.2f} GFLOPS (stage "
+            f"{best['stage']}, iteration {best['iteration']})"
+        )
     if corpus_best is not None:
-        console.print(f"best kernel of the policy's measured catalogue, same benchmarker: "
-                      f"{corpus_best['gflops']:.2f} GFLOPS (stage {corpus_best['stage']})")
+        console.print(
+            f"best kernel of the policy's measured catalogue, same benchmarker: "
+            f"{corpus_best['gflops']:.2f} GFLOPS (stage {corpus_best['stage']})"
+        )
         blas = corpus_best.get("openblas")
         if blas and best is not None:
-            console.print(f"OpenBLAS dgemm ({blas['core']} kernels), same machine, same run: "
-                          f"{blas['gflops']:.2f} GFLOPS; the run's best is "
-                          f"{best['gflops'] / blas['gflops']:.1%} of it and "
-                          f"{best['gflops'] / corpus_best['gflops']:.0%} of the catalogue's best")
+            console.print(
+                f"OpenBLAS dgemm ({blas['core']} kernels), same machine, same run: "
+                f"{blas['gflops']:.2f} GFLOPS; the run's best is "
+                f"{best['gflops'] / blas['gflops']:.1%} of it and "
+                f"{best['gflops'] / corpus_best['gflops']:.0%} of the catalogue's best"
+            )
 
 
-def print_headline(evaluation: dict[str, Any] | None, data: dict[str, Any],
-                   corpus_best: dict[str, Any] | None) -> None:
+def print_headline(
+    evaluation: dict[str, Any] | None, data: dict[str, Any], corpus_best: dict[str, Any] | None
+) -> None:
     """What the run is for, in two lines: v0 -> final on the fixed set with CIs, and the
     best kernel against OpenBLAS timed in the same run."""
     comparison = (evaluation or {}).get("comparison")
@@ -303,17 +357,22 @@ def print_headline(evaluation: dict[str, Any] | None, data: dict[str, Any],
         parts = []
         for name in ("share_correct", "mean_gflops"):
             g = comparison["metrics"][name]
-            parts.append(f"{evaluation['metric_labels'][name]} {g['before']:.3g} -> "
-                         f"{g['after']:.3g} ({g['gain']:+.3g}, 95 % CI [{g['low']:+.3g}, "
-                         f"{g['high']:+.3g}])")
-        console.print(f"[bold]v{comparison['before']} -> v{comparison['after']}:[/] "
-                      + "; ".join(parts))
+            parts.append(
+                f"{evaluation['metric_labels'][name]} {g['before']:.3g} -> "
+                f"{g['after']:.3g} ({g['gain']:+.3g}, 95 % CI [{g['low']:+.3g}, "
+                f"{g['high']:+.3g}])"
+            )
+        console.print(
+            f"[bold]v{comparison['before']} -> v{comparison['after']}:[/] " + "; ".join(parts)
+        )
         print_gain_held(evaluation)
     best, blas = data.get("best"), (corpus_best or {}).get("openblas")
     if best is not None and blas:
-        console.print(f"[bold]best kernel:[/] {best['gflops']:.1f} GFLOPS (stage "
-                      f"{best['stage']}) = {best['gflops'] / blas['gflops']:.0%} of OpenBLAS "
-                      f"dgemm ({blas['gflops']:.1f} GFLOPS, same run)")
+        console.print(
+            f"[bold]best kernel:[/] {best['gflops']:.1f} GFLOPS (stage "
+            f"{best['stage']}) = {best['gflops'] / blas['gflops']:.0%} of OpenBLAS "
+            f"dgemm ({blas['gflops']:.1f} GFLOPS, same run)"
+        )
 
 
 def gain_text(gain: dict[str, float]) -> str:
@@ -331,22 +390,28 @@ def print_gain_held(evaluation: dict[str, Any]) -> None:
         for name in ("share_correct", "mean_gflops"):
             early, late = middle["metrics"][name], final["metrics"][name]
             verdict = "kept" if late["gain"] >= early["gain"] else "[yellow]not kept[/]"
-            cells.append(f"{evaluation['metric_labels'][name]} {gain_text(early)} -> "
-                         f"{gain_text(late)} {verdict}")
-        console.print(f"gain after {HELD_AFTER} iterations (v{middle['after']}) -> final "
-                      f"(v{final['after']}): " + "; ".join(cells))
-    lost = [p["name"] for p in final["per_prompt"]
-            if p["metrics"]["share_correct"]["high"] < 0]
-    console.print("prompts that lost share correct (95 % CI below 0): "
-                  + (", ".join(lost) if lost else "none"))
+            cells.append(
+                f"{evaluation['metric_labels'][name]} {gain_text(early)} -> "
+                f"{gain_text(late)} {verdict}"
+            )
+        console.print(
+            f"gain after {HELD_AFTER} iterations (v{middle['after']}) -> final "
+            f"(v{final['after']}): " + "; ".join(cells)
+        )
+    lost = [p["name"] for p in final["per_prompt"] if p["metrics"]["share_correct"]["high"] < 0]
+    console.print(
+        "prompts that lost share correct (95 % CI below 0): "
+        + (", ".join(lost) if lost else "none")
+    )
 
 
 def print_learner_health(versions: list[dict[str, Any]]) -> None:
     """The last step's optimisation figures beside their range over the run."""
     cells = []
     for key in ("entropy", "kl", "clip_fraction", "grad_norm", "zero_variance_fraction"):
-        values = [v[key] for v in versions
-                  if isinstance(v.get(key), int | float) and v[key] == v[key]]  # not NaN
+        values = [
+            v[key] for v in versions if isinstance(v.get(key), int | float) and v[key] == v[key]
+        ]  # not NaN
         if values:
             cells.append(f"{key} {values[-1]:.3g} (range {min(values):.3g}-{max(values):.3g})")
     if cells:
@@ -361,8 +426,14 @@ EVAL_ROWS = ("share_correct", "mean_reward", "mean_gflops", "best_gflops")
 HELD_AFTER = 4
 
 
-def run_evaluation(args: argparse.Namespace, config: SchedulerConfig, model_dir: Path,
-                   backend: str, checkpoints: Path, run_dir: Path) -> bool:
+def run_evaluation(
+    args: argparse.Namespace,
+    config: SchedulerConfig,
+    model_dir: Path,
+    backend: str,
+    checkpoints: Path,
+    run_dir: Path,
+) -> bool:
     """Version 0, the version after HELD_AFTER iterations and the final version on the fixed
     evaluation set, same sampling seeds, with the generator backend the services used; run
     after they stopped, so timings have the CPU. Writes evaluation.json and evaluation.png;
@@ -374,8 +445,10 @@ def run_evaluation(args: argparse.Namespace, config: SchedulerConfig, model_dir:
     argv = evaluation_command(args, config, model_dir, backend, checkpoints, run_dir)
     log = run_dir / "logs" / "evaluate.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    console.print(f"[bold]evaluation:[/] version 0 and the final version on the fixed set, "
-                  f"{args.eval_samples} samples per prompt (log {log})")
+    console.print(
+        f"[bold]evaluation:[/] version 0 and the final version on the fixed set, "
+        f"{args.eval_samples} samples per prompt (log {log})"
+    )
     try:
         with log.open("w") as handle:  # the table goes to the log; progress shows on stderr
             done = subprocess.run(argv, stdout=handle, cwd=ROOT)
@@ -388,29 +461,60 @@ def run_evaluation(args: argparse.Namespace, config: SchedulerConfig, model_dir:
     return True
 
 
-def evaluation_command(args: argparse.Namespace, config: SchedulerConfig, model_dir: Path,
-                       backend: str, checkpoints: Path, run_dir: Path) -> list[str]:
+def evaluation_command(
+    args: argparse.Namespace,
+    config: SchedulerConfig,
+    model_dir: Path,
+    backend: str,
+    checkpoints: Path,
+    run_dir: Path,
+) -> list[str]:
     from hpcrl_generator.config import GeneratorConfig
 
     generator = load_config(GeneratorConfig, args.config).generator
     exp, sampling = config.experiment, config.scheduler
     # Only version 0 when the learner took no step: there is no final version to compare.
     latest = CheckpointStore(checkpoints).latest()
-    middle = version_after_iterations((ROOT / config.db_path).resolve(), checkpoints,
-                                      HELD_AFTER)
-    kept = [] if middle is None or latest is None or not 0 < middle < latest.version \
-        else [str(middle)]
-    versions = ["--checkpoints", str(checkpoints),
-                "--versions", ",".join(["0", *kept, "latest"])] if latest is not None else []
+    middle = version_after_iterations((ROOT / config.db_path).resolve(), checkpoints, HELD_AFTER)
+    kept = (
+        [] if middle is None or latest is None or not 0 < middle < latest.version else [str(middle)]
+    )
+    versions = (
+        ["--checkpoints", str(checkpoints), "--versions", ",".join(["0", *kept, "latest"])]
+        if latest is not None
+        else []
+    )
     return [
-        str(BIN / "hpcrl-evaluate"), "--model", str(model_dir), *versions,
-        "--samples", str(args.eval_samples), "--seed", str(exp.seed),
-        "--temperature", repr(sampling.temperature), "--top-p", repr(sampling.top_p),
-        "--max-tokens", str(sampling.max_tokens), "--backend", backend,
-        "--opt-level", exp.opt_level, "--task", str(exp.task), "--dtype", generator.dtype,
-        "--max-model-len", str(generator.max_model_len),
-        "--kv-cache-gib", str(generator.kv_cache_space_gib),
-        "--json", str(run_dir / "evaluation.json"), "--plot", str(run_dir / "evaluation.png"),
+        str(BIN / "hpcrl-evaluate"),
+        "--model",
+        str(model_dir),
+        *versions,
+        "--samples",
+        str(args.eval_samples),
+        "--seed",
+        str(exp.seed),
+        "--temperature",
+        repr(sampling.temperature),
+        "--top-p",
+        repr(sampling.top_p),
+        "--max-tokens",
+        str(sampling.max_tokens),
+        "--backend",
+        backend,
+        "--opt-level",
+        exp.opt_level,
+        "--task",
+        str(exp.task),
+        "--dtype",
+        generator.dtype,
+        "--max-model-len",
+        str(generator.max_model_len),
+        "--kv-cache-gib",
+        str(generator.kv_cache_space_gib),
+        "--json",
+        str(run_dir / "evaluation.json"),
+        "--plot",
+        str(run_dir / "evaluation.png"),
     ]
 
 
@@ -424,8 +528,9 @@ def version_after_iterations(db: Path, checkpoints: Path, iterations: int) -> in
     if not closed or None in closed or not store.groups_of_iteration(iterations):
         return None
     cutoff = max(c for c in closed if c is not None)
-    committed = [v.version for v in CheckpointStore(checkpoints).versions()
-                 if v.created_at <= cutoff]
+    committed = [
+        v.version for v in CheckpointStore(checkpoints).versions() if v.created_at <= cutoff
+    ]
     return max(committed, default=None)
 
 
@@ -441,10 +546,12 @@ def evaluation_summary(evaluation: dict[str, Any] | None) -> dict[str, Any] | No
     if evaluation is None:
         return None
     comparison = evaluation.get("comparison")
-    return {"prompts": len(evaluation["prompts"]),
-            "samples_per_prompt": evaluation["sampling"]["samples"],
-            "versions": {str(v["version"]): v["metrics"] for v in evaluation["versions"]},
-            "gains": None if comparison is None else comparison["metrics"]}
+    return {
+        "prompts": len(evaluation["prompts"]),
+        "samples_per_prompt": evaluation["sampling"]["samples"],
+        "versions": {str(v["version"]): v["metrics"] for v in evaluation["versions"]},
+        "gains": None if comparison is None else comparison["metrics"],
+    }
 
 
 def sampler_kl_summary(versions: list[Any]) -> dict[str, Any] | None:
@@ -455,20 +562,29 @@ def sampler_kl_summary(versions: list[Any]) -> dict[str, Any] | None:
         return None
     # On samples of the trainer's own current weights: sampler and trainer must agree there.
     fresh = [v.metrics["sampler_kl_fresh"] for v in versions if "sampler_kl_fresh" in v.metrics]
-    return {"last": values[-1], "max": max(values), "steps": len(values),
-            "last_steps": values[-5:], "fresh_max": max(fresh) if fresh else None,
-            "fresh_steps": len(fresh)}
+    return {
+        "last": values[-1],
+        "max": max(values),
+        "steps": len(values),
+        "last_steps": values[-5:],
+        "fresh_max": max(fresh) if fresh else None,
+        "fresh_steps": len(fresh),
+    }
 
 
 def print_evaluation(evaluation: dict[str, Any] | None, kl: dict[str, Any] | None) -> None:
     if kl is not None:
         recent = ", ".join(f"{v:.3g}" for v in kl["last_steps"])
-        console.print(f"learner sampler KL (k3, sampling policy vs trainer): last "
-                      f"{kl['last']:.3g}, max {kl['max']:.3g} over {kl['steps']} steps "
-                      f"(last steps: {recent}; samples of an older version count too)")
+        console.print(
+            f"learner sampler KL (k3, sampling policy vs trainer): last "
+            f"{kl['last']:.3g}, max {kl['max']:.3g} over {kl['steps']} steps "
+            f"(last steps: {recent}; samples of an older version count too)"
+        )
         if kl["fresh_max"] is not None:
-            console.print(f"  on fresh samples only (drawn from the trainer's current weights): "
-                          f"max {kl['fresh_max']:.3g} over {kl['fresh_steps']} steps")
+            console.print(
+                f"  on fresh samples only (drawn from the trainer's current weights): "
+                f"max {kl['fresh_max']:.3g} over {kl['fresh_steps']} steps"
+            )
     if evaluation is None:
         console.print("fixed evaluation set: not run (--no-eval, or it failed)")
         return
@@ -478,16 +594,22 @@ def print_evaluation(evaluation: dict[str, Any] | None, kl: dict[str, Any] | Non
         console.print("fixed evaluation set: only version 0 (the learner took no step)")
         return
     first, last = versions[0], versions[-1]
-    table = Table(title=f"Fixed evaluation set: v{first['version']} -> v{last['version']} "
-                        f"({len(evaluation['prompts'])} prompts x "
-                        f"{evaluation['sampling']['samples']} samples, same seeds)")
+    table = Table(
+        title=f"Fixed evaluation set: v{first['version']} -> v{last['version']} "
+        f"({len(evaluation['prompts'])} prompts x "
+        f"{evaluation['sampling']['samples']} samples, same seeds)"
+    )
     for column in ("metric", f"v{first['version']}", f"v{last['version']}", "gain", "95% CI"):
         table.add_column(column)
     for name in EVAL_ROWS:
         gain = comparison["metrics"][name]
-        table.add_row(evaluation["metric_labels"][name], f"{gain['before']:.3g}",
-                      f"{gain['after']:.3g}", f"{gain['gain']:+.3g}",
-                      f"[{gain['low']:+.3g}, {gain['high']:+.3g}]")
+        table.add_row(
+            evaluation["metric_labels"][name],
+            f"{gain['before']:.3g}",
+            f"{gain['after']:.3g}",
+            f"{gain['gain']:+.3g}",
+            f"[{gain['low']:+.3g}, {gain['high']:+.3g}]",
+        )
     console.print(table)
     console.print(learning_verdict(comparison["metrics"]["mean_reward"]))
 
@@ -507,32 +629,67 @@ def _interrupt(_signum: int, _frame: object) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", type=Path, default=ROOT / "deploy/local/demo.toml",
-                        help="experiment TOML (default: deploy/local/demo.toml)")
-    parser.add_argument("--runs", type=Path, default=ROOT / "runs",
-                        help="where run directories go (default: runs/)")
-    parser.add_argument("--fresh", action="store_true",
-                        help="discard an unfinished run of this experiment and start over")
-    parser.add_argument("--report-only", action="store_true",
-                        help="write the report of the finished run again; start nothing")
-    parser.add_argument("--evaluate-only", action="store_true",
-                        help="evaluate the finished run's version 0 and final version again "
-                        "(e.g. with more --eval-samples), then write its report; start no "
-                        "service")
-    parser.add_argument("--backend", choices=["auto", "vllm", "transformers"], default="auto",
-                        help="generator backend (auto: vLLM where it imports)")
-    parser.add_argument("--policy-data-dir", type=Path, default=ROOT / "data",
-                        help="where the bootstrapped policy is cached, shared by experiments "
-                        "(default: data/, i.e. data/policy/bootstrap-<hash>/)")
-    parser.add_argument("--bootstrap-arg", action="append", default=[], metavar="ARG",
-                        help="extra argument for `hpcrl-bootstrap` (repeatable), "
-                        "e.g. --bootstrap-arg=--steps=20 for a quick, weak policy")
-    parser.add_argument("--no-eval", action="store_true",
-                        help="skip the fixed-set evaluation of version 0 and the final version "
-                        "at the end (evaluation.json, evaluation.png)")
-    parser.add_argument("--eval-samples", type=int, default=16, metavar="K",
-                        help="completions per prompt and version in that evaluation (default "
-                        "16; with 8, the 95 %% interval of one seed's gain reached below 0)")
+    parser.add_argument(
+        "--config",
+        type=Path,
+        default=ROOT / "deploy/local/demo.toml",
+        help="experiment TOML (default: deploy/local/demo.toml)",
+    )
+    parser.add_argument(
+        "--runs", type=Path, default=ROOT / "runs", help="where run directories go (default: runs/)"
+    )
+    parser.add_argument(
+        "--fresh",
+        action="store_true",
+        help="discard an unfinished run of this experiment and start over",
+    )
+    parser.add_argument(
+        "--report-only",
+        action="store_true",
+        help="write the report of the finished run again; start nothing",
+    )
+    parser.add_argument(
+        "--evaluate-only",
+        action="store_true",
+        help="evaluate the finished run's version 0 and final version again "
+        "(e.g. with more --eval-samples), then write its report; start no "
+        "service",
+    )
+    parser.add_argument(
+        "--backend",
+        choices=["auto", "vllm", "transformers"],
+        default="auto",
+        help="generator backend (auto: vLLM where it imports)",
+    )
+    parser.add_argument(
+        "--policy-data-dir",
+        type=Path,
+        default=ROOT / "data",
+        help="where the bootstrapped policy is cached, shared by experiments "
+        "(default: data/, i.e. data/policy/bootstrap-<hash>/)",
+    )
+    parser.add_argument(
+        "--bootstrap-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra argument for `hpcrl-bootstrap` (repeatable), "
+        "e.g. --bootstrap-arg=--steps=20 for a quick, weak policy",
+    )
+    parser.add_argument(
+        "--no-eval",
+        action="store_true",
+        help="skip the fixed-set evaluation of version 0 and the final version "
+        "at the end (evaluation.json, evaluation.png)",
+    )
+    parser.add_argument(
+        "--eval-samples",
+        type=int,
+        default=16,
+        metavar="K",
+        help="completions per prompt and version in that evaluation (default "
+        "16; with 8, the 95 %% interval of one seed's gain reached below 0)",
+    )
     args = parser.parse_args(argv)
     # The services run in their own sessions (a Ctrl-C in the terminal must reach only this
     # script, which stops them in order): a `kill` of this script must stop them too.
@@ -553,13 +710,18 @@ def main(argv: list[str] | None = None) -> int:
         if previous is None or not previous["done"]:
             raise SystemExit("error: no finished run of this experiment to report on")
         model_dir = bootstrap_policy(args.policy_data_dir.resolve(), args.bootstrap_arg)
-        if args.evaluate_only and not run_evaluation(args, config, model_dir,
-                                                     resolve_backend(args.backend),
-                                                     checkpoints, run_dir):
+        if args.evaluate_only and not run_evaluation(
+            args, config, model_dir, resolve_backend(args.backend), checkpoints, run_dir
+        ):
             return 1
-        write_report(run_dir, previous, db, checkpoints,
-                     benchmark_corpus_best(config, model_dir),
-                     earlier_overlap(run_dir / "metrics.json"))
+        write_report(
+            run_dir,
+            previous,
+            db,
+            checkpoints,
+            benchmark_corpus_best(config, model_dir),
+            earlier_overlap(run_dir / "metrics.json"),
+        )
         console.print(f"\n[bold]run directory:[/] {run_dir}")
         return 0
     if args.fresh or (previous is not None and previous["done"]):
@@ -590,11 +752,13 @@ def main(argv: list[str] | None = None) -> int:
     services = service_commands(args.config.resolve(), run_dir)
     try:
         learner_config = load_config(LearnerConfig, args.config)
-        data = run_services(services, env, db, checkpoints,
-                            learner_config.learner.groups_per_step, probe)
+        data = run_services(
+            services, env, db, checkpoints, learner_config.learner.groups_per_step, probe
+        )
     except KeyboardInterrupt:
-        console.print("\n[yellow]interrupted:[/] stopping the services; run `make demo` again "
-                      "to resume")
+        console.print(
+            "\n[yellow]interrupted:[/] stopping the services; run `make demo` again to resume"
+        )
         return 130
     except RuntimeError as exc:
         console.print(f"[red]error:[/] {exc}")
@@ -626,8 +790,12 @@ def benchmark_corpus_best(config: SchedulerConfig, model_dir: Path) -> dict[str,
     best, per_stage = None, {}
     for number in sorted({row["stage"] for row in rows}):
         top = max((row for row in rows if row["stage"] == number), key=lambda r: r["gflops"])
-        verdict = benchmarker.evaluate(f"```c\n{top['source']}\n```", stage=number,
-                                       opt_level=config.experiment.opt_level, task=task)
+        verdict = benchmarker.evaluate(
+            f"```c\n{top['source']}\n```",
+            stage=number,
+            opt_level=config.experiment.opt_level,
+            task=task,
+        )
         if verdict.status != "success":
             continue
         per_stage[str(number)] = verdict.gflops
@@ -675,8 +843,13 @@ def openblas_gflops(sizes: dict[str, int], runs: int = 9) -> dict[str, Any] | No
         return None
     core = openblas_coretype()
     argv = [sys.executable, "-c", _DGEMM_TIMER, *(str(sizes[d]) for d in "MNK"), str(runs)]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, **({"OPENBLAS_CORETYPE": core} if core else {})})
+    done = subprocess.run(
+        argv,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **({"OPENBLAS_CORETYPE": core} if core else {})},
+    )
     if done.returncode != 0:
         console.print(f"[yellow]OpenBLAS reference not timed:[/] {done.stderr.strip()[-300:]}")
         return None

@@ -16,9 +16,12 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from matplotlib.ticker import MaxNLocator
 
-STEP_METRICS = (("entropy", "policy entropy (nats/token)"), ("kl", "KL to version 0"),
-                ("clip_fraction", "clip fraction"),
-                ("zero_variance_fraction", "groups with equal rewards"))
+STEP_METRICS = (
+    ("entropy", "policy entropy (nats/token)"),
+    ("kl", "KL to version 0"),
+    ("clip_fraction", "clip fraction"),
+    ("zero_variance_fraction", "groups with equal rewards"),
+)
 
 
 def _integer_x(axis: Any) -> None:
@@ -38,25 +41,32 @@ def reward_curve(rows: list[dict[str, Any]], out: Path) -> None:
     plt.close(figure)
 
 
-def best_gflops(iterations: list[dict[str, Any]], corpus_best: dict[str, Any] | None,
-                out: Path) -> None:
+def best_gflops(
+    iterations: list[dict[str, Any]], corpus_best: dict[str, Any] | None, out: Path
+) -> None:
     """Best GFLOPS of each stage's pool per iteration; dashed: the catalogue's best of that
     stage, dotted black: OpenBLAS dgemm, both timed in this run."""
     figure, axis = plt.subplots(figsize=(7, 4.5))
     stages = sorted({int(s) for it in iterations for s in it["pool"]})
     per_stage = (corpus_best or {}).get("per_stage", {})
     for stage in stages:
-        line, = axis.plot([it["iteration"] for it in iterations],
-                          [it["pool"].get(str(stage), {}).get("best_gflops")
-                           for it in iterations], marker="o", label=f"stage {stage}")
+        (line,) = axis.plot(
+            [it["iteration"] for it in iterations],
+            [it["pool"].get(str(stage), {}).get("best_gflops") for it in iterations],
+            marker="o",
+            label=f"stage {stage}",
+        )
         reference = per_stage.get(str(stage))
         if reference:
             axis.axhline(reference, color=line.get_color(), linestyle="--", linewidth=0.8)
     blas = (corpus_best or {}).get("openblas")
     if blas:
         axis.axhline(blas["gflops"], color="black", linestyle=":", label="OpenBLAS dgemm")
-    axis.set(xlabel="iteration", ylabel="best GFLOPS",
-             title="Best GFLOPS per iteration (dashed: catalogue's best of the stage)")
+    axis.set(
+        xlabel="iteration",
+        ylabel="best GFLOPS",
+        title="Best GFLOPS per iteration (dashed: catalogue's best of the stage)",
+    )
     _integer_x(axis)
     if stages or blas:
         axis.legend(fontsize="small")
@@ -67,8 +77,9 @@ def best_gflops(iterations: list[dict[str, Any]], corpus_best: dict[str, Any] | 
 
 def learner_health(versions: list[dict[str, Any]], out: Path) -> bool:
     """One panel per step metric the learner recorded; False (no file) without any."""
-    shown = [(key, label) for key, label in STEP_METRICS
-             if any(v.get(key) is not None for v in versions)]
+    shown = [
+        (key, label) for key, label in STEP_METRICS if any(v.get(key) is not None for v in versions)
+    ]
     if not shown:
         return False
     figure, axes = plt.subplots(len(shown), 1, figsize=(6, 2.2 * len(shown)), sharex=True)

@@ -45,10 +45,12 @@ TARGET = 1.1
 SERVICES = ("generator", "benchmarker", "learner", "scheduler")
 # Where the loop starts: the head of the pipeline taking its first request.
 START_SERVICE = "generator"
-DEFINITION = ("busy: wall time with at least one item in progress "
-              "(hpcrl_service_busy_seconds_total, overlapping items once); "
-              "wall: the generator's first request to the last version committed (or the last "
-              "group closed); ratio: wall / the busiest service's busy time")
+DEFINITION = (
+    "busy: wall time with at least one item in progress "
+    "(hpcrl_service_busy_seconds_total, overlapping items once); "
+    "wall: the generator's first request to the last version committed (or the last "
+    "group closed); ratio: wall / the busiest service's busy time"
+)
 
 
 class ScrapeError(RuntimeError):
@@ -78,8 +80,12 @@ def parse(text: str, at: float) -> Reading:
             firsts += [s.value for s in family.samples if s.value > 0]
     if not clients:
         raise ScrapeError(f"no {BUSY_SECONDS_NAME}_total in its metrics (an older build?)")
-    return Reading(busy_s=max(clients.values()), first_busy=min(firsts) if firsts else None,
-                   clients=clients, at=at)
+    return Reading(
+        busy_s=max(clients.values()),
+        first_busy=min(firsts) if firsts else None,
+        clients=clients,
+        at=at,
+    )
 
 
 def scrape(url: str, timeout_s: float = 3.0) -> Reading:
@@ -112,8 +118,10 @@ def scrape_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def metrics_endpoints(config_path: Path, env: Mapping[str, str],
-                      ) -> tuple[dict[str, str], dict[str, str], dict[str, str]]:
+def metrics_endpoints(
+    config_path: Path,
+    env: Mapping[str, str],
+) -> tuple[dict[str, str], dict[str, str], dict[str, str]]:
     """Each service's /metrics URL as it will run with ``config_path`` and ``env``.
 
     Returns (urls, env overrides, errors). A ``metrics_port`` of 0 (pick a free port, as the
@@ -126,9 +134,12 @@ def metrics_endpoints(config_path: Path, env: Mapping[str, str],
     from hpcrl_learner.config import LearnerConfig
     from hpcrl_scheduler.config import SchedulerConfig
 
-    models: dict[str, type[Any]] = {"generator": GeneratorConfig,
-                                    "benchmarker": BenchmarkerConfig,
-                                    "learner": LearnerConfig, "scheduler": SchedulerConfig}
+    models: dict[str, type[Any]] = {
+        "generator": GeneratorConfig,
+        "benchmarker": BenchmarkerConfig,
+        "learner": LearnerConfig,
+        "scheduler": SchedulerConfig,
+    }
     urls: dict[str, str] = {}
     overrides: dict[str, str] = {}
     errors: dict[str, str] = {}
@@ -179,19 +190,23 @@ class OverlapProbe:
         """The last scrape, after the run and the learner's last steps, before the stop."""
         self.poll(force=True, timeout_s=10.0)
 
-    def summary(self, data: dict[str, Any], db: Path, checkpoints: Path,
-                resumed: bool) -> dict[str, Any]:
+    def summary(
+        self, data: dict[str, Any], db: Path, checkpoints: Path, resumed: bool
+    ) -> dict[str, Any]:
         """metrics.json's "overlap"; never raises (the figure must not break the report)."""
         try:
             end, end_is = loop_end(data, db, checkpoints)
             iterations = None if resumed else int(data["iterations_done"]) or None
-            out = overlap_summary({s: [r] for s, r in self.readings.items()}, self.errors,
-                                  end, end_is, iterations)
+            out = overlap_summary(
+                {s: [r] for s, r in self.readings.items()}, self.errors, end, end_is, iterations
+            )
         except Exception as exc:
             return not_measured(f"could not be computed: {exc!r}")
         if resumed:
-            out["note"] = ("resumed run: figures of this session only (the services' counters "
-                           "start with their processes); no per-iteration figures")
+            out["note"] = (
+                "resumed run: figures of this session only (the services' counters "
+                "start with their processes); no per-iteration figures"
+            )
         return out
 
 
@@ -208,9 +223,12 @@ def loop_end(data: dict[str, Any], db: Path, checkpoints: Path) -> tuple[float |
     if db.exists():
         store = Store(db, read_only=True)
         try:
-            times = [g.closed_at for it in data["iterations"]
-                     for g in store.groups_of_iteration(int(it["iteration"]))
-                     if g.closed_at is not None]
+            times = [
+                g.closed_at
+                for it in data["iterations"]
+                for g in store.groups_of_iteration(int(it["iteration"]))
+                if g.closed_at is not None
+            ]
         finally:
             store.close()
         closed = max(times) if times else None
@@ -230,15 +248,20 @@ def service_busy(replicas: list[Reading]) -> float:
     return statistics.fmean(r.busy_s for r in replicas)
 
 
-def overlap_summary(readings: Mapping[str, list[Reading]], errors: Mapping[str, str],
-                    end: float | None, end_is: str, iterations: int | None,
-                    ) -> dict[str, Any]:
+def overlap_summary(
+    readings: Mapping[str, list[Reading]],
+    errors: Mapping[str, str],
+    end: float | None,
+    end_is: str,
+    iterations: int | None,
+) -> dict[str, Any]:
     """The overlap figures from each service's readings (one per replica)."""
     heads = readings.get(START_SERVICE) or []
     firsts = [r.first_busy for r in heads if r.first_busy is not None]
     if not heads:
-        return not_measured(f"{START_SERVICE} not scraped: "
-                            f"{errors.get(START_SERVICE, 'no address')}")
+        return not_measured(
+            f"{START_SERVICE} not scraped: {errors.get(START_SERVICE, 'no address')}"
+        )
     if not firsts:
         return not_measured(f"the {START_SERVICE} never took a request")
     start = min(firsts)
@@ -249,14 +272,16 @@ def overlap_summary(readings: Mapping[str, list[Reading]], errors: Mapping[str, 
     for service in SERVICES:
         replicas = readings.get(service) or []
         if not replicas:
-            services[service] = {"measured": False,
-                                 "reason": errors.get(service, "not scraped")}
+            services[service] = {"measured": False, "reason": errors.get(service, "not scraped")}
             continue
         busy = service_busy(replicas)
         entry: dict[str, Any] = {
-            "measured": True, "busy_s": busy, "busy_share": busy / wall,
+            "measured": True,
+            "busy_s": busy,
+            "busy_share": busy / wall,
             "busy_per_iteration_s": busy / iterations if iterations else None,
-            "replicas": len(replicas), "scraped_at": max(r.at for r in replicas),
+            "replicas": len(replicas),
+            "scraped_at": max(r.at for r in replicas),
         }
         if service in errors:  # e.g. the scheduler, which exits when the run is done
             entry["note"] = f"figure from the last scrape that answered; then {errors[service]}"
@@ -268,8 +293,11 @@ def overlap_summary(readings: Mapping[str, list[Reading]], errors: Mapping[str, 
     # busiest service's first item says how well it was fed once the loop was running.
     fed = [r.first_busy for r in readings[busiest] if r.first_busy is not None]
     filled = min(fed) if fed else None
-    steady = (None if filled is None or end <= filled or busy_of[busiest] <= 0
-              else (end - filled) / busy_of[busiest])
+    steady = (
+        None
+        if filled is None or end <= filled or busy_of[busiest] <= 0
+        else (end - filled) / busy_of[busiest]
+    )
     missing = sorted(s for s, e in services.items() if not e["measured"])
     return {
         "measured": True,
@@ -298,8 +326,9 @@ def print_overlap(console: Console, overlap: dict[str, Any] | None) -> None:
         console.print(f"overlap (wall / busiest service): not measured ({reason})")
         return
     iterations = overlap["iterations"]
-    table = Table(title="Overlap: busy time per service (wall-clock time working on at least "
-                        "one item)")
+    table = Table(
+        title="Overlap: busy time per service (wall-clock time working on at least one item)"
+    )
     for column in ("service", "busy s", "busy s / iteration", "share of wall"):
         table.add_column(column)
     for service, entry in overlap["services"].items():
@@ -307,16 +336,25 @@ def print_overlap(console: Console, overlap: dict[str, Any] | None) -> None:
             table.add_row(service, "-", "-", f"not measured: {entry['reason']}")
             continue
         per = entry["busy_per_iteration_s"]
-        table.add_row(service + (" *" if "note" in entry else ""), f"{entry['busy_s']:.1f}",
-                      "-" if per is None else f"{per:.1f}", f"{entry['busy_share']:.0%}")
+        table.add_row(
+            service + (" *" if "note" in entry else ""),
+            f"{entry['busy_s']:.1f}",
+            "-" if per is None else f"{per:.1f}",
+            f"{entry['busy_share']:.0%}",
+        )
     console.print(table)
     if any("note" in e for e in overlap["services"].values()):
-        console.print("  * last scrape before it stopped answering (the scheduler exits when "
-                      "the run is done)")
-    each = ("" if not iterations else
-            f" ({iterations} iterations, {overlap['wall_per_iteration_s']:.1f} s each)")
-    console.print(f"wall: {overlap['wall_s']:.1f} s from {overlap['start_is']} to "
-                  f"{overlap['end_is']}{each}")
+        console.print(
+            "  * last scrape before it stopped answering (the scheduler exits when the run is done)"
+        )
+    each = (
+        ""
+        if not iterations
+        else f" ({iterations} iterations, {overlap['wall_per_iteration_s']:.1f} s each)"
+    )
+    console.print(
+        f"wall: {overlap['wall_s']:.1f} s from {overlap['start_is']} to {overlap['end_is']}{each}"
+    )
     busiest = overlap["busiest"]
     if overlap["ratio"] is None:
         console.print("wall / busiest service: no service was busy")
@@ -324,12 +362,16 @@ def print_overlap(console: Console, overlap: dict[str, Any] | None) -> None:
     target = f"target ≤ {overlap['target']:g}"
     verdict = f"[green]{target} met[/]" if overlap["met"] else f"[yellow]{target} not met[/]"
     partial = "" if overlap["complete"] else " (not every service was measured)"
-    console.print(f"wall / busiest service ({busiest}, "
-                  f"{overlap['services'][busiest]['busy_s']:.1f} s) = "
-                  f"[bold]{overlap['ratio']:.2f}[/]: {verdict}{partial}")
+    console.print(
+        f"wall / busiest service ({busiest}, "
+        f"{overlap['services'][busiest]['busy_s']:.1f} s) = "
+        f"[bold]{overlap['ratio']:.2f}[/]: {verdict}{partial}"
+    )
     if overlap.get("ratio_after_fill") is not None:
-        console.print(f"  after the pipeline filled (from the {busiest}'s first item): "
-                      f"{overlap['ratio_after_fill']:.2f}")
+        console.print(
+            f"  after the pipeline filled (from the {busiest}'s first item): "
+            f"{overlap['ratio_after_fill']:.2f}"
+        )
     if "note" in overlap:
         console.print(f"  {overlap['note']}")
 
@@ -342,5 +384,7 @@ def earlier_overlap(metrics_json: Path) -> dict[str, Any]:
         found = None
     if isinstance(found, dict):
         return found
-    return not_measured("--report-only: measured only while the services run, and no "
-                        "earlier report of this run has it")
+    return not_measured(
+        "--report-only: measured only while the services run, and no "
+        "earlier report of this run has it"
+    )

@@ -23,14 +23,25 @@ def stage(best: float | None) -> dict[str, Any]:
     return {"count": 8, "best_gflops": best, "median_gflops": best, "status_share": {"ok": 1.0}}
 
 
-def metrics(pools: list[dict[str, float | None]], best: dict[str, Any] | None = None,
-            total: int | None = None) -> dict[str, Any]:
+def metrics(
+    pools: list[dict[str, float | None]],
+    best: dict[str, Any] | None = None,
+    total: int | None = None,
+) -> dict[str, Any]:
     """A metrics.json: one pool per iteration, {stage: best GFLOPS}."""
-    iterations = [{"iteration": i, "pool": {s: stage(v) for s, v in pool.items()}}
-                  for i, pool in enumerate(pools)]
-    return {"scheduler": {"iterations": iterations, "best": best,
-                          "iterations_total": total or len(pools)},
-            "learner": {}, "evaluation": None}
+    iterations = [
+        {"iteration": i, "pool": {s: stage(v) for s, v in pool.items()}}
+        for i, pool in enumerate(pools)
+    ]
+    return {
+        "scheduler": {
+            "iterations": iterations,
+            "best": best,
+            "iterations_total": total or len(pools),
+        },
+        "learner": {},
+        "evaluation": None,
+    }
 
 
 def render(table: Any) -> str:
@@ -108,9 +119,14 @@ def test_best_verdict_without_seeds() -> None:
 
 def differences(*lows: tuple[float, float]) -> list[dict[str, Interval]]:
     """Per seed, (share correct, mean GFLOPS) CI low ends; mean reward always above 0."""
-    return [{"share_correct": Interval(sc + 0.1, sc, sc + 0.2),
-             "mean_reward": Interval(5.0, 1.0, 9.0),
-             "mean_gflops": Interval(gf + 1.0, gf, gf + 2.0)} for sc, gf in lows]
+    return [
+        {
+            "share_correct": Interval(sc + 0.1, sc, sc + 0.2),
+            "mean_reward": Interval(5.0, 1.0, 9.0),
+            "mean_gflops": Interval(gf + 1.0, gf, gf + 2.0),
+        }
+        for sc, gf in lows
+    ]
 
 
 def test_ci_verdicts_want_the_low_end_above_zero() -> None:
@@ -136,17 +152,25 @@ def test_stage_table_shows_trained_over_control() -> None:
 
 
 def test_targets_table_prints_pass_and_miss() -> None:
-    text = render(bench.targets_table(differences((0.01, 0.5), (-0.1, 0.5)),
-                                      comparisons((12.0, 10.0), (None, 10.0)),
-                                      bench.Arm(2e-4)))
+    text = render(
+        bench.targets_table(
+            differences((0.01, 0.5), (-0.1, 0.5)),
+            comparisons((12.0, 10.0), (None, 10.0)),
+            bench.Arm(2e-4),
+        )
+    )
     assert "+20%" in text and "-100%" in text
     assert text.count("PASS") == 3 and text.count("MISS") == 1
 
 
 def test_plot_writes_one_png(tmp_path: Path) -> None:
     out = tmp_path / "fig8" / "seed0.png"
-    bench.plot_stage_bests(metrics([{"1": 2.0}, {"1": 4.0, "2": 8.0}]),
-                           metrics([{"1": 2.0}, {"1": 3.0}]), out, "seed 0")
+    bench.plot_stage_bests(
+        metrics([{"1": 2.0}, {"1": 4.0, "2": 8.0}]),
+        metrics([{"1": 2.0}, {"1": 3.0}]),
+        out,
+        "seed 0",
+    )
     assert out.read_bytes().startswith(b"\x89PNG")
 
 
@@ -156,11 +180,17 @@ def test_report_plots_every_seed_and_judges(tmp_path: Path, capsys: Any) -> None
         for arm, best in ((trained, t_best), (control, c_best)):
             run = tmp_path / arm.run_name(seed)
             run.mkdir()
-            (run / "metrics.json").write_text(json.dumps(
-                metrics([{"1": best / 2}, {"1": best / 2, "2": best}],
-                        {"gflops": best, "stage": 2, "iteration": 1})))
-    bench.report_best_gflops(tmp_path, [0, 1, 2], control, trained,
-                             differences((0.1, 0.1), (0.1, 0.1), (0.1, 0.1)))
+            (run / "metrics.json").write_text(
+                json.dumps(
+                    metrics(
+                        [{"1": best / 2}, {"1": best / 2, "2": best}],
+                        {"gflops": best, "stage": 2, "iteration": 1},
+                    )
+                )
+            )
+    bench.report_best_gflops(
+        tmp_path, [0, 1, 2], control, trained, differences((0.1, 0.1), (0.1, 0.1), (0.1, 0.1))
+    )
     pngs = sorted(p.name for p in tmp_path.glob("fig8-*.png"))
     assert pngs == [f"fig8-{trained.run_name(seed)}.png" for seed in range(3)]
     assert "in 2 of 3 seeds" in capsys.readouterr().out

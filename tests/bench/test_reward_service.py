@@ -33,25 +33,48 @@ def test_the_arguments_are_checked_before_anything_starts(capsys):
     for word in ("--replicas", "--node", "in-process", "10 %", "format_violation"):
         assert word in help_text
     too_many = str(len(os.sched_getaffinity(0)) + 1)
-    for argv, message in ((["--replicas", too_many], "CPUs"),
-                          (["--kernels", "nothing.c"], "no kernel"),
-                          (["--rounds", "0"], "at least 1")):
+    for argv, message in (
+        (["--replicas", too_many], "CPUs"),
+        (["--kernels", "nothing.c"], "no kernel"),
+        (["--rounds", "0"], "at least 1"),
+    ):
         with pytest.raises(SystemExit):
             bench.main(argv)
         assert message in capsys.readouterr().err
 
 
 @pytest.mark.broker
-def test_a_small_run_reports_every_figure(rabbitmq: str, tmp_path: Path, capsys,
-                                          monkeypatch: pytest.MonkeyPatch):
+def test_a_small_run_reports_every_figure(
+    rabbitmq: str, tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch
+):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    result = bench.main(["--replicas", "1", "--rounds", "2", "--burst", "2", "--empty", "2",
-                         "--kernels", "naive.c", "--url", rabbitmq])
+    result = bench.main(
+        [
+            "--replicas",
+            "1",
+            "--rounds",
+            "2",
+            "--burst",
+            "2",
+            "--empty",
+            "2",
+            "--kernels",
+            "naive.c",
+            "--url",
+            rabbitmq,
+        ]
+    )
     out = capsys.readouterr().out
     assert set(result) == {1} and result[1] > -1
     assert "AVX" in out.splitlines()[0]
-    for figure in ("naive.c", "all kernels", "target <= 10%", "the replica's steps",
-                   "without a compile", "verdicts/s through the client"):
+    for figure in (
+        "naive.c",
+        "all kernels",
+        "target <= 10%",
+        "the replica's steps",
+        "without a compile",
+        "verdicts/s through the client",
+    ):
         assert figure in out, out
     assert "client success 2" in out and "in-process success 2" in out
     assert "burst success 2" in out and "empty format_violation 2" in out

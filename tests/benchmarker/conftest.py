@@ -35,13 +35,14 @@ def task() -> TaskSpec:
 @pytest.fixture(scope="session")
 def bench(tmp_path_factory: pytest.TempPathFactory) -> Benchmarker:
     root = tmp_path_factory.mktemp("bench")
-    return Benchmarker(BenchmarkerSection(work_dir=root / "work", lock_path=root / "timing.lock"),
-                       HOST)
+    return Benchmarker(
+        BenchmarkerSection(work_dir=root / "work", lock_path=root / "timing.lock"), HOST
+    )
 
 
 @pytest.fixture(scope="session")
 def judge(bench: Benchmarker, task: TaskSpec) -> Callable[..., Verdict]:
     def run(code: str, stage: int = 6, opt_level: str = "O3", **kwargs: object) -> Verdict:
-        return bench.evaluate(code, stage=stage, opt_level=opt_level,
-                              task=kwargs.pop("task", task))  # type: ignore[arg-type]
+        return bench.evaluate(code, stage=stage, opt_level=opt_level, task=kwargs.pop("task", task))  # type: ignore[arg-type]
+
     return run

@@ -23,8 +23,9 @@ TEMPLATES = sorted(entry.name for entry in HARNESS.iterdir() if entry.name.endsw
 
 
 def test_the_compile_script_exits_only_with_the_named_statuses() -> None:
-    text = build.script("gcc", ["-O3", "-march=native"], Path("/x/gemm.o"),
-                        build.Outputs.of(Path("/x")))
+    text = build.script(
+        "gcc", ["-O3", "-march=native"], Path("/x/gemm.o"), build.Outputs.of(Path("/x"))
+    )
     assert {int(n) for n in re.findall(r"\bexit (\d+)", text)} == set(CompileExit)
 
 
@@ -48,8 +49,11 @@ def test_the_harness_does_not_compile_without_the_definitions(tmp_path: Path, na
     (tmp_path / "harness.h").write_text(SHARED_H)
     source = tmp_path / name
     source.write_text((HARNESS / name).read_text())
-    done = subprocess.run(["gcc", "-fopenmp", "-c", str(source), "-o", str(tmp_path / "g.o")],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        ["gcc", "-fopenmp", "-c", str(source), "-o", str(tmp_path / "g.o")],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode != 0 and "harness_defines" in done.stderr
 
 
@@ -66,8 +70,11 @@ def test_the_compiled_harness_exits_with_the_python_value(
     kernel = tmp_path / "kernel.c"
     kernel.write_text(KERNEL)
     binary = tmp_path / "run"
-    subprocess.run(["gcc", "-fopenmp", str(kernel), str(bench.harness_object(task)), "-o",
-                    str(binary), "-lm"], check=True, capture_output=True)
+    subprocess.run(
+        ["gcc", "-fopenmp", str(kernel), str(bench.harness_object(task)), "-o", str(binary), "-lm"],
+        check=True,
+        capture_output=True,
+    )
     done = subprocess.run([str(binary), *argv], input=stdin, capture_output=True)
     assert done.returncode == HarnessExit.BAD_INPUT
 
@@ -78,45 +85,65 @@ def _ended(returncode: int) -> sandbox.Outcome:
 
 def test_python_reads_the_statuses_as_named() -> None:
     talk = runner.Conversation([gemm.Job("v", {"M": 2, "N": 2, "K": 2}, 1)], 0, None)
-    failure = runner.ending(_ended(HarnessExit.OUT_OF_MEMORY), talk, 8)
+    failure = runner.run_failure(_ended(HarnessExit.OUT_OF_MEMORY), talk, 8)
     assert failure is not None and failure.status == "runtime_error"
     assert failure.error.startswith("out of memory")
     for refusal in HARNESS_REFUSALS:
         with pytest.raises(InternalError, match=f"rc {int(refusal)}"):
-            runner.ending(_ended(refusal), talk, 8)
-    failure = runner.ending(_ended(HarnessExit.WRITE_FAILED), talk, 8)
+            runner.run_failure(_ended(refusal), talk, 8)
+    failure = runner.run_failure(_ended(HarnessExit.WRITE_FAILED), talk, 8)
     assert failure is not None and "exited early with status 95" in failure.error
 
 
-@pytest.mark.parametrize(("cpu_s", "waiting_s", "judged"), [
-    (7.9, 0.1, "timeout"),  # it spun through the limit: the kernel's timeout
-    (0.0, 0.01, "timeout"),  # it slept: no wait for a CPU either
-    (3.8, 4.1, "timeout"),  # it had half the CPU on a busy node and still did not finish
-    (0.05, 7.9, "starved"),  # as beside vLLM: it never had a CPU; the candidate goes back
-])
+@pytest.mark.parametrize(
+    ("cpu_s", "waiting_s", "judged"),
+    [
+        (7.9, 0.1, "timeout"),  # it spun through the limit: the kernel's timeout
+        (0.0, 0.01, "timeout"),  # it slept: no wait for a CPU either
+        (3.8, 4.1, "timeout"),  # it had half the CPU on a busy node and still did not finish
+        (0.05, 7.9, "starved"),  # as beside vLLM: it never had a CPU; the candidate goes back
+    ],
+)
 def test_a_timeout_spent_waiting_for_a_cpu_is_handed_back(
-        cpu_s: float, waiting_s: float, judged: str) -> None:
+    cpu_s: float, waiting_s: float, judged: str
+) -> None:
     talk = runner.Conversation([gemm.Job("v", {"M": 2, "N": 2, "K": 2}, 1)], 0, None)
-    outcome = sandbox.Outcome(-9, b"", b"", True, 8.1, start_s=0.05,
-                              schedule=sandbox.Schedule(cpu_s, waiting_s, 4))
+    outcome = sandbox.Outcome(
+        -9, b"", b"", True, 8.1, start_s=0.05, schedule=sandbox.Schedule(cpu_s, waiting_s, 4)
+    )
     if judged == "starved":
         with pytest.raises(InternalError, match="starved of CPU"):
-            runner.ending(outcome, talk, 8)
+            runner.run_failure(outcome, talk, 8)
         return
-    failure = runner.ending(outcome, talk, 8)
+    failure = runner.run_failure(outcome, talk, 8)
     assert failure is not None and failure.status == "timeout", failure
     assert f"{cpu_s:.2f} s on a CPU" in failure.error
 
 
-def test_a_compile_timeout_spent_waiting_for_a_cpu_is_handed_back(tmp_path: Path,
-                                                                    task: TaskSpec) -> None:
+def test_a_compile_timeout_spent_waiting_for_a_cpu_is_handed_back(
+    tmp_path: Path, task: TaskSpec
+) -> None:
     limit = task.compile.time_limit_s
-    starved = sandbox.Outcome(-9, b"", b"", True, limit + 0.1, start_s=0.01,
-                              schedule=sandbox.Schedule(0.2, 0.9 * limit, 3))
+    starved = sandbox.Outcome(
+        -9,
+        b"",
+        b"",
+        True,
+        limit + 0.1,
+        start_s=0.01,
+        schedule=sandbox.Schedule(0.2, 0.9 * limit, 3),
+    )
     with pytest.raises(InternalError, match="compile was starved of CPU"):
         build.result(starved, tmp_path, task)
-    spun = sandbox.Outcome(-9, b"", b"", True, limit + 0.1, start_s=0.01,
-                           schedule=sandbox.Schedule(0.9 * limit, 0.2, 3))
+    spun = sandbox.Outcome(
+        -9,
+        b"",
+        b"",
+        True,
+        limit + 0.1,
+        start_s=0.01,
+        schedule=sandbox.Schedule(0.9 * limit, 0.2, 3),
+    )
     assert "did not finish within" in build.result(spun, tmp_path, task).error
 
 
@@ -127,8 +154,9 @@ def test_a_kernel_that_exits_with_a_refusal_status_is_judged_not_handed_back(
     """The harness's refusals to start are the benchmarker's fault and go back to the queue;
     a kernel that exit()s with one of those statuses from inside a call must not pass for
     one, or it would never be judged (and never penalised)."""
-    code = ("#include <stdlib.h>\n" + KERNEL.replace(
-        "for (int i", f"if (M > 0) exit({status});\n    for (int i"))
+    code = "#include <stdlib.h>\n" + KERNEL.replace(
+        "for (int i", f"if (M > 0) exit({status});\n    for (int i"
+    )
     verdict = judge(code, stage=1)
     assert verdict.status == "runtime_error"
     assert f"exited early with status {status}" in verdict.error

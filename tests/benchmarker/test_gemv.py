@@ -39,10 +39,12 @@ def gemv_task() -> TaskSpec:
 
 @pytest.fixture(scope="session")
 def judge_gemv(bench: Benchmarker, gemv_task: TaskSpec) -> Judge:
-    def run(name: str, stage: int = 6, opt_level: str = "O3",
-            task: TaskSpec | None = None) -> Verdict:
+    def run(
+        name: str, stage: int = 6, opt_level: str = "O3", task: TaskSpec | None = None
+    ) -> Verdict:
         code = (GEMV_KERNELS / name).read_text() if name.endswith(".c") else name
         return bench.evaluate(code, stage=stage, opt_level=opt_level, task=task or gemv_task)
+
     return run
 
 
@@ -58,8 +60,9 @@ def test_the_task_is_data_its_harness_a_template_and_a_description(gemv_task: Ta
     job = harness.job("t", REWARD, 42)
     assert job.line() == "t 1023 1021\n42" and job.output_shape == (1023,)
     # Sizes the harness does not take are refused before anything runs.
-    wrong = gemv_task.model_copy(update={"sizes": gemv_task.sizes.model_copy(
-        update={"reward": {"M": 8, "N": 8, "K": 8}})})
+    wrong = gemv_task.model_copy(
+        update={"sizes": gemv_task.sizes.model_copy(update={"reward": {"M": 8, "N": 8, "K": 8}})}
+    )
     with pytest.raises(harnesses.HarnessError, match="takes sizes M, N"):
         harnesses.for_task(wrong)
     with pytest.raises(harnesses.HarnessError, match="no harness"):
@@ -82,7 +85,8 @@ def test_the_reference_and_the_check_name_y() -> None:
     bad = expected.full.copy()
     bad[missed] = 0.0
     assert verify.check_expected(bad, expected, 1e-6).endswith(
-        "; 1 of 37 elements are wrong (full-vector check; the 103 check points passed)")
+        "; 1 of 37 elements are wrong (full-vector check; the 103 check points passed)"
+    )
     bad = expected.full.copy()
     bad[0] = np.nan
     assert "y[0] = nan" in verify.check_expected(bad, expected, 1e-6)
@@ -126,13 +130,16 @@ def test_a_slow_correct_kernel_succeeds_with_fewer_gflops(judge_gemv: Judge) -> 
     assert slow.gflops < 0.5 * naive.gflops, (slow.gflops, naive.gflops)
 
 
-@pytest.mark.parametrize(("name", "why"), [
-    ("off_by_one.c", "relative error"),  # the last column never summed
-    ("ignores_x.c", "relative error"),
-    ("transposed.c", "relative error"),  # A read by columns
-    ("float_precision.c", "relative error"),  # within 1e-6 at most elements, not all
-    ("reads_past_x.c", "= nan"),  # x's guard zone reads as NaN
-])
+@pytest.mark.parametrize(
+    ("name", "why"),
+    [
+        ("off_by_one.c", "relative error"),  # the last column never summed
+        ("ignores_x.c", "relative error"),
+        ("transposed.c", "relative error"),  # A read by columns
+        ("float_precision.c", "relative error"),  # within 1e-6 at most elements, not all
+        ("reads_past_x.c", "= nan"),  # x's guard zone reads as NaN
+    ],
+)
 def test_wrong_kernels_fail_verification(judge_gemv: Judge, name: str, why: str) -> None:
     verdict = judge_gemv(name, stage=1)
     assert_status(verdict, "verification_error")
@@ -144,13 +151,16 @@ def test_format_library_and_compile_rows(judge_gemv: Judge) -> None:
     verdict = judge_gemv(seed.replace("int M, int N", "int M, long N"))
     assert_status(verdict, "format_violation")
     assert "gemv_optimized" in verdict.error
-    blas = ("#include <cblas.h>\n"
-            "void gemv_optimized(const double *A, const double *x, double *y, int M, int N) {\n"
-            "    cblas_dgemv(CblasRowMajor, CblasNoTrans, M, N, 1.0, A, N, x, 1, 0.0, y, 1);\n"
-            "}\n")
+    blas = (
+        "#include <cblas.h>\n"
+        "void gemv_optimized(const double *A, const double *x, double *y, int M, int N) {\n"
+        "    cblas_dgemv(CblasRowMajor, CblasNoTrans, M, N, 1.0, A, N, x, 1, 0.0, y, 1);\n"
+        "}\n"
+    )
     assert_status(judge_gemv(blas), "library_violation")
-    assert_status(judge_gemv(seed.replace("double sum = 0.0;", "double sum = 0.0")),
-                  "compile_error")
+    assert_status(
+        judge_gemv(seed.replace("double sum = 0.0;", "double sum = 0.0")), "compile_error"
+    )
     crash = seed.replace("y[i] = sum;", "y[i] = sum + *(volatile double *)0;")
     assert_status(judge_gemv(crash, stage=1), "runtime_error")
 
@@ -158,12 +168,15 @@ def test_format_library_and_compile_rows(judge_gemv: Judge) -> None:
 # --- hostile kernels -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("name", "why"), [
-    ("writes_past_y.c", "wrote outside its arrays"),  # y[M] cleared
-    ("writes_before_y.c", "wrote outside its arrays"),  # a value stashed at y[-1]
-    ("modifies_a.c", "modified its inputs A or x"),
-    ("modifies_x.c", "modified its inputs A or x"),  # y exact: only the check of x sees it
-])
+@pytest.mark.parametrize(
+    ("name", "why"),
+    [
+        ("writes_past_y.c", "wrote outside its arrays"),  # y[M] cleared
+        ("writes_before_y.c", "wrote outside its arrays"),  # a value stashed at y[-1]
+        ("modifies_a.c", "modified its inputs A or x"),
+        ("modifies_x.c", "modified its inputs A or x"),  # y exact: only the check of x sees it
+    ],
+)
 def test_writes_outside_y_are_caught(judge_gemv: Judge, name: str, why: str) -> None:
     verdict = judge_gemv(name, stage=1)
     assert_status(verdict, "verification_error")
@@ -196,8 +209,7 @@ def test_openmp_only_where_the_stage_allows_it(judge_gemv: Judge) -> None:
     assert "openmp" in verdict.techniques
 
 
-def test_right_only_at_the_reward_size_is_reported(judge_gemv: Judge,
-                                                   gemv_task: TaskSpec) -> None:
+def test_right_only_at_the_reward_size_is_reported(judge_gemv: Judge, gemv_task: TaskSpec) -> None:
     verdict = judge_gemv("fixed_size.c", stage=1)
     assert_status(verdict, "success")
     assert verdict.generalizes is False and "257x129" in verdict.error
@@ -217,13 +229,13 @@ def test_the_guard_zones_are_every_harness_s(judge: Judge) -> None:
 # --- the performance reference, and the CLI ---------------------------------------------------
 
 
-def test_openblas_dgemv_is_timed_as_the_reference(bench: Benchmarker,
-                                                  gemv_task: TaskSpec) -> None:
+def test_openblas_dgemv_is_timed_as_the_reference(bench: Benchmarker, gemv_task: TaskSpec) -> None:
     reference = bench.reference(gemv_task, runs=5)
     assert reference.routine == "cblas_dgemv" and len(reference.runs_s) == 5
     assert reference.gflops == pytest.approx(2 * 1023 * 1021 / reference.median_s / 1e9)
     assert reference.gbytes_per_s == pytest.approx(
-        8 * (1023 * 1021 + 1021 + 1023) / reference.median_s / 1e9)
+        8 * (1023 * 1021 + 1021 + 1023) / reference.median_s / 1e9
+    )
     assert reference.core and reference.threads >= 1
     dgemm = bench.reference(load_task("matmul"), runs=3)
     assert dgemm.routine == "cblas_dgemm" and dgemm.gflops > 0 and dgemm.gbytes_per_s is None
@@ -233,20 +245,52 @@ def test_check_judges_a_gemv_kernel_and_times_the_reference(tmp_path: Path) -> N
     seed = tmp_path / "seed.c"
     seed.write_text(builtin_seed("gemv") or "")
     isa = [arg for name in ALLOW_ISA for arg in ("--allow-isa", name)]
-    out = subprocess.run([sys.executable, "-m", "hpcrl_benchmarker.cli", "check", str(seed),
-                          "--task", "gemv", "--stage", "1", "--json", "--reference", *isa,
-                          "--work-dir", str(tmp_path / "work")],
-                         capture_output=True, text=True, timeout=180)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hpcrl_benchmarker.cli",
+            "check",
+            str(seed),
+            "--task",
+            "gemv",
+            "--stage",
+            "1",
+            "--json",
+            "--reference",
+            *isa,
+            "--work-dir",
+            str(tmp_path / "work"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert out.returncode == 0, out.stderr
     verdict = json.loads(out.stdout)
     assert verdict["status"] == "success" and verdict["gflops"] > 0
     assert verdict["gbytes_per_s"] == pytest.approx(
-        verdict["gflops"] * 4 * (1023 * 1021 + 1021 + 1023) / (1023 * 1021))
+        verdict["gflops"] * 4 * (1023 * 1021 + 1021 + 1023) / (1023 * 1021)
+    )
     assert verdict["reference"]["routine"] == "cblas_dgemv"
     assert verdict["reference"]["gflops"] > 0
     # A GEMM kernel is not a GEMV kernel.
-    out = subprocess.run([sys.executable, "-m", "hpcrl_benchmarker.cli", "check",
-                          str(KERNELS / "naive.c"), "--task", "gemv", "--json", *isa,
-                          "--work-dir", str(tmp_path / "work")],
-                         capture_output=True, text=True, timeout=180)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hpcrl_benchmarker.cli",
+            "check",
+            str(KERNELS / "naive.c"),
+            "--task",
+            "gemv",
+            "--json",
+            *isa,
+            "--work-dir",
+            str(tmp_path / "work"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert json.loads(out.stdout)["status"] == "format_violation"

@@ -20,15 +20,23 @@ print(name().decode())
 
 
 def _corename(env: dict[str, str]) -> str:
-    done = subprocess.run([sys.executable, "-c", _CORENAME], env=env, capture_output=True,
-                          text=True, check=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-c", _CORENAME],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
     return done.stdout.strip()
 
 
 def test_the_coretype_follows_the_cpu_flags(monkeypatch: pytest.MonkeyPatch) -> None:
-    for flags, expected in ((frozenset({"avx512f", "avx2", "fma"}), "SkylakeX"),
-                            (frozenset({"avx2", "fma"}), "Haswell"),
-                            (frozenset({"sse4_2"}), None)):
+    for flags, expected in (
+        (frozenset({"avx512f", "avx2", "fma"}), "SkylakeX"),
+        (frozenset({"avx2", "fma"}), "Haswell"),
+        (frozenset({"sse4_2"}), None),
+    ):
         monkeypatch.setattr(host, "cpu_flags", lambda flags=flags: flags)
         assert host.openblas_coretype() == expected
 

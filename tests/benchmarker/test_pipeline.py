@@ -84,8 +84,9 @@ def test_timeout_kills_the_run(judge: Judge, task: TaskSpec) -> None:
     assert_status(verdict, "timeout")
     assert time.monotonic() - started < task.timing.time_limit_s + 30
     # It spun: its time went on a CPU, not on waiting for one.
-    on_cpu, waiting = map(float, re.search(r"([\d.]+) s on a CPU, ([\d.]+) s waiting",
-                                           verdict.error).groups())
+    on_cpu, waiting = map(
+        float, re.search(r"([\d.]+) s on a CPU, ([\d.]+) s waiting", verdict.error).groups()
+    )
     assert on_cpu > 0.5 * task.timing.time_limit_s > waiting, verdict.error
 
 
@@ -104,8 +105,18 @@ def test_verification_error(judge: Judge) -> None:
 # --- hostile kernels -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["accumulate.c", "once.c", "cached.c", "modifies_inputs.c",
-                                  "timed_only.c", "sparse_wrong.c", "float_precision.c"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "accumulate.c",
+        "once.c",
+        "cached.c",
+        "modifies_inputs.c",
+        "timed_only.c",
+        "sparse_wrong.c",
+        "float_precision.c",
+    ],
+)
 def test_reward_hacks_fail_verification(judge: Judge, name: str) -> None:
     assert_status(judge(kernel(name)), "verification_error")
 
@@ -145,9 +156,14 @@ def test_threads_left_running_after_the_call_fail(judge: Judge) -> None:
     assert_status(verdict, "verification_error")
     assert "parallel region still open" in verdict.error
     # A GOMP entry point called by hand is OpenMP, whatever the source looks like.
-    hidden = kernel("leftover_thread.c").replace("#include <omp.h>\n", "").replace(
-        "double start = omp_get_wtime();\n    while (omp_get_wtime() - start < 0.001) {\n    }",
-        "")
+    hidden = (
+        kernel("leftover_thread.c")
+        .replace("#include <omp.h>\n", "")
+        .replace(
+            "double start = omp_get_wtime();\n    while (omp_get_wtime() - start < 0.001) {\n    }",
+            "",
+        )
+    )
     verdict = judge(hidden, stage=1)
     assert_status(verdict, "stage_violation")
     assert "openmp" in verdict.techniques
@@ -168,8 +184,7 @@ def test_early_exit_is_a_runtime_error(judge: Judge) -> None:
 
 
 def test_memory_bomb_is_contained(bench: Benchmarker, task: TaskSpec) -> None:
-    small = Benchmarker(bench.settings.model_copy(update={"address_space_mb": 1024}),
-                        bench.host)
+    small = Benchmarker(bench.settings.model_copy(update={"address_space_mb": 1024}), bench.host)
     verdict = small.evaluate(kernel("memory_bomb.c"), stage=6, opt_level="O1", task=task)
     assert_status(verdict, "runtime_error")
 
@@ -267,12 +282,16 @@ void matmul_optimized(double *A, double *B, double *C, int M, int N, int K) {
     assert "popen" in verdict.error
 
 
-@pytest.mark.parametrize(("name", "reason"), [
-    ("text_section_code.c", "section attribute"),
-    ("nested_trampoline.c", "executable stack"),
-])
-def test_hand_placed_machine_code_is_a_library_violation(judge: Judge, name: str,
-                                                          reason: str) -> None:
+@pytest.mark.parametrize(
+    ("name", "reason"),
+    [
+        ("text_section_code.c", "section attribute"),
+        ("nested_trampoline.c", "executable stack"),
+    ],
+)
+def test_hand_placed_machine_code_is_a_library_violation(
+    judge: Judge, name: str, reason: str
+) -> None:
     verdict = judge(kernel(name), stage=6)
     assert_status(verdict, "library_violation")
     assert reason in verdict.error
@@ -280,22 +299,35 @@ def test_hand_placed_machine_code_is_a_library_violation(judge: Judge, name: str
 
 def _object_layout(source: str, directory: Path) -> list[str]:
     (directory / "k.c").write_text(source)
-    subprocess.run(["gcc", "-O3", "-march=native", "-fopenmp", "-c", "k.c", "-o", "k.o"],
-                   cwd=directory, check=True, capture_output=True)
-    elf = subprocess.run(["readelf", "-S", "-s", "-W", "k.o"], cwd=directory, check=True,
-                         capture_output=True, text=True).stdout
+    subprocess.run(
+        ["gcc", "-O3", "-march=native", "-fopenmp", "-c", "k.c", "-o", "k.o"],
+        cwd=directory,
+        check=True,
+        capture_output=True,
+    )
+    elf = subprocess.run(
+        ["readelf", "-S", "-s", "-W", "k.o"],
+        cwd=directory,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     return checks.layout_violations(elf)
 
 
 def test_object_layout_check_is_the_gate_behind_the_source_checks(tmp_path: Path) -> None:
     # Straight from gcc, as if the source checks had been fooled.
     assert "places the data code in an executable section" in " ".join(
-        _object_layout(kernel("text_section_code.c"), tmp_path))
-    assert any("executable stack" in r
-               for r in _object_layout(kernel("nested_trampoline.c"), tmp_path))
+        _object_layout(kernel("text_section_code.c"), tmp_path)
+    )
+    assert any(
+        "executable stack" in r for r in _object_layout(kernel("nested_trampoline.c"), tmp_path)
+    )
     hidden = '__attribute__((section(".hpcrl,\\"awx\\",@progbits#"))) char c[] = {1};\n'
-    assert any("both writable and executable" in r
-               for r in _object_layout(hidden + kernel("naive.c"), tmp_path))
+    assert any(
+        "both writable and executable" in r
+        for r in _object_layout(hidden + kernel("naive.c"), tmp_path)
+    )
     # Compiled C passes: every kernel of the suite that gcc takes here.
     for path in sorted(KERNELS.glob("*.c")):
         if path.name in ("text_section_code.c", "nested_trampoline.c"):
@@ -310,9 +342,12 @@ def test_a_macro_bomb_cannot_buy_time_outside_the_sandbox(judge: Judge) -> None:
     # 65536 copies of a 40-character literal: 2.7 MB of the kernel's own preprocessed lines,
     # which the checks (outside the sandbox) would otherwise read at ~1 s per MB.
     bomb = "".join(f"#define X{2 * n}(x) X{n}(X{n}(x))\n" for n in (1, 2, 4, 8))
-    code = ("#define X1(x) x x\n" + bomb
-            + 'const char *text = X16("0123456789012345678901234567890123456789");\n'
-            + kernel("naive.c"))
+    code = (
+        "#define X1(x) x x\n"
+        + bomb
+        + 'const char *text = X16("0123456789012345678901234567890123456789");\n'
+        + kernel("naive.c")
+    )
     verdict = judge(code)
     assert_status(verdict, "compile_error")
     assert "after preprocessing, above the 2 MiB limit" in verdict.error
@@ -331,9 +366,10 @@ def test_including_host_files_shows_nothing_of_them(judge: Judge) -> None:
 
 
 def test_techniques_in_comments_and_strings_do_not_count(judge: Judge) -> None:
-    code = ('/* _mm512_fmadd_pd and #pragma omp parallel would help here */\n'
-            'static const char *note = "#pragma omp parallel for _mm_prefetch";\n'
-            + kernel("naive.c"))
+    code = (
+        "/* _mm512_fmadd_pd and #pragma omp parallel would help here */\n"
+        'static const char *note = "#pragma omp parallel for _mm_prefetch";\n' + kernel("naive.c")
+    )
     verdict = judge(code, stage=1)
     assert_status(verdict, "success")
     assert verdict.techniques == []
@@ -369,19 +405,25 @@ def test_avx512_openmp_kernel_succeeds_at_stage_4(judge: Judge) -> None:
 # --- generalisation, peak --------------------------------------------------------------------
 
 
-def test_generalisation_is_reported_not_penalised_by_default(judge: Judge,
-                                                             task: TaskSpec) -> None:
+def test_generalisation_is_reported_not_penalised_by_default(judge: Judge, task: TaskSpec) -> None:
     verdict = judge(kernel("only_multiples_of_8.c"), stage=1)
     assert_status(verdict, "success")
     assert verdict.generalizes is False and "255x257x129" in verdict.error
     strict = task.model_copy(update={"penalize_generalization": True})
-    assert_status(judge(kernel("only_multiples_of_8.c"), stage=1, task=strict),
-                  "verification_error")
+    assert_status(
+        judge(kernel("only_multiples_of_8.c"), stage=1, task=strict), "verification_error"
+    )
 
 
 def test_measurement_above_peak_is_never_success(bench: Benchmarker, task: TaskSpec) -> None:
-    slow_host = HostProfile(hostname=HOST.hostname, cpu_model=HOST.cpu_model, flags=HOST.flags,
-                            cores=1, max_mhz=1e-6, compiler=HOST.compiler)
+    slow_host = HostProfile(
+        hostname=HOST.hostname,
+        cpu_model=HOST.cpu_model,
+        flags=HOST.flags,
+        cores=1,
+        max_mhz=1e-6,
+        compiler=HOST.compiler,
+    )
     tiny = Benchmarker(bench.settings, slow_host)
     verdict = tiny.evaluate(kernel("naive.c"), stage=1, opt_level="O3", task=task)
     assert_status(verdict, "verification_error")
@@ -390,13 +432,18 @@ def test_measurement_above_peak_is_never_success(bench: Benchmarker, task: TaskS
 
 # --- issue 27, class 3: the checks read the tokens gcc reads --------------------------------
 
-@pytest.mark.parametrize(("name", "stage", "opt_level", "also"), [
-    ("raw_string_avx512.c", 1, "O3", None),
-    ("raw_string_asm_prefetch.c", 4, "O3", "inline assembly"),
-    ("raw_string_optimize.c", 6, "O0", "optimisation level"),
-])
-def test_code_hidden_behind_a_raw_string_is_seen(judge: Judge, name: str, stage: int,
-                                                 opt_level: str, also: str | None) -> None:
+
+@pytest.mark.parametrize(
+    ("name", "stage", "opt_level", "also"),
+    [
+        ("raw_string_avx512.c", 1, "O3", None),
+        ("raw_string_asm_prefetch.c", 4, "O3", "inline assembly"),
+        ("raw_string_optimize.c", 6, "O0", "optimisation level"),
+    ],
+)
+def test_code_hidden_behind_a_raw_string_is_seen(
+    judge: Judge, name: str, stage: int, opt_level: str, also: str | None
+) -> None:
     # Each was a success before: a lexer without raw strings read their code as a comment.
     verdict = judge(kernel(name), stage=stage, opt_level=opt_level)
     assert_status(verdict, "library_violation")

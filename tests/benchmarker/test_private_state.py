@@ -25,8 +25,9 @@ NOBODY = 65534
 
 
 def make(root: Path, **settings) -> Benchmarker:
-    return Benchmarker(BenchmarkerSection(work_dir=root / "work", lock_path=root / "timing.lock",
-                                          **settings), HOST)
+    return Benchmarker(
+        BenchmarkerSection(work_dir=root / "work", lock_path=root / "timing.lock", **settings), HOST
+    )
 
 
 def evaluate(bench: Benchmarker, name: str = "naive.c"):
@@ -65,9 +66,11 @@ def test_an_overwritten_harness_is_compiled_again_not_trusted(tmp_path):
 
 
 def test_candidate_scratch_is_not_world_writable(tmp_path):
-    bench = Benchmarker(BenchmarkerSection(work_dir=tmp_path / "work",
-                                           lock_path=tmp_path / "timing.lock"), HOST,
-                        keep_scratch=True)
+    bench = Benchmarker(
+        BenchmarkerSection(work_dir=tmp_path / "work", lock_path=tmp_path / "timing.lock"),
+        HOST,
+        keep_scratch=True,
+    )
     assert evaluate(bench).status == "success"
     [scratch] = (tmp_path / "work").glob("cand-*")
     assert mode(scratch) & 0o077 == 0

@@ -32,8 +32,9 @@ AFFINITY = sorted(os.sched_getaffinity(0))
 
 
 def make(root: Path, **settings: object) -> Benchmarker:
-    return Benchmarker(BenchmarkerSection(work_dir=root / "work", lock_path=root / "timing.lock",
-                                          **settings), HOST)  # type: ignore[arg-type]
+    return Benchmarker(
+        BenchmarkerSection(work_dir=root / "work", lock_path=root / "timing.lock", **settings), HOST
+    )  # type: ignore[arg-type]
 
 
 def sample(name: str) -> float:
@@ -74,9 +75,11 @@ def test_a_cpu_outside_the_affinity_is_refused(tmp_path: Path) -> None:
 
 def test_serve_refuses_to_start_with_cpus_outside_its_affinity(tmp_path: Path) -> None:
     config = tmp_path / "bench.toml"
-    config.write_text(f'[broker]\nurl = "amqp://guest:guest@127.0.0.1:1/%2F"\n'
-                      f'[benchmarker]\nmetrics_port = 0\nwork_dir = "{tmp_path}/work"\n'
-                      f'lock_path = "{tmp_path}/timing.lock"\ncpus = "{max(AFFINITY) + 1}"\n')
+    config.write_text(
+        f'[broker]\nurl = "amqp://guest:guest@127.0.0.1:1/%2F"\n'
+        f'[benchmarker]\nmetrics_port = 0\nwork_dir = "{tmp_path}/work"\n'
+        f'lock_path = "{tmp_path}/timing.lock"\ncpus = "{max(AFFINITY) + 1}"\n'
+    )
     args = [sys.executable, "-m", "hpcrl_benchmarker.cli", "serve", "--config", str(config)]
     for isa in ALLOW_ISA:
         args += ["--allow-isa", isa]
@@ -85,8 +88,10 @@ def test_serve_refuses_to_start_with_cpus_outside_its_affinity(tmp_path: Path) -
     assert "outside this process's affinity" in result.stderr
 
 
-def test_threads_and_cpus_follow_the_set(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                         ) -> None:
+def test_threads_and_cpus_follow_the_set(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     whole = make(tmp_path)
     assert whole.cpus == ()
     assert whole.harness_env()["OMP_NUM_THREADS"] == str(len(AFFINITY))
@@ -120,14 +125,15 @@ import os
 from pathlib import Path
 from hpcrl_benchmarker.config import BenchmarkerSection
 from hpcrl_benchmarker.pipeline import Benchmarker
-bench = Benchmarker(BenchmarkerSection(work_dir=Path({str(tmp_path / 'work')!r}),
-                                       lock_path=Path({str(tmp_path / 'lock')!r}), cpus="{cpu}"))
+bench = Benchmarker(BenchmarkerSection(work_dir=Path({str(tmp_path / "work")!r}),
+                                       lock_path=Path({str(tmp_path / "lock")!r}), cpus="{cpu}"))
 bench.confine()
 print(sorted({{tuple(sorted(os.sched_getaffinity(int(t.name))))
                for t in Path("/proc/self/task").iterdir()}}))
 """
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                            timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == f"[({cpu},)]"
 
@@ -135,17 +141,21 @@ print(sorted({{tuple(sorted(os.sched_getaffinity(int(t.name))))
 # --- timing locks --------------------------------------------------------------------------
 
 
-def test_lock_files_node_exclusive_by_default_else_shared_plus_one_per_cpu(tmp_path: Path,
-                                                                           ) -> None:
+def test_lock_files_node_exclusive_by_default_else_shared_plus_one_per_cpu(
+    tmp_path: Path,
+) -> None:
     lock = tmp_path / "t.lock"
     assert timinglock.lock_files(lock, ()) == [(lock, fcntl.LOCK_EX)]
     assert timinglock.lock_files(lock, (3, 1)) == [
-        (lock, fcntl.LOCK_SH), (tmp_path / "t.lock.cpu1", fcntl.LOCK_EX),
-        (tmp_path / "t.lock.cpu3", fcntl.LOCK_EX)]
+        (lock, fcntl.LOCK_SH),
+        (tmp_path / "t.lock.cpu1", fcntl.LOCK_EX),
+        (tmp_path / "t.lock.cpu3", fcntl.LOCK_EX),
+    ]
 
 
-def _hold_together(lock: Path, first: tuple[int, ...], second: tuple[int, ...],
-                   hold_s: float = 0.4) -> list[tuple[float, float]]:
+def _hold_together(
+    lock: Path, first: tuple[int, ...], second: tuple[int, ...], hold_s: float = 0.4
+) -> list[tuple[float, float]]:
     """Two threads take the locks of their sets at the same moment and hold them a while;
     their (acquired, released) times."""
     barrier = threading.Barrier(2)
@@ -197,8 +207,10 @@ def test_a_set_waits_for_all_its_cpus_within_one_bounded_timeout(tmp_path: Path)
     waits: list[float] = []
     try:
         started = time.monotonic()
-        with (pytest.raises(timinglock.LockTimeout, match=r"cpu2 still held after 0\.5 s"),
-              timinglock.timing_locks(lock, (0, 2), 0.5, waiting=waits.append)):
+        with (
+            pytest.raises(timinglock.LockTimeout, match=r"cpu2 still held after 0\.5 s"),
+            timinglock.timing_locks(lock, (0, 2), 0.5, waiting=waits.append),
+        ):
             pytest.fail("the set must not be held while CPU 2 is")
         assert 0.5 <= time.monotonic() - started < 5
         assert waits and waits[0] == pytest.approx(started, abs=0.1)
@@ -234,8 +246,9 @@ def _measurement(runs: list[float]) -> Measurement:
 
 
 def test_the_steadiest_attempt_is_kept_with_the_count_and_the_flag() -> None:
-    noisy, steady, middle = (_measurement(r) for r in ([1e-3, 1e-2, 1e-3], [2e-3, 2e-3, 2.02e-3],
-                                                       [1e-3, 1.2e-3, 1e-3]))
+    noisy, steady, middle = (
+        _measurement(r) for r in ([1e-3, 1e-2, 1e-3], [2e-3, 2e-3, 2.02e-3], [1e-3, 1.2e-3, 1e-3])
+    )
     kept = steps.steadiest([noisy, steady, middle], 0.05)
     assert kept.gflops == steady.gflops and kept.timing.runs_s == steady.timing.runs_s
     assert kept.timing.attempts == 3 and not kept.timing.noisy
@@ -254,8 +267,9 @@ def test_a_noisy_measurement_is_timed_again_and_the_steadiest_kept(tmp_path: Pat
     bench = make(tmp_path, max_timing_cv=0.3)
     before = sample("hpcrl_benchmarker_retimed_total")
     events = Events()
-    verdict = bench.evaluate(kernel("noisy_first.c"), stage=6, opt_level="O3", task=TASK,
-                             events=events)
+    verdict = bench.evaluate(
+        kernel("noisy_first.c"), stage=6, opt_level="O3", task=TASK, events=events
+    )
     assert verdict.status == "success", verdict.error
     timing = verdict.timing
     assert timing is not None and 2 <= timing.attempts <= 3
@@ -269,7 +283,8 @@ def test_a_noisy_measurement_is_timed_again_and_the_steadiest_kept(tmp_path: Pat
     assert sample("hpcrl_benchmarker_retimed_total") == before + timing.attempts - 1
     # With one attempt allowed, the noisy measurement is kept and flagged.
     verdict = make(tmp_path, max_timing_cv=0.3, timing_attempts=1).evaluate(
-        kernel("noisy_first.c"), stage=6, opt_level="O3", task=TASK)
+        kernel("noisy_first.c"), stage=6, opt_level="O3", task=TASK
+    )
     assert verdict.status == "success", verdict.error
     assert verdict.timing is not None and verdict.timing.attempts == 1
     assert verdict.timing.noisy and verdict.timing.cv > 0.3
@@ -278,29 +293,37 @@ def test_a_noisy_measurement_is_timed_again_and_the_steadiest_kept(tmp_path: Pat
 def test_attempts_stop_at_the_limit_and_a_steady_first_attempt_is_kept(tmp_path: Path) -> None:
     # max_timing_cv 0: no measurement is steady enough, so every attempt is made.
     verdict = make(tmp_path, max_timing_cv=0.0, timing_attempts=2).evaluate(
-        kernel("naive.c"), stage=1, opt_level="O3", task=TASK)
+        kernel("naive.c"), stage=1, opt_level="O3", task=TASK
+    )
     assert verdict.status == "success", verdict.error
     assert verdict.timing is not None and verdict.timing.attempts == 2 and verdict.timing.noisy
     verdict = make(tmp_path, max_timing_cv=10.0).evaluate(
-        kernel("naive.c"), stage=1, opt_level="O3", task=TASK)
+        kernel("naive.c"), stage=1, opt_level="O3", task=TASK
+    )
     assert verdict.timing is not None and verdict.timing.attempts == 1
     assert not verdict.timing.noisy and "retime" not in verdict.durations_s
 
 
-@pytest.mark.parametrize(("hostile", "status", "error"), [
-    ("early_exit.c", "runtime_error", "exited early"),
-    ("forge_marks.c", "runtime_error", "tampered"),
-    ("once.c", "verification_error", "timed run"),
-])
-def test_every_attempt_is_checked_like_the_first(tmp_path: Path, hostile: str, status: str,
-                                                 error: str) -> None:
+@pytest.mark.parametrize(
+    ("hostile", "status", "error"),
+    [
+        ("early_exit.c", "runtime_error", "exited early"),
+        ("forge_marks.c", "runtime_error", "tampered"),
+        ("once.c", "verification_error", "timed run"),
+    ],
+)
+def test_every_attempt_is_checked_like_the_first(
+    tmp_path: Path, hostile: str, status: str, error: str
+) -> None:
     """A kernel honest (but noisy) in its first attempt that cheats in the re-timing run:
     early exit, forged marks, skipped work are caught there too."""
-    code = ("#define RETIMED_CALL hostile_kernel\n"
-            + kernel(hostile).replace("matmul_optimized", "hostile_kernel")
-            + "\n" + kernel("noisy_first.c"))
-    verdict = make(tmp_path, max_timing_cv=0.3).evaluate(code, stage=6, opt_level="O3",
-                                                         task=TASK)
+    code = (
+        "#define RETIMED_CALL hostile_kernel\n"
+        + kernel(hostile).replace("matmul_optimized", "hostile_kernel")
+        + "\n"
+        + kernel("noisy_first.c")
+    )
+    verdict = make(tmp_path, max_timing_cv=0.3).evaluate(code, stage=6, opt_level="O3", task=TASK)
     assert verdict.status == status, verdict.error
     assert error in verdict.error and verdict.gflops is None
 
@@ -312,8 +335,13 @@ def test_cv_attempts_and_noisy_reach_the_bench_result(tmp_path: Path) -> None:
     bench = make(tmp_path, max_timing_cv=0.0, timing_attempts=2)
     handler = BenchHandler(bench, bench.settings, "bench-results", "test")
     noisy_before = sample("hpcrl_benchmarker_noisy_results_total")
-    cand = Candidate(id="r/0", group_id="r", index=0, completion=kernel("naive.c"),
-                     bench=BenchSpec(task="matmul", stage=6))
+    cand = Candidate(
+        id="r/0",
+        group_id="r",
+        index=0,
+        completion=kernel("naive.c"),
+        bench=BenchSpec(task="matmul", stage=6),
+    )
     [out] = handler(cand, None)  # type: ignore[arg-type]
     result = decode(encode(out.message), BenchResult)
     assert result.status == "success" and result.timing is not None
@@ -324,8 +352,9 @@ def test_cv_attempts_and_noisy_reach_the_bench_result(tmp_path: Path) -> None:
 
 def test_results_without_the_new_timing_fields_still_decode(tmp_path: Path) -> None:
     verdict = make(tmp_path).evaluate(kernel("naive.c"), stage=1, opt_level="O3", task=TASK)
-    cand = Candidate(id="o/0", group_id="o", index=0, completion="",
-                     bench=BenchSpec(task="matmul", stage=1))
+    cand = Candidate(
+        id="o/0", group_id="o", index=0, completion="", bench=BenchSpec(task="matmul", stage=1)
+    )
     body = msgpack.unpackb(encode(result_message(cand, verdict, "old")), raw=False)
     assert {"attempts", "noisy"} <= set(body["timing"])
     for key in ("attempts", "noisy"):
@@ -333,8 +362,8 @@ def test_results_without_the_new_timing_fields_still_decode(tmp_path: Path) -> N
     old = decode(msgpack.packb(body, use_bin_type=True), BenchResult)
     assert old.timing is not None and old.timing.attempts == 1 and not old.timing.noisy
     assert old.timing.cv == verdict.timing.cv  # type: ignore[union-attr]
-    assert Timing(runs_s=[1.0], mean_s=1.0, median_s=1.0, min_s=1.0, max_s=1.0,
-                  cv=0.0).attempts == 1
+    assert (
+        Timing(runs_s=[1.0], mean_s=1.0, median_s=1.0, min_s=1.0, max_s=1.0, cv=0.0).attempts == 1
+    )
     with pytest.raises(ValidationError):
-        Timing(runs_s=[1.0], mean_s=1.0, median_s=1.0, min_s=1.0, max_s=1.0, cv=0.0,
-               attempts=0)
+        Timing(runs_s=[1.0], mean_s=1.0, median_s=1.0, min_s=1.0, max_s=1.0, cv=0.0, attempts=0)

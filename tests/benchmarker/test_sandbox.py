@@ -32,8 +32,10 @@ def scratch(tmp_path: Path) -> Path:
 def test_host_files_are_invisible_and_untouchable(scratch: Path, tmp_path: Path) -> None:
     marker = tmp_path / "outside" / "marker"
     marker.parent.mkdir()
-    script = (f"echo pwned > {marker}; echo pwned > /usr/bin/pwned; cat /etc/passwd; "
-              "ls /home /root /work /proc/1 2>&1; echo done > /scratch/inside")
+    script = (
+        f"echo pwned > {marker}; echo pwned > /usr/bin/pwned; cat /etc/passwd; "
+        "ls /home /root /work /proc/1 2>&1; echo done > /scratch/inside"
+    )
     outcome = sandbox.run(["/bin/sh", "-c", script], sandbox.Spec(scratch, LIMITS, writable=True))
     assert not marker.exists() and not Path("/usr/bin/pwned").exists()
     assert b"root:" not in outcome.stdout
@@ -41,23 +43,29 @@ def test_host_files_are_invisible_and_untouchable(scratch: Path, tmp_path: Path)
 
 
 def test_scratch_is_read_only_when_running(scratch: Path) -> None:
-    outcome = sandbox.run(["/bin/sh", "-c", "echo x > /scratch/f; echo y > /tmp/f && cat /tmp/f"],
-                          sandbox.Spec(scratch, LIMITS))
+    outcome = sandbox.run(
+        ["/bin/sh", "-c", "echo x > /scratch/f; echo y > /tmp/f && cat /tmp/f"],
+        sandbox.Spec(scratch, LIMITS),
+    )
     assert not (scratch / "f").exists()
     assert outcome.stdout == b"y\n"
 
 
 def test_no_network(scratch: Path) -> None:
-    code = ("import socket\ntry:\n socket.create_connection(('127.0.0.1', 5672), timeout=2)\n"
-            " print('connected')\nexcept OSError as e:\n print('refused', e)")
+    code = (
+        "import socket\ntry:\n socket.create_connection(('127.0.0.1', 5672), timeout=2)\n"
+        " print('connected')\nexcept OSError as e:\n print('refused', e)"
+    )
     outcome = sandbox.run(["/usr/bin/python3", "-c", code], sandbox.Spec(scratch, LIMITS))
     assert b"refused" in outcome.stdout, outcome.stderr
 
 
 def test_wall_limit_kills_the_whole_group(scratch: Path) -> None:
     started = time.monotonic()
-    outcome = sandbox.run(["/bin/sh", "-c", "sleep 100 & sleep 100 & wait"],
-                          sandbox.Spec(scratch, sandbox.Limits(wall_s=1, cpu_s=5)))
+    outcome = sandbox.run(
+        ["/bin/sh", "-c", "sleep 100 & sleep 100 & wait"],
+        sandbox.Spec(scratch, sandbox.Limits(wall_s=1, cpu_s=5)),
+    )
     assert outcome.timed_out and time.monotonic() - started < 10
 
 
@@ -75,8 +83,12 @@ def test_a_timed_out_run_tells_its_cpu_time_from_its_wait_for_a_cpu(scratch: Pat
     asleep = sandbox.run(["/bin/sh", "-c", "echo go; sleep 10"], spec).schedule
     # Each hog in a session of its own, as the sandbox is: where the kernel schedules by
     # session first (autogroup), three hogs in this one would together get only half.
-    hogs = [subprocess.Popen(["taskset", "-c", str(cpu), *spin], stdout=subprocess.DEVNULL,
-                             start_new_session=True) for _ in range(11)]
+    hogs = [
+        subprocess.Popen(
+            ["taskset", "-c", str(cpu), *spin], stdout=subprocess.DEVNULL, start_new_session=True
+        )
+        for _ in range(11)
+    ]
     try:
         crowded = sandbox.run(spin, spec).schedule
     finally:
@@ -96,8 +108,9 @@ def test_a_timed_out_run_tells_its_cpu_time_from_its_wait_for_a_cpu(scratch: Pat
     assert not alone.starved(limits.wall_s) and not asleep.starved(limits.wall_s)
 
 
-def test_a_sandbox_set_up_ahead_runs_its_command_only_when_told(scratch: Path,
-                                                                 tmp_path: Path) -> None:
+def test_a_sandbox_set_up_ahead_runs_its_command_only_when_told(
+    scratch: Path, tmp_path: Path
+) -> None:
     """``start`` sets the sandbox up with its command held back: the command may appear in
     the scratch directory later (the harness, during the compile), and the wall limit runs
     from ``run``, not from the set-up. One cancelled never runs its command."""
@@ -126,8 +139,10 @@ def test_a_sandbox_set_up_ahead_runs_its_command_only_when_told(scratch: Path,
 
 def test_file_size_limit(scratch: Path) -> None:
     limits = sandbox.Limits(wall_s=20, cpu_s=20, file_size_mb=1)
-    sandbox.run(["/bin/sh", "-c", "head -c 5000000 /dev/zero > /scratch/big"],
-                sandbox.Spec(scratch, limits, writable=True))
+    sandbox.run(
+        ["/bin/sh", "-c", "head -c 5000000 /dev/zero > /scratch/big"],
+        sandbox.Spec(scratch, limits, writable=True),
+    )
     assert (scratch / "big").stat().st_size <= 1024 * 1024
 
 
@@ -180,31 +195,39 @@ def test_harness_seccomp_blocks_processes_files_and_executable_memory(
     assert gemm.check(c, gemm.reference(a, b), a, b, [(0, 0), (15, 7)], 1e-9) == ""
 
 
-def test_a_kernel_cannot_name_the_files_its_compile_writes(tmp_path: Path, bench: Benchmarker,
-                                                          task: TaskSpec) -> None:
+def test_a_kernel_cannot_name_the_files_its_compile_writes(
+    tmp_path: Path, bench: Benchmarker, task: TaskSpec
+) -> None:
     """gcc -E (whose output the checks read) and gcc -c run side by side on the kernel. Had
     it named a file one of them writes (``__has_include``), a kernel could preprocess one
     way for the checks and another for the compiler. Every name seen in one compile's
     directory, and the fixed names once used, are unknown to the next compile's gcc."""
     first = tmp_path / "first"
     first.mkdir()
-    assert bench.compile(first, kernel("naive.c"), task, task.compile_flags("O3"),
-                         Events()).error == ""
+    assert (
+        bench.compile(first, kernel("naive.c"), task, task.compile_flags("O3"), Events()).error
+        == ""
+    )
     names = {p.name for p in first.iterdir()} - {build.KERNEL_FILE}
     names |= {"kernel.i", "kernel.o", "cc.txt", "cpp.txt"}
-    probes = "".join(f'#if __has_include("{where}{name}")\n#error "sees {name}"\n#endif\n'
-                     for name in sorted(names) for where in ("", "/scratch/"))
+    probes = "".join(
+        f'#if __has_include("{where}{name}")\n#error "sees {name}"\n#endif\n'
+        for name in sorted(names)
+        for where in ("", "/scratch/")
+    )
     # The probe works: the kernel's own file is there.
     probes += '#if !__has_include("kernel.c")\n#error "__has_include sees nothing"\n#endif\n'
     second = tmp_path / "second"
     second.mkdir()
-    compiled = bench.compile(second, probes + kernel("naive.c"), task, task.compile_flags("O3"),
-                             Events())
+    compiled = bench.compile(
+        second, probes + kernel("naive.c"), task, task.compile_flags("O3"), Events()
+    )
     assert compiled.error == "", compiled.error
 
 
-def test_the_compile_clock_starts_once_its_sandbox_has(scratch: Path, bench: Benchmarker,
-                                                      task: TaskSpec) -> None:
+def test_the_compile_clock_starts_once_its_sandbox_has(
+    scratch: Path, bench: Benchmarker, task: TaskSpec
+) -> None:
     """The compile script's first output starts its time limit, so a sandbox slow to start
     (a saturated node) is not a compile_error; one that never starts is the benchmarker's
     failure, handed back."""
@@ -212,13 +235,21 @@ def test_the_compile_clock_starts_once_its_sandbox_has(scratch: Path, bench: Ben
     harness = bench.harness_object(task)
     spec = build.spec(scratch, task, harness, 4096)
     assert spec.start_limit_s == build.START_LIMIT_S
-    outcome = sandbox.run(["/bin/sh", "-c", build.script(
-        task.compile.compiler, task.compile_flags("O3"), harness, build.Outputs.of(scratch))],
-                          spec)
+    outcome = sandbox.run(
+        [
+            "/bin/sh",
+            "-c",
+            build.script(
+                task.compile.compiler, task.compile_flags("O3"), harness, build.Outputs.of(scratch)
+            ),
+        ],
+        spec,
+    )
     assert outcome.returncode == 0, outcome.stderr
     assert outcome.start_s is not None and outcome.start_s < outcome.wall_s
     assert outcome.stdout.decode().split() == [build.STARTED]
-    stalled = dataclasses.replace(outcome, returncode=-9, timed_out=True, never_started=True,
-                                  start_s=None)
+    stalled = dataclasses.replace(
+        outcome, returncode=-9, timed_out=True, never_started=True, start_s=None
+    )
     with pytest.raises(InternalError, match="did not start"):
         build.result(stalled, scratch, task)

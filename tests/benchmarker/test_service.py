@@ -47,8 +47,8 @@ format = "json"
 [benchmarker]
 metrics_port = 0
 concurrency = 2
-work_dir = "{work / 'work'}"
-lock_path = "{work / 'timing.lock'}"
+work_dir = "{work / "work"}"
+lock_path = "{work / "timing.lock"}"
 """
     )
     return path
@@ -59,8 +59,9 @@ def start_replica(config: Path, own_session: bool = False) -> subprocess.Popen:
     args = [sys.executable, "-m", "hpcrl_benchmarker.cli", "serve", "--config", str(config)]
     for isa in ALLOW_ISA:
         args += ["--allow-isa", isa]
-    return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            start_new_session=own_session)
+    return subprocess.Popen(
+        args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=own_session
+    )
 
 
 @pytest.fixture
@@ -88,9 +89,14 @@ def candidate(group: str, index: int, code: str, stage: int = 6) -> Candidate:
         sampling_logprobs=PackedArray.of([-0.5, -0.25], "<f4"),
         policy_version=7,
     )
-    return Candidate(id=candidate_id(group, index), group_id=group, index=index,
-                     completion=code, bench=BenchSpec(task="matmul", stage=stage),
-                     rollout=rollout)
+    return Candidate(
+        id=candidate_id(group, index),
+        group_id=group,
+        index=index,
+        completion=code,
+        bench=BenchSpec(task="matmul", stage=stage),
+        rollout=rollout,
+    )
 
 
 def collect(settings: BrokerSettings, count: int, timeout: float) -> list[BenchResult]:
@@ -144,8 +150,13 @@ def test_refuses_to_start_without_avx512_unless_allowed(
         pytest.skip("this host has AVX-512, so there is nothing to refuse here")
     config = write_config(tmp_path / "b.toml", broker_settings, tmp_path)
     env = {k: v for k, v in os.environ.items() if not k.startswith("HPCRL__")}
-    out = subprocess.run([sys.executable, "-m", "hpcrl_benchmarker.cli", "serve", "--config",
-                          str(config)], capture_output=True, text=True, timeout=60, env=env)
+    out = subprocess.run(
+        [sys.executable, "-m", "hpcrl_benchmarker.cli", "serve", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
     assert out.returncode == 3
     assert "avx512f" in out.stderr and "--allow-isa" in out.stderr
 
@@ -159,8 +170,11 @@ def test_killed_replica_candidate_is_benchmarked_by_another(
     second = None
     try:
         with Publisher(broker_settings, "test-producer") as publisher:
-            publisher.publish(Publish(publisher.topology.name(CODE_TO_BENCH),
-                                      candidate("g2", 0, kernel("infinite.c"))))
+            publisher.publish(
+                Publish(
+                    publisher.topology.name(CODE_TO_BENCH), candidate("g2", 0, kernel("infinite.c"))
+                )
+            )
         time.sleep(4)  # the first replica is now inside the 8 s run of this candidate
         assert first.poll() is None
         first.kill()
@@ -178,16 +192,21 @@ def test_killed_replica_candidate_is_benchmarked_by_another(
 
 
 @contextlib.contextmanager
-def replica_timing_an_endless_kernel(broker_settings: BrokerSettings, tmp_path: Path,
-                                     group: str) -> Iterator[subprocess.Popen]:
+def replica_timing_an_endless_kernel(
+    broker_settings: BrokerSettings, tmp_path: Path, group: str
+) -> Iterator[subprocess.Popen]:
     """A serving replica 4 s into an endless kernel's 8 s run; killed at the end if it is
     still there."""
     config = write_config(tmp_path / "bench.toml", broker_settings, tmp_path)
     replica = start_replica(config, own_session=True)
     try:
         with Publisher(broker_settings, "test-producer") as publisher:
-            publisher.publish(Publish(publisher.topology.name(CODE_TO_BENCH),
-                                      candidate(group, 0, kernel("infinite.c"))))
+            publisher.publish(
+                Publish(
+                    publisher.topology.name(CODE_TO_BENCH),
+                    candidate(group, 0, kernel("infinite.c")),
+                )
+            )
         time.sleep(4)  # inside the candidate's 8 s run
         assert replica.poll() is None
         yield replica
@@ -263,11 +282,14 @@ def descendants(root: int) -> list[int]:
     return found
 
 
-@pytest.mark.parametrize(("status", "error", "untrusted"), [
-    ("runtime_error", "killed by SIGTERM during the timed runs", True),
-    ("runtime_error", "killed by SIGSEGV during the timed runs", False),
-    ("compile_error", "error: expected ';'", False),
-])
+@pytest.mark.parametrize(
+    ("status", "error", "untrusted"),
+    [
+        ("runtime_error", "killed by SIGTERM during the timed runs", True),
+        ("runtime_error", "killed by SIGSEGV during the timed runs", False),
+        ("compile_error", "error: expected ';'", False),
+    ],
+)
 def test_a_kernel_killed_by_a_stop_signal_waits_for_the_services_own_signal(
     status: str, error: str, untrusted: bool
 ) -> None:
@@ -279,8 +301,15 @@ def test_a_kernel_killed_by_a_stop_signal_waits_for_the_services_own_signal(
     from hpcrl_benchmarker.verdict import Verdict
     from hpcrl_common.messages import HostInfo
 
-    host = HostInfo(hostname="n", cpu_model="c", isa=["avx512f"], cores=2, compiler="gcc",
-                    host_class="c", peak_gflops=500.0)
+    host = HostInfo(
+        hostname="n",
+        cpu_model="c",
+        isa=["avx512f"],
+        cores=2,
+        compiler="gcc",
+        host_class="c",
+        peak_gflops=500.0,
+    )
     stopping = threading.Event()
     handler = BenchHandler.__new__(BenchHandler)
     handler.stopping = stopping.is_set
@@ -307,9 +336,12 @@ def test_a_confirmation_of_its_own_measurement_is_handed_back_once_then_measured
     host_class = detect().host_class
     code = f"```c\n{kernel('naive.c')}```"
     sent = [candidate("g9.confirm1", 0, code), candidate("g8.confirm1", 0, code)]
-    sent = [message.model_copy(update={"generator": confirmation.label(name, host_class),
-                                       "rollout": None})
-            for message, name in zip(sent, (own, "benchmarker-elsewhere-1"), strict=True)]
+    sent = [
+        message.model_copy(
+            update={"generator": confirmation.label(name, host_class), "rollout": None}
+        )
+        for message, name in zip(sent, (own, "benchmarker-elsewhere-1"), strict=True)
+    ]
     with Publisher(broker_settings, "test-scheduler") as publisher:
         for message in sent:
             publisher.publish(Publish(publisher.topology.name(CODE_TO_BENCH), message))

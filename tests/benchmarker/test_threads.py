@@ -30,15 +30,18 @@ from .conftest import HOST, kernel
 Judge = Callable[..., Verdict]
 # Fenced: without fences the extractor takes the lines of asm strings for prose.
 FENCE = "```c\n{}```\n"
-x86_64 = pytest.mark.skipif(platform.machine() != "x86_64",
-                            reason="the raw clone kernels are x86-64 assembly")
+x86_64 = pytest.mark.skipif(
+    platform.machine() != "x86_64", reason="the raw clone kernels are x86-64 assembly"
+)
 
 
 def skip_checks(monkeypatch: pytest.MonkeyPatch) -> None:
     """From here on, the real pipeline (gcc, sandbox, harness, OpenBLAS) runs without the
     source and object checks; a compile error still ends the candidate."""
-    def compiled(preprocessed: str, listing: object, error: str, *args: object,
-                 **kwargs: object) -> None:
+
+    def compiled(
+        preprocessed: str, listing: object, error: str, *args: object, **kwargs: object
+    ) -> None:
         if error:
             raise StepFailure("compile_error", error)
 
@@ -109,8 +112,9 @@ void matmul_optimized(double *A, double *B, double *C, int M, int N, int K) {
 """
 
 
-def test_openmp_teams_that_shrink_regrow_and_nest_succeed(bench: Benchmarker,
-                                                          task: TaskSpec) -> None:
+def test_openmp_teams_that_shrink_regrow_and_nest_succeed(
+    bench: Benchmarker, task: TaskSpec
+) -> None:
     # Four OpenMP threads (on however many CPUs there are): a pool of three workers that the
     # kernel shrinks and grows again in every call.
     four = Benchmarker(bench.settings.model_copy(update={"threads": 4}), HOST)
@@ -124,10 +128,12 @@ def test_the_threads_of_the_sandboxed_command_are_counted(tmp_path: Path) -> Non
     scratch.mkdir(mode=0o777)
     scratch.chmod(0o777)
     # Three threads besides the main one, then a line on the extra pipe: the watcher counts.
-    code = ("import os, sys, threading, time\n"
-            "for _ in range(3): threading.Thread(target=time.sleep, args=(30,), daemon=True)"
-            ".start()\n"
-            "os.write(int(sys.argv[1]), b'ready')\ntime.sleep(30)\n")
+    code = (
+        "import os, sys, threading, time\n"
+        "for _ in range(3): threading.Thread(target=time.sleep, args=(30,), daemon=True)"
+        ".start()\n"
+        "os.write(int(sys.argv[1]), b'ready')\ntime.sleep(30)\n"
+    )
     counter = runner.ThreadCount(limit=2, grace_s=0.05)
     seen: list[int] = []
 
@@ -136,8 +142,9 @@ def test_the_threads_of_the_sandboxed_command_are_counted(tmp_path: Path) -> Non
         return sandbox.Reply(stop=True)
 
     spec = sandbox.Spec(scratch, sandbox.Limits(wall_s=20, cpu_s=20), extra_pipe=True)
-    sandbox.run(["/usr/bin/python3", "-c", code, "{fd}"], spec, watch=watch,
-                started=counter.started)
+    sandbox.run(
+        ["/usr/bin/python3", "-c", code, "{fd}"], spec, watch=watch, started=counter.started
+    )
     assert seen == [2]  # four threads, two allowed
     # A process that has ended has no threads left.
     assert counter.stray() == 0
@@ -169,11 +176,9 @@ def _complete(talk: runner.Conversation, job: int) -> sandbox.Reply | None:
     nonce, now = talk.nonce, 1_000_000 * (job + 1)
     c = np.zeros(6, dtype="<f8").tobytes()
     talk.on_event(sandbox.MARK, gemm.MARK.pack(nonce, job, gemm.MARK_BEGIN, now, 0), now)
-    talk.on_event(sandbox.MARK, gemm.MARK.pack(nonce, job, gemm.MARK_RESULT, now + 9, 6),
-                  now + 10)
+    talk.on_event(sandbox.MARK, gemm.MARK.pack(nonce, job, gemm.MARK_RESULT, now + 9, 6), now + 10)
     talk.on_event(sandbox.DATA, c, now + 20)
-    return talk.on_event(sandbox.MARK, gemm.MARK.pack(nonce, job, gemm.MARK_CHECK, 0, 0),
-                         now + 30)
+    return talk.on_event(sandbox.MARK, gemm.MARK.pack(nonce, job, gemm.MARK_CHECK, 0, 0), now + 30)
 
 
 def test_a_thread_left_running_ends_the_run_before_the_next_job() -> None:
@@ -189,16 +194,17 @@ def test_a_thread_left_running_ends_the_run_before_the_next_job() -> None:
     assert reply is not None and reply.stop and reply.send == b""  # job 1 is never sent
     [frame] = talk.frames
     assert frame.stray_threads == 1
-    expected = gemm.Expected((np.zeros(1, np.intp), np.zeros(1, np.intp)), np.zeros(1),
-                             np.ones(1), gemm.NAMES)
+    expected = gemm.Expected(
+        (np.zeros(1, np.intp), np.zeros(1, np.intp)), np.zeros(1), np.ones(1), gemm.NAMES
+    )
     assert "still running after the call returned" in steps.frame_message(frame, expected, 1e-6)
 
 
 # --- issue 27, class 1: at a stage that forbids OpenMP, no thread at all ---------------------
 
+
 @pytest.mark.parametrize("name", ["hidden_pthread_create.c", "hidden_gomp_parallel.c"])
-def test_threads_reached_without_a_symbol_are_a_stage_violation(judge: Judge,
-                                                                name: str) -> None:
+def test_threads_reached_without_a_symbol_are_a_stage_violation(judge: Judge, name: str) -> None:
     # Both were a success at stage 1 before: pthread_create and GOMP_parallel found from
     # malloc's address through libc's symbol table and dl_iterate_phdr, names built at run
     # time, so the source and object checks saw nothing but malloc.
@@ -234,6 +240,7 @@ def test_the_harness_environment_at_a_stage_without_threads(bench: Benchmarker) 
 
 # --- issue 27, class 2: no thread works outside its call ------------------------------------
 
+
 @pytest.mark.parametrize("stage", [4, 6])
 def test_a_worker_left_in_an_open_openmp_region_is_refused(judge: Judge, stage: int) -> None:
     # Its first call opens a region with GOMP_parallel_start, never closes it and puts back
@@ -247,8 +254,9 @@ def test_a_worker_left_in_an_open_openmp_region_is_refused(judge: Judge, stage: 
     assert "time" not in verdict.durations_s  # never timed
 
 
-def test_a_raw_thread_in_the_place_of_a_pool_thread_is_refused(bench: Benchmarker,
-                                                               task: TaskSpec) -> None:
+def test_a_raw_thread_in_the_place_of_a_pool_thread_is_refused(
+    bench: Benchmarker, task: TaskSpec
+) -> None:
     # Four OpenMP threads: a team of two lets libgomp's surplus pool threads go, and a thread
     # made with pthread_create (found from malloc's address) takes the place of one, so the
     # count stays within OMP_THREAD_LIMIT. It works ahead of each call like the one above.
@@ -283,10 +291,13 @@ void matmul_optimized(double *A, double *B, double *C, int M, int N, int K) {
 """
 
 
-@pytest.mark.parametrize(("pragma", "stage"), [("", 1), ("_Pragma(\"omp parallel for\")", 4),
-                                               ("_Pragma(\"omp parallel for\")", 6)])
-def test_honest_kernels_with_threads_or_a_kept_buffer_succeed(judge: Judge, pragma: str,
-                                                              stage: int) -> None:
+@pytest.mark.parametrize(
+    ("pragma", "stage"),
+    [("", 1), ('_Pragma("omp parallel for")', 4), ('_Pragma("omp parallel for")', 6)],
+)
+def test_honest_kernels_with_threads_or_a_kept_buffer_succeed(
+    judge: Judge, pragma: str, stage: int
+) -> None:
     verdict = judge(PACKED.replace("PRAGMA", pragma), stage=stage)
     assert verdict.status == "success", verdict.error
     assert verdict.generalizes is True
@@ -304,15 +315,18 @@ def test_a_thread_rule_broken_at_an_extra_size_is_final(judge: Judge) -> None:
         "    char name[32];\n",
         "    char name[32];\n    if (M == 256) {\n"
         "        struct part all = {A, B, C, M, N, K, 0, M};\n"
-        "        rows(&all);\n        return;\n    }\n", 1)
+        "        rows(&all);\n        return;\n    }\n",
+        1,
+    )
     assert code != kernel("hidden_pthread_create.c")
     verdict = judge(code, stage=1)
     assert verdict.status == "stage_violation", verdict.error
     assert "255x257x129" in verdict.error
 
 
-def test_harness_runs_hand_shake_and_idle_threads_sleep(bench: Benchmarker,
-                                                        task: TaskSpec, tmp_path: Path) -> None:
+def test_harness_runs_hand_shake_and_idle_threads_sleep(
+    bench: Benchmarker, task: TaskSpec, tmp_path: Path
+) -> None:
     env = bench.harness_env()
     assert env["OMP_WAIT_POLICY"] == "passive" and env["GOMP_SPINCOUNT"] == "0"
     assert READY_ENV not in env  # the bench's bare floor answers no READY
@@ -327,18 +341,20 @@ def test_the_other_threads_cpu_time_is_read_from_outside(tmp_path: Path) -> None
     scratch.chmod(0o777)
     # A thread that sleeps, then works 40 ms and ends; the main thread reports before and
     # after. A thread that has ended still counts (the process's CPU clock keeps its time).
-    code = ("import os, sys, threading, time\n"
-            "def work():\n"
-            "    time.sleep(0.2)\n"
-            "    end = time.thread_time() + 0.04\n"
-            "    while time.thread_time() < end: pass\n"
-            "t = threading.Thread(target=work)\n"
-            "t.start()\n"
-            "os.write(int(sys.argv[1]), b'a')\n"
-            "t.join()\n"
-            "time.sleep(0.1)\n"
-            "os.write(int(sys.argv[1]), b'b')\n"
-            "time.sleep(30)\n")
+    code = (
+        "import os, sys, threading, time\n"
+        "def work():\n"
+        "    time.sleep(0.2)\n"
+        "    end = time.thread_time() + 0.04\n"
+        "    while time.thread_time() < end: pass\n"
+        "t = threading.Thread(target=work)\n"
+        "t.start()\n"
+        "os.write(int(sys.argv[1]), b'a')\n"
+        "t.join()\n"
+        "time.sleep(0.1)\n"
+        "os.write(int(sys.argv[1]), b'b')\n"
+        "time.sleep(30)\n"
+    )
     counter = runner.ThreadCount(limit=2)
     idle = runner.IdleThreads(counter)
     used: list[int | None] = []
@@ -352,8 +368,9 @@ def test_the_other_threads_cpu_time_is_read_from_outside(tmp_path: Path) -> None
         return sandbox.Reply(stop=True)
 
     spec = sandbox.Spec(scratch, sandbox.Limits(wall_s=20, cpu_s=20), extra_pipe=True)
-    sandbox.run(["/usr/bin/python3", "-c", code, "{fd}"], spec, watch=watch,
-                started=counter.started)
+    sandbox.run(
+        ["/usr/bin/python3", "-c", code, "{fd}"], spec, watch=watch, started=counter.started
+    )
     assert used[0] is not None and used[0] <= runner.IDLE_LIMIT_NS
     assert used[1] is not None and used[1] >= 30_000_000, used
 
@@ -362,9 +379,11 @@ def test_a_busy_main_thread_is_not_counted_as_another_threads_work() -> None:
     # The main thread runs throughout (it fills inputs between calls); the other thread
     # sleeps. Read one clock after the other, a tick of the main thread landing between the
     # two reads used to put up to 4 ms on the sleeping thread's account.
-    code = ("import threading, time\n"
-            "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
-            "while True: pass\n")
+    code = (
+        "import threading, time\n"
+        "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+        "while True: pass\n"
+    )
     process = subprocess.Popen([sys.executable, "-c", code])
     try:
         time.sleep(0.3)
@@ -394,8 +413,9 @@ class Used(runner.IdleThreads):
         return self.value
 
 
-def _mark(talk: runner.Conversation, job: int, kind: int, value: int = 0,
-          count: int = 0, at: int = 0) -> sandbox.Reply | None:
+def _mark(
+    talk: runner.Conversation, job: int, kind: int, value: int = 0, count: int = 0, at: int = 0
+) -> sandbox.Reply | None:
     return talk.on_event(sandbox.MARK, gemm.MARK.pack(talk.nonce, job, kind, value, count), at)
 
 
@@ -423,17 +443,24 @@ def test_a_call_begins_only_after_the_go() -> None:
 
 
 def test_a_start_before_the_go_is_a_tampered_timing() -> None:
-    frame = gemm.Frame(0, 0, np.zeros((1, 1)), t0_ns=1_000_000, t1_ns=2_000_000,
-                       sent_ns=500_000, go_ns=900_000, begin_ns=1_000_100,
-                       result_ns=2_000_100)
+    frame = gemm.Frame(
+        0,
+        0,
+        np.zeros((1, 1)),
+        t0_ns=1_000_000,
+        t1_ns=2_000_000,
+        sent_ns=500_000,
+        go_ns=900_000,
+        begin_ns=1_000_100,
+        result_ns=2_000_100,
+    )
     assert frame.timing_problem() == ""
     early = dataclasses.replace(frame, go_ns=1_200_000)
     assert "not between the job's dispatch" in early.timing_problem()
 
 
 def test_work_between_calls_stops_the_run_before_the_call() -> None:
-    talk = runner.Conversation(JOBS, 0, None, Counts(2),
-                               idle=Used(runner.IDLE_LIMIT_NS + 1))
+    talk = runner.Conversation(JOBS, 0, None, Counts(2), idle=Used(runner.IDLE_LIMIT_NS + 1))
     talk.opening()
     # The first call: no kernel code has run before it, nothing to read.
     reply = _mark(talk, 0, gemm.MARK_READY, at=100)
@@ -445,5 +472,5 @@ def test_work_between_calls_stops_the_run_before_the_call() -> None:
     reply = _mark(talk, 1, gemm.MARK_READY, at=400)
     assert reply == sandbox.Reply(stop=True)  # no go: the call never begins
     assert "worked outside its calls" in talk.worked_outside
-    failure = runner.ending(sandbox.Outcome(-9, b"", b"", False, 0.1, stopped=True), talk, 8.0)
+    failure = runner.run_failure(sandbox.Outcome(-9, b"", b"", False, 0.1, stopped=True), talk, 8.0)
     assert failure is not None and failure.status == "stage_violation"

@@ -22,16 +22,20 @@ BODY = "{ C[0] = A[0] * B[0] + M + N + K; }"
 
 
 def test_extract_picks_the_block_with_the_kernel_and_keeps_helpers() -> None:
-    text = (f"First a test:\n```c\nint main(void) {{ return 0; }}\n```\nNow the kernel:\n"
-            f"```c\n#include <math.h>\nstatic double h(double x) {{ return x; }}\n"
-            f"{SIG} {BODY}\n```\nDone.")
+    text = (
+        f"First a test:\n```c\nint main(void) {{ return 0; }}\n```\nNow the kernel:\n"
+        f"```c\n#include <math.h>\nstatic double h(double x) {{ return x; }}\n"
+        f"{SIG} {BODY}\n```\nDone."
+    )
     code = extract(text, SIG).code
     assert "#include <math.h>" in code and "static double h" in code and "main" not in code
 
 
 def test_extract_last_definition_wins_and_qualifiers_are_accepted() -> None:
-    text = (f"```c\n{SIG} {{ }}\n```\n```cpp\nvoid matmul_optimized(const double *restrict A, "
-            f"const double *__restrict__ B, double *C, int M, int N, int K) {BODY}\n```")
+    text = (
+        f"```c\n{SIG} {{ }}\n```\n```cpp\nvoid matmul_optimized(const double *restrict A, "
+        f"const double *__restrict__ B, double *C, int M, int N, int K) {BODY}\n```"
+    )
     assert "restrict A" in extract(text, SIG).code
 
 
@@ -40,76 +44,91 @@ def test_extract_plain_text_drops_prose() -> None:
     assert code.startswith("void matmul_optimized") and "fast" not in code
 
 
-@pytest.mark.parametrize("text", [
-    "no code", f"```python\n{SIG} {BODY}\n```",
-    SIG.replace("int K", "long K") + BODY, SIG.replace("void", "int") + BODY,
-    f"// {SIG} {BODY}", SIG + ";",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "no code",
+        f"```python\n{SIG} {BODY}\n```",
+        SIG.replace("int K", "long K") + BODY,
+        SIG.replace("void", "int") + BODY,
+        f"// {SIG} {BODY}",
+        SIG + ";",
+    ],
+)
 def test_extract_rejects(text: str) -> None:
     with pytest.raises(ExtractError):
         extract(text, SIG)
 
 
 def test_strip_keeps_length_and_blanks_comments_and_strings() -> None:
-    src = 'a /* _mm512 */ b // omp\n"#pragma omp" \'x\''
+    src = "a /* _mm512 */ b // omp\n\"#pragma omp\" 'x'"
     out = blank_comments_and_literals(src)
     assert len(out) == len(src) and "_mm512" not in out and "omp" not in out
 
 
-@pytest.mark.parametrize(("code", "expected"), [
-    ("#pragma omp parallel for\nfor(;;);", {"openmp"}),
-    ("#pragma omp simd\nfor(;;);", {"simd"}),
-    ("#pragma omp parallel for simd\nfor(;;);", {"simd", "openmp"}),
-    ('_Pragma("omp parallel") x;', {"openmp"}),
-    ("int n = omp_get_max_threads();", {"openmp"}),
-    ("__m256d v; v = _mm256_add_pd(v, v);", {"simd"}),
-    ("typedef double v4 __attribute__((vector_size(32)));", {"simd"}),
-    ("#pragma GCC ivdep\nfor(;;);", {"simd"}),
-    ("__builtin_prefetch(p, 0, 3);", {"prefetch"}),
-    ("_mm_prefetch((char*)p, _MM_HINT_T0);", {"prefetch", "simd"}),
-    ("/* _mm512_add_pd #pragma omp parallel __builtin_prefetch */ int x;", set()),
-    # Vector types and vector functions however the attribute is spelled.
-    ("typedef double v4 __attribute__((__vector_size__(32)));", {"simd"}),
-    ("typedef double v4 [[gnu::vector_size(32)]];", {"simd"}),
-    ("typedef double v4 __attribute__((mode(V4DF)));", {"simd"}),
-    ("typedef int i32 __attribute__((mode(SI))); i32 x;", set()),
-    ("__attribute__((simd)) double f(double);", {"simd"}),
-    ("[[gnu::__simd__]] double f(double);", {"simd"}),
-    ("[[omp::directive(parallel for)]] for(;;);", {"openmp"}),
-    ("__builtin_ia32_gatherpfdpd(m, i, p, 4, 1);", {"prefetch", "simd"}),
-    ("double *p = _mm_malloc(64, 64); _mm_setcsr(_mm_getcsr() | 0x8040); _mm_free(p);", set()),
-    # Names that only look like attributes' are not techniques.
-    ("__attribute__((aligned(64))) double simd[8]; int vector_sizes;", set()),
-    ('const char *s = "_mm256_add_pd omp_get_num_threads()";', set()),
-])
+@pytest.mark.parametrize(
+    ("code", "expected"),
+    [
+        ("#pragma omp parallel for\nfor(;;);", {"openmp"}),
+        ("#pragma omp simd\nfor(;;);", {"simd"}),
+        ("#pragma omp parallel for simd\nfor(;;);", {"simd", "openmp"}),
+        ('_Pragma("omp parallel") x;', {"openmp"}),
+        ("int n = omp_get_max_threads();", {"openmp"}),
+        ("__m256d v; v = _mm256_add_pd(v, v);", {"simd"}),
+        ("typedef double v4 __attribute__((vector_size(32)));", {"simd"}),
+        ("#pragma GCC ivdep\nfor(;;);", {"simd"}),
+        ("__builtin_prefetch(p, 0, 3);", {"prefetch"}),
+        ("_mm_prefetch((char*)p, _MM_HINT_T0);", {"prefetch", "simd"}),
+        ("/* _mm512_add_pd #pragma omp parallel __builtin_prefetch */ int x;", set()),
+        # Vector types and vector functions however the attribute is spelled.
+        ("typedef double v4 __attribute__((__vector_size__(32)));", {"simd"}),
+        ("typedef double v4 [[gnu::vector_size(32)]];", {"simd"}),
+        ("typedef double v4 __attribute__((mode(V4DF)));", {"simd"}),
+        ("typedef int i32 __attribute__((mode(SI))); i32 x;", set()),
+        ("__attribute__((simd)) double f(double);", {"simd"}),
+        ("[[gnu::__simd__]] double f(double);", {"simd"}),
+        ("[[omp::directive(parallel for)]] for(;;);", {"openmp"}),
+        ("__builtin_ia32_gatherpfdpd(m, i, p, 4, 1);", {"prefetch", "simd"}),
+        ("double *p = _mm_malloc(64, 64); _mm_setcsr(_mm_getcsr() | 0x8040); _mm_free(p);", set()),
+        # Names that only look like attributes' are not techniques.
+        ("__attribute__((aligned(64))) double simd[8]; int vector_sizes;", set()),
+        ('const char *s = "_mm256_add_pd omp_get_num_threads()";', set()),
+    ],
+)
 def test_detect_policed_techniques(code: str, expected: set[str]) -> None:
     found = checks.detect_techniques(code) & {"simd", "openmp", "prefetch"}
     assert found == expected
 
 
-@pytest.mark.parametrize(("code", "reason"), [
-    ('__attribute__((section(".text"))) const char code[] = {0};', "section"),
-    ('[[gnu::section(".data,\\"awx\\"#")]] char code[1];', "section"),
-    ('__attribute__((__symver__("f@V1"))) void f(void) {}', "symver"),
-    ('void g(void) __attribute__((alias("f")));', "alias"),
-    ("__attribute__((constructor)) static void early(void) {}", "constructor"),
-    ('[[gnu::optimize("O0")]] void f(void) {}', "optimisation level"),
-    ("double x __attribute__((aligned(64)", "cannot be read"),
-])
+@pytest.mark.parametrize(
+    ("code", "reason"),
+    [
+        ('__attribute__((section(".text"))) const char code[] = {0};', "section"),
+        ('[[gnu::section(".data,\\"awx\\"#")]] char code[1];', "section"),
+        ('__attribute__((__symver__("f@V1"))) void f(void) {}', "symver"),
+        ('void g(void) __attribute__((alias("f")));', "alias"),
+        ("__attribute__((constructor)) static void early(void) {}", "constructor"),
+        ('[[gnu::optimize("O0")]] void f(void) {}', "optimisation level"),
+        ("double x __attribute__((aligned(64)", "cannot be read"),
+    ],
+)
 def test_attributes_that_place_or_rename_code_are_refused(code: str, reason: str) -> None:
     reasons = checks.source_violations(code)
     assert any(reason in r for r in reasons), reasons
 
 
 def test_ordinary_attributes_pass() -> None:
-    code = ("static inline __attribute__((always_inline, aligned(64), hot)) double f(void);"
-            "[[gnu::noinline]] void g(void); double section, alias[4];")
+    code = (
+        "static inline __attribute__((always_inline, aligned(64), hot)) double f(void);"
+        "[[gnu::noinline]] void g(void); double section, alias[4];"
+    )
     assert checks.source_violations(code) == []
 
 
 def test_preprocessed_main_file_only() -> None:
-    text = ('# 1 "kernel.c"\nx;\n# 1 "/usr/include/immintrin.h" 1\n_mm512_add_pd;\n'
-            '# 3 "kernel.c" 2\ny;')
+    text = (
+        '# 1 "kernel.c"\nx;\n# 1 "/usr/include/immintrin.h" 1\n_mm512_add_pd;\n# 3 "kernel.c" 2\ny;'
+    )
     assert main_file_lines(text, "kernel.c").split() == ["x;", "y;"]
 
 
@@ -125,9 +144,13 @@ def test_object_check() -> None:
 0000000000000040 T main
 """
     undefined, defined = checks.parse_nm(nm)
-    reasons = checks.object_violations(undefined, defined, [".text", ".init_array"],
-                                       function="matmul_optimized",
-                                       runtime_symbols=frozenset({"free"}))
+    reasons = checks.object_violations(
+        undefined,
+        defined,
+        [".text", ".init_array"],
+        function="matmul_optimized",
+        runtime_symbols=frozenset({"free"}),
+    )
     text = " | ".join(reasons)
     assert "cblas_dgemm" in text and "GOMP" not in text and "memcpy" not in text
     assert "defines free" in text and "resolver" in text and ".init_array" in text
@@ -158,8 +181,14 @@ def test_check_and_reference() -> None:
 
 
 def profile(flags: str, mhz: float = 2000.0, cores: int = 4) -> HostProfile:
-    return HostProfile("h", "Intel Xeon Gold 6230", frozenset(flags.split()), cores, mhz,
-                       "gcc (Debian 12.2.0) 12.2.0")
+    return HostProfile(
+        "h",
+        "Intel Xeon Gold 6230",
+        frozenset(flags.split()),
+        cores,
+        mhz,
+        "gcc (Debian 12.2.0) 12.2.0",
+    )
 
 
 def test_isa_policy_and_peak() -> None:
@@ -183,19 +212,37 @@ def test_host_class_depends_on_model_isa_compiler_only() -> None:
 
 
 def test_reward_table_is_the_spec() -> None:
-    assert REWARDS == {"format_violation": -100, "library_violation": -100,
-                       "stage_violation": -100, "compile_error": -40, "timeout": -30,
-                       "runtime_error": -20, "verification_error": -10}
+    assert REWARDS == {
+        "format_violation": -100,
+        "library_violation": -100,
+        "stage_violation": -100,
+        "compile_error": -40,
+        "timeout": -30,
+        "runtime_error": -20,
+        "verification_error": -10,
+    }
     assert reward("success", 12.5) == 12.5
     stats = timing_stats([1.0, 2.0, 3.0])
     assert stats.mean_s == 2.0 and stats.median_s == 2.0
     assert stats.cv == pytest.approx(0.40825, 1e-4)
 
 
-@pytest.mark.parametrize("unit", [
-    "for(", "__attribute__((", "[[", "\n", " \n", "#include <blas", "```c\n", "```", "c1",
-    '"', "matmul_optimized(",
-])
+@pytest.mark.parametrize(
+    "unit",
+    [
+        "for(",
+        "__attribute__((",
+        "[[",
+        "\n",
+        " \n",
+        "#include <blas",
+        "```c\n",
+        "```",
+        "c1",
+        '"',
+        "matmul_optimized(",
+    ],
+)
 def test_checks_take_linear_time_on_hostile_text(unit: str) -> None:
     # The checks run in the service's own process on text the model wrote (up to 1 MB per
     # message). Each of these repeated units once made a pattern rescan the rest of the
@@ -215,16 +262,17 @@ def test_checks_take_linear_time_on_hostile_text(unit: str) -> None:
 LEXER_VARIANTS = {
     "splice with white space in a string": (
         'static const char *s = "a\\ \n"; static void f(void) { __asm__("nop"); }',
-        "inline assembly"),
-    "lone CR before a pragma": ('int x;\r#pragma GCC optimize("O3")\nint y;',
-                                "optimisation level"),
+        "inline assembly",
+    ),
+    "lone CR before a pragma": ('int x;\r#pragma GCC optimize("O3")\nint y;', "optimisation level"),
     "form feed before a pragma": ('\f#pragma GCC optimize("O3")\nint y;', "optimisation level"),
     "digraph attribute": ('<:<:gnu::section(".text.x"):>:> void f(void) {}', "section"),
     "header name read as a comment": (
-        "#if __has_include(<x/*>)\n#endif\n# 1 \"/usr/include/stdio.h\"\nvoid f(void) "
-        '{ __asm__("nop"); }\nstatic const char *s = "*/";', "header name"),
-    "prefixed _Pragma operand": ('_Pragma(L"GCC optimize(\\"O3\\")") int y;',
-                                 "optimisation level"),
+        '#if __has_include(<x/*>)\n#endif\n# 1 "/usr/include/stdio.h"\nvoid f(void) '
+        '{ __asm__("nop"); }\nstatic const char *s = "*/";',
+        "header name",
+    ),
+    "prefixed _Pragma operand": ('_Pragma(L"GCC optimize(\\"O3\\")") int y;', "optimisation level"),
 }
 
 

@@ -19,8 +19,9 @@ def small_plan() -> catalogue.Plan:
 
 @pytest.fixture(scope="session")
 def small_measured(small_plan, tmp_path_factory) -> list[catalogue.Measured]:
-    measured, _ = catalogue.measure(small_plan.all(), load_task("matmul"), "O3",
-                                    tmp_path_factory.mktemp("catalogue"))
+    measured, _ = catalogue.measure(
+        small_plan.all(), load_task("matmul"), "O3", tmp_path_factory.mktemp("catalogue")
+    )
     return measured
 
 

@@ -45,13 +45,20 @@ def test_stages_and_isas_are_all_covered(corpus: list[cp.Kernel]) -> None:
     assert {k.stage for k in corpus} == set(range(1, 7))
     assert {k.isa for k in corpus} == {"avx2", "avx512"}
     sources = "".join(k.source for k in corpus)
-    for needle in ("__m256d", "_mm256_fmadd_pd", "__m512d", "_mm512_fmadd_pd", "_mm_prefetch",
-                   "__builtin_prefetch", "#pragma omp parallel for", "collapse(2)"):
+    for needle in (
+        "__m256d",
+        "_mm256_fmadd_pd",
+        "__m512d",
+        "_mm512_fmadd_pd",
+        "_mm_prefetch",
+        "__builtin_prefetch",
+        "#pragma omp parallel for",
+        "collapse(2)",
+    ):
         assert needle in sources, needle
 
 
-def test_correct_kernels_use_their_stage_and_nothing_it_forbids(
-        corpus: list[cp.Kernel]) -> None:
+def test_correct_kernels_use_their_stage_and_nothing_it_forbids(corpus: list[cp.Kernel]) -> None:
     for kernel in (k for k in corpus if k.correct):
         detected = detect_techniques(kernel.source)
         assert stage(kernel.stage).violations(detected) == [], kernel.source
@@ -87,9 +94,12 @@ def test_mistakes_change_the_source_in_the_expected_way() -> None:
         spec = cp.sample_spec(rng, 2, "avx512")
     good = cp.render(spec)
     assert "k <= " not in good and "k <= " in cp.render(
-        cp.with_mistake(rng, spec, 2, "avx512", cp.OFF_BY_ONE))
+        cp.with_mistake(rng, spec, 2, "avx512", cp.OFF_BY_ONE)
+    )
     assert "= 0.0;" in good and "C[i] = 0.0" not in cp.render(
-        cp.with_mistake(rng, spec, 2, "avx512", cp.NO_ZERO))
+        cp.with_mistake(rng, spec, 2, "avx512", cp.NO_ZERO)
+    )
     assert "_main" in good and "_main" not in cp.render(
-        cp.with_mistake(rng, spec, 2, "avx512", cp.NO_BOUNDARY))
+        cp.with_mistake(rng, spec, 2, "avx512", cp.NO_BOUNDARY)
+    )
     assert cp.render(cp.with_mistake(rng, spec, 2, "avx512", cp.WRONG_STRIDE)) != good

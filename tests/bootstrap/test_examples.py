@@ -37,8 +37,14 @@ def test_prompts_are_exactly_the_schedulers(examples: list) -> None:
     for ex in examples[:80]:
         if ex.mode == "seed":
             continue  # seed prompts may show the task's seed program as the parent
-        expected = build_prompt(TASK, target_stage=ex.target_stage, mode=ex.mode,
-                                parent_source=ex.shown_parent, error=ex.error, isa=ex.isa)
+        expected = build_prompt(
+            TASK,
+            target_stage=ex.target_stage,
+            mode=ex.mode,
+            parent_source=ex.shown_parent,
+            error=ex.error,
+            isa=ex.isa,
+        )
         assert list(ex.prompt) == expected
         restyled += ex.shown_parent != ex.parent.source
     # Some parents are shown as the catalogue wrote them, some in another style.
@@ -65,8 +71,9 @@ def test_improve_answers_are_measurably_faster(examples, small_measured) -> None
         assert fast >= IMPROVE_MARGIN * slow
 
 
-def test_deepen_adds_a_stage_and_repair_shows_the_benchmarkers_error(examples,
-                                                                     small_measured) -> None:
+def test_deepen_adds_a_stage_and_repair_shows_the_benchmarkers_error(
+    examples, small_measured
+) -> None:
     verdicts = {catalogue.verdict_key(m.kernel): m for m in small_measured}
     for ex in examples:
         if ex.mode == "deepen":
@@ -86,6 +93,7 @@ def test_pairs_count_what_they_leave_out(small_plan, small_measured) -> None:
     assert kept + targets_out == len(small_plan.targets)
     deepen = sum(len(v) for v in pairs.deepen.values())
     deepen_out = sum(n for k, n in pairs.left_out.items() if k.startswith("deepen_"))
-    eligible = sum(1 for i in small_plan.parents
-                   if verdicts[catalogue.verdict_key(small_plan.targets[i])].ok)
+    eligible = sum(
+        1 for i in small_plan.parents if verdicts[catalogue.verdict_key(small_plan.targets[i])].ok
+    )
     assert deepen + deepen_out == eligible

@@ -30,8 +30,10 @@ def test_restyle_keeps_the_signature_and_the_techniques() -> None:
     for kernel in PLAN.targets:
         for _ in range(5):
             text = restyle(kernel.source, rng)
-            assert "void matmul_optimized(double *A, double *B, double *C, int M, int N, " \
-                   "int K)" in text
+            assert (
+                "void matmul_optimized(double *A, double *B, double *C, int M, int N, "
+                "int K)" in text
+            )
             assert detect_techniques(text) == detect_techniques(kernel.source)
 
 

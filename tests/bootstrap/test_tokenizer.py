@@ -14,8 +14,9 @@ from hpcrl_common.task import load_task
 
 @pytest.fixture(scope="module")
 def trained(small_pairs):
-    examples = make_examples(seed=0, count=300, task=load_task("matmul"), pairs=small_pairs,
-                             isa=host_isa())
+    examples = make_examples(
+        seed=0, count=300, task=load_task("matmul"), pairs=small_pairs, isa=host_isa()
+    )
     return train_tokenizer(chat_texts(examples[:250]), vocab_size=2048), examples[250:]
 
 
@@ -39,9 +40,14 @@ def test_a_qwen2_model_directory_loads_the_same_tokenizer(trained, tmp_path) -> 
     must not change (the generator encodes prompts that way)."""
     tokenizer, held_out = trained
     tokenizer.save_pretrained(tmp_path)
-    Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1,
-                num_attention_heads=2, num_key_value_heads=1,
-                intermediate_size=64).save_pretrained(tmp_path)
+    Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=64,
+    ).save_pretrained(tmp_path)
     loaded = AutoTokenizer.from_pretrained(tmp_path)
     for ex in held_out[:10]:
         text = format_chat([m.model_dump() for m in ex.prompt]) + ex.completion
@@ -51,8 +57,7 @@ def test_a_qwen2_model_directory_loads_the_same_tokenizer(trained, tmp_path) -> 
 def test_chat_template_is_qwen_style_and_special_tokens_are_set(trained, tmp_path) -> None:
     tokenizer, held_out = trained
     messages = [m.model_dump() for m in held_out[0].prompt]
-    rendered = tokenizer.apply_chat_template(messages, tokenize=False,
-                                             add_generation_prompt=True)
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert rendered == format_chat(messages)
     assert rendered.startswith("<|im_start|>system\n")
     assert rendered.endswith("<|im_end|>\n<|im_start|>assistant\n")
@@ -65,6 +70,7 @@ def test_chat_template_is_qwen_style_and_special_tokens_are_set(trained, tmp_pat
     tokenizer.save_pretrained(tmp_path)
     loaded = AutoTokenizer.from_pretrained(tmp_path)
     assert loaded(rendered)["input_ids"] == tokenizer(rendered)["input_ids"]
-    assert loaded.apply_chat_template(messages, tokenize=False,
-                                      add_generation_prompt=True) == rendered
+    assert (
+        loaded.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == rendered
+    )
     assert loaded.eos_token_id == tokenizer.eos_token_id

@@ -31,17 +31,33 @@ from hpcrl_bootstrap.train import (
     lr_at,
 )
 
-TINY = BootstrapSettings(kernels_per_stage=(3, 3, 2, 1, 1, 1), examples=120, vocab_size=1024,
-                         hidden_size=64, layers=2, heads=4, kv_heads=2, intermediate_size=128,
-                         steps=3, batch_size=4, warmup_steps=1, precision="fp32")
+TINY = BootstrapSettings(
+    kernels_per_stage=(3, 3, 2, 1, 1, 1),
+    examples=120,
+    vocab_size=1024,
+    hidden_size=64,
+    layers=2,
+    heads=4,
+    kv_heads=2,
+    intermediate_size=128,
+    steps=3,
+    batch_size=4,
+    warmup_steps=1,
+    precision="fp32",
+)
 
 
 def test_collate_trains_on_the_completion_only() -> None:
-    batch = collate([Encoded([5, 6, 7, 8, 9], prompt_len=3), Encoded([1, 2], prompt_len=1)],
-                    pad_id=0, multiple=4)
+    batch = collate(
+        [Encoded([5, 6, 7, 8, 9], prompt_len=3), Encoded([1, 2], prompt_len=1)],
+        pad_id=0,
+        multiple=4,
+    )
     assert batch["input_ids"].tolist() == [[5, 6, 7, 8, 9, 0, 0, 0], [1, 2, 0, 0, 0, 0, 0, 0]]
-    assert batch["labels"].tolist() == [[IGNORE] * 3 + [8, 9] + [IGNORE] * 3,
-                                        [IGNORE, 2] + [IGNORE] * 6]
+    assert batch["labels"].tolist() == [
+        [IGNORE] * 3 + [8, 9] + [IGNORE] * 3,
+        [IGNORE, 2] + [IGNORE] * 6,
+    ]
 
 
 def test_batches_are_full_and_lr_warms_up_then_decays() -> None:
@@ -69,8 +85,14 @@ def test_tiny_bootstrap_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture
     assert not is_ready(out)
     assert ensure_model(TINY, out) == out
     assert is_ready(out)
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json",
-                 INFO_FILE, MARKER):
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "generation_config.json",
+        INFO_FILE,
+        MARKER,
+    ):
         assert (out / name).is_file(), name
     info = json.loads((out / INFO_FILE).read_text())
     assert info["training"]["steps"] == 3 and info["key"] == TINY.key()
@@ -86,15 +108,19 @@ def test_tiny_bootstrap_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture
     assert config["tie_word_embeddings"] is True
     tokenizer = AutoTokenizer.from_pretrained(out)
     kernel = timed[-1]["source"]
-    assert tokenizer(kernel)["input_ids"] == Tokenizer.from_file(
-        str(out / "tokenizer.json")).encode(kernel).ids
+    assert (
+        tokenizer(kernel)["input_ids"]
+        == Tokenizer.from_file(str(out / "tokenizer.json")).encode(kernel).ids
+    )
     model = AutoModelForCausalLM.from_pretrained(out)
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Stage 1."}],
-                                           tokenize=False, add_generation_prompt=True)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Stage 1."}], tokenize=False, add_generation_prompt=True
+    )
     ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)
     torch.manual_seed(0)
-    generated = model.generate(**ids, do_sample=True, max_new_tokens=8,
-                               pad_token_id=tokenizer.pad_token_id)
+    generated = model.generate(
+        **ids, do_sample=True, max_new_tokens=8, pad_token_id=tokenizer.pad_token_id
+    )
     assert generated.shape[1] > ids["input_ids"].shape[1]
     assert isinstance(tokenizer.decode(generated[0]), str)
 
@@ -109,8 +135,13 @@ def test_tiny_bootstrap_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture
 
 
 def test_module_entry_point_has_truthful_help() -> None:
-    done = subprocess.run([sys.executable, "-m", "hpcrl_bootstrap", "--help"],
-                          capture_output=True, text=True, check=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "hpcrl_bootstrap", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
     assert done.stdout.startswith("usage: hpcrl-bootstrap")
     for flag in ("--data-dir", "--out", "--steps", "--seed", "--force", "--evaluate"):
         assert flag in done.stdout

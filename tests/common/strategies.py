@@ -50,7 +50,9 @@ def aligned_tokens(draw: st.DrawFn) -> tuple[PackedArray, PackedArray]:
 
 
 bench_specs = st.builds(
-    BenchSpec, task=st.sampled_from(["matmul", "gemv"]), stage=stages,
+    BenchSpec,
+    task=st.sampled_from(["matmul", "gemv"]),
+    stage=stages,
     opt_level=st.sampled_from(["O0", "O1", "O3"]),
 )
 
@@ -59,26 +61,37 @@ bench_specs = st.builds(
 def rollout_data(draw: st.DrawFn) -> RolloutData:
     completion, logprobs = draw(aligned_tokens())
     return RolloutData(
-        prompt_token_ids=draw(token_ids()), completion_token_ids=completion,
-        sampling_logprobs=logprobs, policy_version=draw(st.integers(0, 10_000)),
+        prompt_token_ids=draw(token_ids()),
+        completion_token_ids=completion,
+        sampling_logprobs=logprobs,
+        policy_version=draw(st.integers(0, 10_000)),
         finish_reason=draw(st.none() | st.sampled_from(["stop", "length"])),
     )
 
 
 generate_requests = st.builds(
     GenerateRequest,
-    id=ids, experiment=ids, iteration=st.integers(0, 100), parent_id=st.none() | ids,
+    id=ids,
+    experiment=ids,
+    iteration=st.integers(0, 100),
+    parent_id=st.none() | ids,
     mode=st.sampled_from(["seed", "deepen", "improve", "repair"]),
     prompt=st.lists(
         st.builds(ChatMessage, role=st.sampled_from(["system", "user"]), content=text),
-        min_size=1, max_size=3,
+        min_size=1,
+        max_size=3,
     ),
     group_size=st.integers(1, 64),
     sampling=st.builds(
-        SamplingParams, temperature=st.floats(0, 2), top_p=st.floats(0.01, 1),
-        max_tokens=st.integers(1, 4096), seed=st.none() | st.integers(0, 2**31),
+        SamplingParams,
+        temperature=st.floats(0, 2),
+        top_p=st.floats(0.01, 1),
+        max_tokens=st.integers(1, 4096),
+        seed=st.none() | st.integers(0, 2**31),
     ),
-    min_policy_version=st.integers(0, 1000), bench=bench_specs, created_at=timestamps,
+    min_policy_version=st.integers(0, 1000),
+    bench=bench_specs,
+    created_at=timestamps,
 )
 
 
@@ -86,15 +99,25 @@ generate_requests = st.builds(
 def candidates(draw: st.DrawFn) -> Candidate:
     group, index = draw(ids), draw(st.integers(0, 1023))
     return Candidate(
-        id=candidate_id(group, index), group_id=group, index=index, completion=draw(text),
-        bench=draw(bench_specs), rollout=draw(st.none() | rollout_data()),
-        generator=draw(ids), created_at=draw(timestamps),
+        id=candidate_id(group, index),
+        group_id=group,
+        index=index,
+        completion=draw(text),
+        bench=draw(bench_specs),
+        rollout=draw(st.none() | rollout_data()),
+        generator=draw(ids),
+        created_at=draw(timestamps),
     )
 
 
 hosts = st.builds(
-    HostInfo, hostname=ids, cpu_model=text, isa=st.lists(st.sampled_from(["avx2", "avx512f"])),
-    cores=st.integers(1, 256), compiler=text, host_class=ids,
+    HostInfo,
+    hostname=ids,
+    cpu_model=text,
+    isa=st.lists(st.sampled_from(["avx2", "avx512f"])),
+    cores=st.integers(1, 256),
+    compiler=text,
+    host_class=ids,
     peak_gflops=st.just(1e6),
 )
 
@@ -102,8 +125,14 @@ hosts = st.builds(
 @st.composite
 def timings(draw: st.DrawFn) -> Timing:
     runs = draw(st.lists(positive, min_size=1, max_size=10))
-    return Timing(runs_s=runs, mean_s=float(np.mean(runs)), median_s=float(np.median(runs)),
-                  min_s=min(runs), max_s=max(runs), cv=float(np.std(runs) / np.mean(runs)))
+    return Timing(
+        runs_s=runs,
+        mean_s=float(np.mean(runs)),
+        median_s=float(np.median(runs)),
+        min_s=min(runs),
+        max_s=max(runs),
+        cv=float(np.std(runs) / np.mean(runs)),
+    )
 
 
 @st.composite
@@ -112,16 +141,24 @@ def bench_results(draw: st.DrawFn) -> BenchResult:
     status = draw(st.sampled_from(STATUSES))
     gflops = draw(positive) if status == "success" else None
     return BenchResult(
-        id=candidate_id(group, index), group_id=group, index=index, status=status,
-        reward=reward_for_status(status, gflops), gflops=gflops,
+        id=candidate_id(group, index),
+        group_id=group,
+        index=index,
+        status=status,
+        reward=reward_for_status(status, gflops),
+        gflops=gflops,
         timing=draw(timings()) if gflops is not None else None,
         techniques=draw(st.lists(st.sampled_from(["simd", "openmp", "prefetch"]), unique=True)),
-        generalizes=draw(st.none() | st.booleans()), error=draw(text),
-        source=draw(st.none() | text), bench=draw(bench_specs),
+        generalizes=draw(st.none() | st.booleans()),
+        error=draw(text),
+        source=draw(st.none() | text),
+        bench=draw(bench_specs),
         compile_flags=draw(st.lists(st.sampled_from(["-O3", "-fopenmp", "-march=native"]))),
-        host=draw(hosts), benchmarker=draw(ids),
+        host=draw(hosts),
+        benchmarker=draw(ids),
         durations_s=draw(st.dictionaries(st.sampled_from(["compile", "verify", "time"]), positive)),
-        rollout=draw(st.none() | rollout_data()), created_at=draw(timestamps),
+        rollout=draw(st.none() | rollout_data()),
+        created_at=draw(timestamps),
         completion_sha256=draw(st.none() | text_hashes),
     )
 
@@ -131,19 +168,31 @@ def rollout_samples(draw: st.DrawFn) -> RolloutSample:
     completion, logprobs = draw(aligned_tokens())
     status = draw(st.sampled_from(STATUSES))
     # A failure keeps its penalty; a success's reward is within every reward mode's range.
-    reward = (draw(st.floats(0.0, 100.0, allow_nan=False)) if status == "success"
-              else reward_for_status(status, None))
+    reward = (
+        draw(st.floats(0.0, 100.0, allow_nan=False))
+        if status == "success"
+        else reward_for_status(status, None)
+    )
     return RolloutSample(
-        candidate_id=draw(ids), completion_token_ids=completion, sampling_logprobs=logprobs,
-        policy_version=draw(st.integers(0, 1000)), reward=reward, status=status,
+        candidate_id=draw(ids),
+        completion_token_ids=completion,
+        sampling_logprobs=logprobs,
+        policy_version=draw(st.integers(0, 1000)),
+        reward=reward,
+        status=status,
         completion_sha256=draw(st.none() | text_hashes),
     )
 
 
 rollout_batches = st.builds(
-    RolloutBatch, id=ids, experiment=ids, iteration=st.integers(0, 100),
-    prompt_token_ids=token_ids(), samples=st.lists(rollout_samples(), min_size=1, max_size=4),
-    reward_mode=st.sampled_from(["raw", "group_normalized", "parent_relative"]), host_class=ids,
+    RolloutBatch,
+    id=ids,
+    experiment=ids,
+    iteration=st.integers(0, 100),
+    prompt_token_ids=token_ids(),
+    samples=st.lists(rollout_samples(), min_size=1, max_size=4),
+    reward_mode=st.sampled_from(["raw", "group_normalized", "parent_relative"]),
+    host_class=ids,
     created_at=timestamps,
 )
 
@@ -152,12 +201,16 @@ rollout_batches = st.builds(
 def weight_updates(draw: st.DrawFn) -> WeightUpdate:
     version = draw(st.integers(1, 10_000))
     return WeightUpdate(
-        id=f"v{version}", version=version, parent_version=draw(st.integers(0, version - 1)),
-        uri=f"/ckpt/v{version}", format=draw(st.sampled_from(["full", "lora"])),
+        id=f"v{version}",
+        version=version,
+        parent_version=draw(st.integers(0, version - 1)),
+        uri=f"/ckpt/v{version}",
+        format=draw(st.sampled_from(["full", "lora"])),
         checksum="sha256:" + draw(st.from_regex(r"[0-9a-f]{64}", fullmatch=True)),
         base_model=draw(ids),
-        metrics=draw(st.dictionaries(ids.filter(lambda k: k not in PACING_FIELDS), finite,
-                                     max_size=3)),
+        metrics=draw(
+            st.dictionaries(ids.filter(lambda k: k not in PACING_FIELDS), finite, max_size=3)
+        ),
         groups_trained=draw(st.none() | st.integers(0, 2**40)),
         groups_dropped=draw(st.integers(0, 2**40)),
         groups_per_step=draw(st.none() | st.integers(1, 4096)),
@@ -172,10 +225,17 @@ ANY_MESSAGE = st.one_of(
 
 # --- fixed examples for tests that need one concrete message ------------------------------
 
+
 def sample_weight_update(version: int = 2) -> WeightUpdate:
-    return WeightUpdate(id=f"v{version}", version=version, parent_version=version - 1,
-                        uri=f"/ckpt/v{version}", format="full", checksum="sha256:" + "ab" * 32,
-                        metrics={"loss": 0.5})
+    return WeightUpdate(
+        id=f"v{version}",
+        version=version,
+        parent_version=version - 1,
+        uri=f"/ckpt/v{version}",
+        format="full",
+        checksum="sha256:" + "ab" * 32,
+        metrics={"loss": 0.5},
+    )
 
 
 def sample_rollout(n: int = 5) -> RolloutData:
@@ -188,14 +248,23 @@ def sample_rollout(n: int = 5) -> RolloutData:
 
 
 def sample_candidate(group: str = "g1", index: int = 0) -> Candidate:
-    return Candidate(id=candidate_id(group, index), group_id=group, index=index,
-                     completion="void matmul_optimized(void) {}",
-                     bench=BenchSpec(task="matmul", stage=1), rollout=sample_rollout())
+    return Candidate(
+        id=candidate_id(group, index),
+        group_id=group,
+        index=index,
+        completion="void matmul_optimized(void) {}",
+        bench=BenchSpec(task="matmul", stage=1),
+        rollout=sample_rollout(),
+    )
 
 
 def sample_request(request_id: str = "r1") -> GenerateRequest:
     return GenerateRequest(
-        id=request_id, experiment="exp", iteration=0, mode="seed",
-        prompt=[ChatMessage(role="user", content="write a kernel")], group_size=2,
+        id=request_id,
+        experiment="exp",
+        iteration=0,
+        mode="seed",
+        prompt=[ChatMessage(role="user", content="write a kernel")],
+        group_size=2,
         bench=BenchSpec(task="matmul", stage=1),
     )

@@ -61,8 +61,9 @@ NAMESPACE = "exp"
 
 
 def rabbitmqctl(*args: str) -> str:
-    return subprocess.run(["rabbitmqctl", "-q", *args], capture_output=True, text=True,
-                          check=True).stdout
+    return subprocess.run(
+        ["rabbitmqctl", "-q", *args], capture_output=True, text=True, check=True
+    ).stdout
 
 
 def import_definitions(text: str) -> None:
@@ -94,10 +95,18 @@ class Site:
             user = self.role_users[role]
             password = self.passwords[user]
         url = f"amqp://{user}:{password}@127.0.0.1:5672/{quote(self.vhost, safe='')}"
-        return BrokerSettings(url=url, namespace=NAMESPACE, delivery_limit=3, heartbeat_s=5,
-                              reconnect_initial_s=0.2, reconnect_max_s=1.0,
-                              declare_topology=role is None, authenticate_publishers=True,
-                              role_users=self.role_users, **changes)
+        return BrokerSettings(
+            url=url,
+            namespace=NAMESPACE,
+            delivery_limit=3,
+            heartbeat_s=5,
+            reconnect_initial_s=0.2,
+            reconnect_max_s=1.0,
+            declare_topology=role is None,
+            authenticate_publishers=True,
+            role_users=self.role_users,
+            **changes,
+        )
 
     def create(self) -> None:
         users = {user: (role, self.passwords[user]) for role, user in self.role_users.items()}
@@ -159,8 +168,7 @@ def test_only_the_role_that_owns_a_queue_may_publish_into_it():
     users = {role: f"hpcrl-{role}" for role in ROLES}
     assert publisher_allowed(BENCH_RESULTS, "hpcrl-benchmarker", users) is None
     assert publisher_allowed(BENCH_RESULTS, "hpcrl-benchmarker.site-b", users) is None
-    assert "only the benchmarker role" in publisher_allowed(BENCH_RESULTS, "hpcrl-generator",
-                                                            users)
+    assert "only the benchmarker role" in publisher_allowed(BENCH_RESULTS, "hpcrl-generator", users)
     assert publisher_allowed(BENCH_RESULTS, "hpcrl-benchmarkerX", users) is not None
     assert "unauthenticated" in publisher_allowed(WEIGHT_UPDATES, None, users)
     assert publisher_allowed(WEIGHT_UPDATES, "hpcrl-learner", users) is None
@@ -173,26 +181,36 @@ def test_a_benchmarkers_credentials_reach_only_its_own_queues(site: Site):
     t = site.topology
     ok = site.channel("benchmarker")
     ok.basic_get(t.name(CODE_TO_BENCH))  # its input
-    ok.basic_publish(t.work_exchange(BENCH_RESULTS), t.name(BENCH_RESULTS),
-                     encode(sample_candidate()), mandatory=True)  # its output
+    ok.basic_publish(
+        t.work_exchange(BENCH_RESULTS),
+        t.name(BENCH_RESULTS),
+        encode(sample_candidate()),
+        mandatory=True,
+    )  # its output
     method, _props, _body = site.channel(None).basic_get(t.name(BENCH_RESULTS), auto_ack=True)
     assert method is not None  # it arrived (and is gone again: later tests count dead letters)
     forbidden = {
         "read rollout batches": lambda ch: ch.basic_get(t.name(ROLLOUT_BATCHES)),
         "announce weights": lambda ch: ch.basic_publish(t.name(WEIGHT_UPDATES), "", b"x"),
         "publish via the default exchange": lambda ch: ch.basic_publish(
-            "", t.name(BENCH_RESULTS), b"x"),
+            "", t.name(BENCH_RESULTS), b"x"
+        ),
         "publish generation requests": lambda ch: ch.basic_publish(
-            t.work_exchange(GENERATE_REQUESTS), t.name(GENERATE_REQUESTS), b"x"),
+            t.work_exchange(GENERATE_REQUESTS), t.name(GENERATE_REQUESTS), b"x"
+        ),
         "delete a queue": lambda ch: ch.queue_delete(t.name(ROLLOUT_BATCHES)),
         "delete its own input": lambda ch: ch.queue_delete(t.name(CODE_TO_BENCH)),
         "declare a queue": lambda ch: ch.queue_declare(f"{NAMESPACE}.spy"),
         "delete an exchange": lambda ch: ch.exchange_delete(t.work_exchange(BENCH_RESULTS)),
-        "bind a queue": lambda ch: ch.queue_bind(t.name(BENCH_RESULTS),
-                                                 t.work_exchange(CODE_TO_BENCH)),
+        "bind a queue": lambda ch: ch.queue_bind(
+            t.name(BENCH_RESULTS), t.work_exchange(CODE_TO_BENCH)
+        ),
     }
-    failures = [what for what, action in forbidden.items()
-                if not refused(lambda a=action: a(site.channel("benchmarker")))]
+    failures = [
+        what
+        for what, action in forbidden.items()
+        if not refused(lambda a=action: a(site.channel("benchmarker")))
+    ]
     assert not failures, f"a benchmarker could: {failures}"
     depth = site.channel(None).queue_declare(t.dlq(BENCH_RESULTS), passive=True)
     assert depth.method.message_count == 0  # nothing it wrote landed anywhere else
@@ -202,22 +220,34 @@ def test_a_learners_credentials_cannot_read_results_or_requests(site: Site):
     t = site.topology
     for queue in (BENCH_RESULTS, GENERATE_REQUESTS, CODE_TO_BENCH):
         assert refused(lambda q=queue: site.channel("learner").basic_get(t.name(q)))
-    assert refused(lambda: site.channel("generator").basic_publish(t.name(WEIGHT_UPDATES), "",
-                                                                    b"x"))
+    assert refused(
+        lambda: site.channel("generator").basic_publish(t.name(WEIGHT_UPDATES), "", b"x")
+    )
 
 
 def test_a_forged_user_id_is_refused_by_the_broker(site: Site):
     channel = site.channel(None)
     props = pika.BasicProperties(user_id=site.role_users["benchmarker"])
     with pytest.raises(pika.exceptions.ChannelClosedByBroker) as caught:
-        channel.basic_publish(site.topology.work_exchange(BENCH_RESULTS),
-                              site.topology.name(BENCH_RESULTS), b"x", properties=props)
+        channel.basic_publish(
+            site.topology.work_exchange(BENCH_RESULTS),
+            site.topology.name(BENCH_RESULTS),
+            b"x",
+            properties=props,
+        )
     assert caught.value.reply_code == 406  # PRECONDITION_FAILED: user_id is not the user
 
 
 def host() -> HostInfo:
-    return HostInfo(hostname="n", cpu_model="c", isa=["avx512f"], cores=2, compiler="gcc",
-                    host_class="c", peak_gflops=500.0)
+    return HostInfo(
+        hostname="n",
+        cpu_model="c",
+        isa=["avx512f"],
+        cores=2,
+        compiler="gcc",
+        host_class="c",
+        peak_gflops=500.0,
+    )
 
 
 def test_every_role_runs_with_only_its_own_permissions(site: Site):
@@ -227,45 +257,79 @@ def test_every_role_runs_with_only_its_own_permissions(site: Site):
     seen: dict[str, list] = {"updates_generator": [], "updates_scheduler": [], "batches": []}
 
     def generate(request: GenerateRequest, _d) -> list[Publish]:
-        candidate = Candidate(id=f"{request.id}/0", group_id=request.id, index=0,
-                              completion="void f(void) {}", bench=request.bench,
-                              rollout=sample_rollout())
+        candidate = Candidate(
+            id=f"{request.id}/0",
+            group_id=request.id,
+            index=0,
+            completion="void f(void) {}",
+            bench=request.bench,
+            rollout=sample_rollout(),
+        )
         return [Publish(t.name(CODE_TO_BENCH), candidate)]
 
     def bench(candidate: Candidate, _d) -> list[Publish]:
-        result = BenchResult(id=candidate.id, group_id=candidate.group_id, index=0,
-                             status="success", reward=12.0, gflops=12.0, bench=candidate.bench,
-                             host=host(), rollout=candidate.rollout)
+        result = BenchResult(
+            id=candidate.id,
+            group_id=candidate.group_id,
+            index=0,
+            status="success",
+            reward=12.0,
+            gflops=12.0,
+            bench=candidate.bench,
+            host=host(),
+            rollout=candidate.rollout,
+        )
         return [Publish(t.name(BENCH_RESULTS), result)]
 
     def schedule(result: BenchResult, _d) -> list[Publish]:
         rollout = result.rollout
         assert rollout is not None
-        sample = RolloutSample(candidate_id=result.id,
-                               completion_token_ids=rollout.completion_token_ids,
-                               sampling_logprobs=rollout.sampling_logprobs,
-                               policy_version=0, reward=result.reward, status=result.status)
-        batch = RolloutBatch(id=result.group_id, experiment="exp", iteration=0,
-                             prompt_token_ids=rollout.prompt_token_ids, samples=[sample],
-                             reward_mode="raw")
+        sample = RolloutSample(
+            candidate_id=result.id,
+            completion_token_ids=rollout.completion_token_ids,
+            sampling_logprobs=rollout.sampling_logprobs,
+            policy_version=0,
+            reward=result.reward,
+            status=result.status,
+        )
+        batch = RolloutBatch(
+            id=result.group_id,
+            experiment="exp",
+            iteration=0,
+            prompt_token_ids=rollout.prompt_token_ids,
+            samples=[sample],
+            reward_mode="raw",
+        )
         return [Publish(t.name(ROLLOUT_BATCHES), batch)]
 
     def learn(batch: RolloutBatch, _d) -> list[Publish]:
         seen["batches"].append(batch.id)
-        update = WeightUpdate(id="v1", version=1, parent_version=0, uri="/ckpt/v1",
-                              format="full", checksum="sha256:" + "ab" * 32)
+        update = WeightUpdate(
+            id="v1",
+            version=1,
+            parent_version=0,
+            uri="/ckpt/v1",
+            format="full",
+            checksum="sha256:" + "ab" * 32,
+        )
         return [Publish("", update, exchange=t.name(WEIGHT_UPDATES), mandatory=False)]
 
     consumers = {role: Consumer(site.settings(role), f"role-{role}") for role in ROLES}
     consumers["generator"].subscribe(GENERATE_REQUESTS, generate)
     consumers["generator"].subscribe_fanout(
-        WEIGHT_UPDATES, "node1.example.org-42",
-        lambda m, _d: seen["updates_generator"].append(m.id) or [], durable=False)
+        WEIGHT_UPDATES,
+        "node1.example.org-42",
+        lambda m, _d: seen["updates_generator"].append(m.id) or [],
+        durable=False,
+    )
     consumers["benchmarker"].subscribe(CODE_TO_BENCH, bench)
     consumers["scheduler"].subscribe(BENCH_RESULTS, schedule)
     consumers["scheduler"].subscribe_fanout(
-        WEIGHT_UPDATES, "scheduler", lambda m, _d: seen["updates_scheduler"].append(m.id) or [],
-        durable=True)
+        WEIGHT_UPDATES,
+        "scheduler",
+        lambda m, _d: seen["updates_scheduler"].append(m.id) or [],
+        durable=True,
+    )
     consumers["learner"].subscribe(ROLLOUT_BATCHES, learn)
     running = [RunningConsumer(c) for c in consumers.values()]
     for each in running:
@@ -273,16 +337,21 @@ def test_every_role_runs_with_only_its_own_permissions(site: Site):
     try:
         request = sample_request("r1")
         Publisher(site.settings("scheduler"), "role-scheduler-pub").publish(
-            Publish(t.name(GENERATE_REQUESTS), request))
+            Publish(t.name(GENERATE_REQUESTS), request)
+        )
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not (seen["updates_generator"]
-                                                    and seen["updates_scheduler"]):
+        while time.monotonic() < deadline and not (
+            seen["updates_generator"] and seen["updates_scheduler"]
+        ):
             time.sleep(0.1)
     finally:
         for each in running:
             each.__exit__(None, None, None)
-    assert seen == {"updates_generator": ["v1"], "updates_scheduler": ["v1"],
-                    "batches": [request.id]}
+    assert seen == {
+        "updates_generator": ["v1"],
+        "updates_scheduler": ["v1"],
+        "batches": [request.id],
+    }
     admin = site.channel(None)
     for base in (GENERATE_REQUESTS, CODE_TO_BENCH, BENCH_RESULTS, ROLLOUT_BATCHES):
         assert admin.queue_declare(t.dlq(base), passive=True).method.message_count == 0
@@ -294,11 +363,23 @@ def test_a_message_from_the_wrong_role_is_dead_lettered(site: Site):
     handled: list = []
     consumer = Consumer(site.settings("scheduler"), "wrong-role")
     consumer.subscribe(BENCH_RESULTS, lambda m, _d: handled.append(m.id) or [])
-    forged = BenchResult(id="g/0", group_id="g", index=0, status="success", reward=50.0,
-                         gflops=50.0, bench=BenchSpec(task="matmul", stage=1), host=host())
+    forged = BenchResult(
+        id="g/0",
+        group_id="g",
+        index=0,
+        status="success",
+        reward=50.0,
+        gflops=50.0,
+        bench=BenchSpec(task="matmul", stage=1),
+        host=host(),
+    )
     admin = site.channel(None)
-    admin.basic_publish(t.work_exchange(BENCH_RESULTS), t.name(BENCH_RESULTS), encode(forged),
-                        properties=pika.BasicProperties(user_id="guest"))
+    admin.basic_publish(
+        t.work_exchange(BENCH_RESULTS),
+        t.name(BENCH_RESULTS),
+        encode(forged),
+        properties=pika.BasicProperties(user_id="guest"),
+    )
     admin.basic_publish(t.work_exchange(BENCH_RESULTS), t.name(BENCH_RESULTS), encode(forged))
     dead: list = []
     publishers: list = []
@@ -343,14 +424,29 @@ def test_the_admin_command_writes_definitions_rabbitmq_imports(tmp_path, rabbitm
     tag = uuid.uuid4().hex[:8]
     vhost = f"hpcrl-admin-{tag}"
     config = tmp_path / "exp.toml"
-    config.write_text(f'[broker]\nurl = "amqp://guest:guest@127.0.0.1:5672/{vhost}"\n'
-                      f'namespace = "e{tag}"\n[broker.role_users]\n'
-                      + "".join(f'{role} = "a{tag}-{role}"\n' for role in ROLES))
+    config.write_text(
+        f'[broker]\nurl = "amqp://guest:guest@127.0.0.1:5672/{vhost}"\n'
+        f'namespace = "e{tag}"\n[broker.role_users]\n'
+        + "".join(f'{role} = "a{tag}-{role}"\n' for role in ROLES)
+    )
     admin = [sys.executable, "-m", "hpcrl_common.admin"]
     out = tmp_path / "defs.json"
-    done = subprocess.run([*admin, "definitions", "--config", str(config), "--password-dir",
-                           str(tmp_path / "secrets"), "--out", str(out), "--extra-user",
-                           "benchmarker:site-b"], capture_output=True, text=True)
+    done = subprocess.run(
+        [
+            *admin,
+            "definitions",
+            "--config",
+            str(config),
+            "--password-dir",
+            str(tmp_path / "secrets"),
+            "--out",
+            str(out),
+            "--extra-user",
+            "benchmarker:site-b",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stderr
     users = {f"a{tag}-{role}" for role in ROLES} | {f"a{tag}-benchmarker.site-b"}
     for user in users:
@@ -361,14 +457,16 @@ def test_the_admin_command_writes_definitions_rabbitmq_imports(tmp_path, rabbitm
     try:
         import_definitions(out.read_text())
         password = (tmp_path / "secrets" / f"a{tag}-benchmarker.site-b.password").read_text()
-        params = pika.URLParameters(f"amqp://a{tag}-benchmarker.site-b:{password.strip()}"
-                                    f"@127.0.0.1:5672/{vhost}")
+        params = pika.URLParameters(
+            f"amqp://a{tag}-benchmarker.site-b:{password.strip()}@127.0.0.1:5672/{vhost}"
+        )
         channel = pika.BlockingConnection(params).channel()
         channel.basic_get(f"e{tag}.code-to-bench")  # the site's benchmarker reads its queue
         assert refused(lambda: channel.basic_get(f"e{tag}.rollout-batches"))
         rabbitmqctl("set_permissions", "-p", vhost, "guest", ".*", ".*", ".*")
-        declared = subprocess.run([*admin, "declare", "--config", str(config)],
-                                  capture_output=True, text=True)
+        declared = subprocess.run(
+            [*admin, "declare", "--config", str(config)], capture_output=True, text=True
+        )
         assert declared.returncode == 0, declared.stderr
         assert "guest:***@" in declared.stdout and "guest:guest" not in declared.stdout
     finally:
@@ -394,8 +492,7 @@ def test_no_role_keeps_delete_bind_or_dead_letter_rights_it_does_not_need(site: 
     replica = Consumer(site.settings("generator"), "replica-a")
     replica.subscribe_fanout(WEIGHT_UPDATES, "replica-a", lambda m, _d: [], durable=False)
     scheduler = Consumer(site.settings("scheduler"), "sched")  # checks its queue, binds nothing
-    scheduler.subscribe_fanout(WEIGHT_UPDATES, SCHEDULER_SUBSCRIBER, lambda m, _d: [],
-                               durable=True)
+    scheduler.subscribe_fanout(WEIGHT_UPDATES, SCHEDULER_SUBSCRIBER, lambda m, _d: [], durable=True)
     with RunningConsumer(replica), RunningConsumer(scheduler):
         queue = t.subscriber_queue(WEIGHT_UPDATES, "replica-a")
         # Another replica (same role, other connection): its queue is exclusive.
@@ -403,31 +500,46 @@ def test_no_role_keeps_delete_bind_or_dead_letter_rights_it_does_not_need(site: 
         assert refused_with(lambda: site.channel("generator").queue_purge(queue)) == 405
         assert replica.connected.is_set() and replica.healthy()[0]  # still consuming
     forbidden = {
-        ("scheduler", "bind weight-updates into the generators' inbox"): lambda ch:
-            ch.exchange_bind(t.work_exchange(GENERATE_REQUESTS), t.name(WEIGHT_UPDATES)),
-        ("scheduler", "bind weight-updates into the learner's inbox"): lambda ch:
-            ch.exchange_bind(t.work_exchange(ROLLOUT_BATCHES), t.name(WEIGHT_UPDATES)),
-        ("scheduler", "delete its update queue"): lambda ch:
-            ch.queue_delete(t.subscriber_queue(WEIGHT_UPDATES, SCHEDULER_SUBSCRIBER)),
-        ("generator", "delete the update dead letters' inbox"): lambda ch:
-            ch.exchange_delete(t.dead_letter_inbox(WEIGHT_UPDATES)),
-        ("generator", "bind the update DLQ"): lambda ch:
-            ch.queue_bind(t.dlq(WEIGHT_UPDATES), t.name(WEIGHT_UPDATES)),
+        ("scheduler", "bind weight-updates into the generators' inbox"): lambda ch: (
+            ch.exchange_bind(t.work_exchange(GENERATE_REQUESTS), t.name(WEIGHT_UPDATES))
+        ),
+        ("scheduler", "bind weight-updates into the learner's inbox"): lambda ch: ch.exchange_bind(
+            t.work_exchange(ROLLOUT_BATCHES), t.name(WEIGHT_UPDATES)
+        ),
+        ("scheduler", "delete its update queue"): lambda ch: ch.queue_delete(
+            t.subscriber_queue(WEIGHT_UPDATES, SCHEDULER_SUBSCRIBER)
+        ),
+        ("generator", "delete the update dead letters' inbox"): lambda ch: ch.exchange_delete(
+            t.dead_letter_inbox(WEIGHT_UPDATES)
+        ),
+        ("generator", "bind the update DLQ"): lambda ch: ch.queue_bind(
+            t.dlq(WEIGHT_UPDATES), t.name(WEIGHT_UPDATES)
+        ),
     }
     for role in ROLES:  # no role writes to the broker's own dead-letter path ...
         forbidden[(role, "publish to the dead-letter exchange")] = lambda ch: ch.basic_publish(
-            t.dead_letter_exchange, t.name(ROLLOUT_BATCHES), b"x")
-    for role, base in (("benchmarker", ROLLOUT_BATCHES), ("learner", BENCH_RESULTS),
-                       ("generator", ROLLOUT_BATCHES), ("scheduler", CODE_TO_BENCH)):
+            t.dead_letter_exchange, t.name(ROLLOUT_BATCHES), b"x"
+        )
+    for role, base in (
+        ("benchmarker", ROLLOUT_BATCHES),
+        ("learner", BENCH_RESULTS),
+        ("generator", ROLLOUT_BATCHES),
+        ("scheduler", CODE_TO_BENCH),
+    ):
         # ... nor into the dead-letter queue of a queue it does not consume.
         forbidden[(role, f"dead-letter into {base}.dlq")] = lambda ch, b=base: ch.basic_publish(
-            t.dead_letter_inbox(b), t.name(b), b"x")
-    failures = [f"{role}: {what}" for (role, what), action in forbidden.items()
-                if refused_with(lambda r=role, a=action: a(site.channel(r))) != 403]
+            t.dead_letter_inbox(b), t.name(b), b"x"
+        )
+    failures = [
+        f"{role}: {what}"
+        for (role, what), action in forbidden.items()
+        if refused_with(lambda r=role, a=action: a(site.channel(r))) != 403
+    ]
     assert not failures, f"still allowed: {failures}"
     # What each role keeps: dead letters of its own input, through that queue's inbox.
-    site.channel("benchmarker").basic_publish(t.dead_letter_inbox(CODE_TO_BENCH),
-                                              t.name(CODE_TO_BENCH), b"bad", mandatory=True)
+    site.channel("benchmarker").basic_publish(
+        t.dead_letter_inbox(CODE_TO_BENCH), t.name(CODE_TO_BENCH), b"bad", mandatory=True
+    )
     method, _props, body = admin.basic_get(t.dlq(CODE_TO_BENCH), auto_ack=True)
     assert method is not None and body == b"bad"
     for base in (GENERATE_REQUESTS, BENCH_RESULTS, ROLLOUT_BATCHES, WEIGHT_UPDATES):
@@ -442,10 +554,17 @@ def test_a_generators_binding_of_weight_updates_delivers_nothing(site: Site):
     generator = site.channel("generator")
     generator.exchange_bind(t.work_exchange(CODE_TO_BENCH), t.name(WEIGHT_UPDATES))
     try:
-        update = WeightUpdate(id="v9", version=9, parent_version=8, uri="/ckpt/v9",
-                              format="full", checksum="sha256:" + "ab" * 32)
+        update = WeightUpdate(
+            id="v9",
+            version=9,
+            parent_version=8,
+            uri="/ckpt/v9",
+            format="full",
+            checksum="sha256:" + "ab" * 32,
+        )
         Publisher(site.settings("learner"), "learner-pub").publish(
-            Publish("", update, exchange=t.name(WEIGHT_UPDATES), mandatory=False))
+            Publish("", update, exchange=t.name(WEIGHT_UPDATES), mandatory=False)
+        )
         time.sleep(0.5)
         admin = site.channel(None)
         assert admin.queue_declare(t.name(CODE_TO_BENCH), passive=True).method.message_count == 0
@@ -457,7 +576,9 @@ def test_read_rights_include_purge(site: Site):
     """What permissions cannot withhold (documented in hpcrl_common.access): RabbitMQ checks
     queue.purge against *read*, like consuming, so a consumer may purge its own input."""
     t = site.topology
-    assert refused_with(lambda: site.channel("benchmarker").queue_purge(
-        t.name(CODE_TO_BENCH))) is None
-    assert refused_with(lambda: site.channel("benchmarker").queue_purge(
-        t.name(BENCH_RESULTS))) == 403
+    assert (
+        refused_with(lambda: site.channel("benchmarker").queue_purge(t.name(CODE_TO_BENCH))) is None
+    )
+    assert (
+        refused_with(lambda: site.channel("benchmarker").queue_purge(t.name(BENCH_RESULTS))) == 403
+    )

@@ -51,8 +51,13 @@ def echo_candidate(topology: Topology):
     """Handler: a generation request becomes one candidate (deterministic id)."""
 
     def handle(request: GenerateRequest, _delivery) -> list[Publish]:
-        out = Candidate(id=f"{request.id}/0", group_id=request.id, index=0,
-                        completion=f"code for {request.id}", bench=request.bench)
+        out = Candidate(
+            id=f"{request.id}/0",
+            group_id=request.id,
+            index=0,
+            completion=f"code for {request.id}",
+            bench=request.bench,
+        )
         return [Publish(topology.name(CODE_TO_BENCH), out)]
 
     return handle
@@ -62,14 +67,16 @@ def test_every_schema_round_trips_through_the_broker(broker_settings):
     from hypothesis import HealthCheck, given, settings
 
     topology = Topology(broker_settings.namespace, broker_settings.delivery_limit)
-    received: dict[str, list] = {q: [] for q in (GENERATE_REQUESTS, CODE_TO_BENCH,
-                                                  BENCH_RESULTS, ROLLOUT_BATCHES)}
+    received: dict[str, list] = {
+        q: [] for q in (GENERATE_REQUESTS, CODE_TO_BENCH, BENCH_RESULTS, ROLLOUT_BATCHES)
+    }
     consumer = Consumer(broker_settings, "roundtrip")
     for queue in received:
         consumer.subscribe(queue, lambda m, _d, q=queue: received[q].append(m) or [])
     updates: list = []
-    consumer.subscribe_fanout(WEIGHT_UPDATES, "roundtrip", lambda m, _d: updates.append(m) or [],
-                              durable=False)
+    consumer.subscribe_fanout(
+        WEIGHT_UPDATES, "roundtrip", lambda m, _d: updates.append(m) or [], durable=False
+    )
     sent: dict[str, list] = {q: [] for q in received}
     with RunningConsumer(consumer), Publisher(broker_settings, "roundtrip-pub") as publisher:
 
@@ -82,12 +89,14 @@ def test_every_schema_round_trips_through_the_broker(broker_settings):
 
         send()
         update = sample_weight_update()
-        publisher.publish(Publish("", update, exchange=topology.name(WEIGHT_UPDATES),
-                                  mandatory=False))
+        publisher.publish(
+            Publish("", update, exchange=topology.name(WEIGHT_UPDATES), mandatory=False)
+        )
         # Messages with equal ids are one message to an idempotent consumer: count ids.
         total = sum(len({m.id for m in v}) for v in sent.values())
-        wait_for(lambda: sum(len(v) for v in received.values()) == total and updates,
-                 what="all messages")
+        wait_for(
+            lambda: sum(len(v) for v in received.values()) == total and updates, what="all messages"
+        )
     for queue in sent:
         first_sent: dict = {}
         for message in sent[queue]:
@@ -120,11 +129,14 @@ def test_malformed_bodies_are_dead_lettered_with_reasons(broker_settings, raw_ch
         wait_for(lambda: handled == [good.id], what="the valid message")
         dlq = topology.dlq(CODE_TO_BENCH)
         dead: list = []
-        wait_for(lambda: dead.extend(drain(raw_channel, dlq)) or len(dead) >= len(bodies),
-                 what="dead letters")
+        wait_for(
+            lambda: dead.extend(drain(raw_channel, dlq)) or len(dead) >= len(bodies),
+            what="dead letters",
+        )
     reasons = [props.headers[REASON_HEADER] for props, _ in dead]
-    for (body, expected), (_props, dead_body), reason in zip(bodies.items(), dead, reasons,
-                                                               strict=True):
+    for (body, expected), (_props, dead_body), reason in zip(
+        bodies.items(), dead, reasons, strict=True
+    ):
         assert expected in reason, (expected, reason)
         assert dead_body == body  # the original bytes are kept for inspection
     assert consumer.connections == 1  # malformed input never broke the connection
@@ -143,8 +155,10 @@ def test_failing_handler_is_dead_lettered_after_the_limit(broker_settings, raw_c
     with RunningConsumer(consumer), Publisher(broker_settings, "failing-pub") as publisher:
         publisher.publish(Publish(topology.name(CODE_TO_BENCH), sample_candidate()))
         dead: list = []
-        wait_for(lambda: dead.extend(drain(raw_channel, topology.dlq(CODE_TO_BENCH))) or dead,
-                 what="dead letter")
+        wait_for(
+            lambda: dead.extend(drain(raw_channel, topology.dlq(CODE_TO_BENCH))) or dead,
+            what="dead letter",
+        )
     assert attempts == {"g1/0": broker_settings.delivery_limit}
     reason = dead[0][0].headers[REASON_HEADER]
     assert f"failed {broker_settings.delivery_limit} times" in reason and "boom on try" in reason
@@ -184,8 +198,15 @@ def test_broker_delivery_limit_is_the_backstop(broker_settings, raw_channel):
         raw_channel.basic_nack(method.delivery_tag, requeue=True)
         returns += 1
     assert returns == broker_settings.delivery_limit + 1
-    wait_for(lambda: raw_channel.queue_declare(topology.dlq(CODE_TO_BENCH), passive=True)
-             .method.message_count == 1, what="broker dead-lettering")
+    wait_for(
+        lambda: (
+            raw_channel.queue_declare(
+                topology.dlq(CODE_TO_BENCH), passive=True
+            ).method.message_count
+            == 1
+        ),
+        what="broker dead-lettering",
+    )
 
 
 def test_long_handler_keeps_its_connection(broker_settings):
@@ -228,8 +249,11 @@ def test_reconnects_and_loses_nothing(broker_settings):
     sink = Consumer(broker_settings, "reconnect-sink")
     sink.subscribe(CODE_TO_BENCH, lambda m, _d: outputs.update([m.group_id]) or [])
     ids = [f"req-{i}" for i in range(60)]
-    with RunningConsumer(consumer), RunningConsumer(sink), \
-            Publisher(broker_settings, "reconnect-pub") as publisher:
+    with (
+        RunningConsumer(consumer),
+        RunningConsumer(sink),
+        Publisher(broker_settings, "reconnect-pub") as publisher,
+    ):
         for request_id in ids:
             publisher.publish(Publish(topology.name(GENERATE_REQUESTS), sample_request(request_id)))
         closes = 0
@@ -266,11 +290,20 @@ def test_deferred_settlement_survives_a_reconnect(broker_settings):
         pub.publish(Publish(topology.name(GENERATE_REQUESTS), sample_request("held-1")))
         wait_for(lambda: len(held) == 1, what="the held delivery")
         assert close_connections("deferring") == 1
-        wait_for(lambda: consumer.connections == 2 and held[0].generation == 2, timeout=30,
-                 what="redelivery adopted by the held delivery")
-        request = GenerateRequest(id="held-1", experiment="exp", iteration=0, mode="seed",
-                                  prompt=sample_request().prompt, group_size=1,
-                                  bench=BenchSpec(task="matmul", stage=1))
+        wait_for(
+            lambda: consumer.connections == 2 and held[0].generation == 2,
+            timeout=30,
+            what="redelivery adopted by the held delivery",
+        )
+        request = GenerateRequest(
+            id="held-1",
+            experiment="exp",
+            iteration=0,
+            mode="seed",
+            prompt=sample_request().prompt,
+            group_size=1,
+            bench=BenchSpec(task="matmul", stage=1),
+        )
         consumer.settle(held[0], echo_candidate(topology)(request, held[0]))
         wait_for(lambda: outputs == ["held-1/0"], what="the settled output")
         wait_for(lambda: not consumer._inflight, what="ack")
@@ -294,11 +327,13 @@ def test_a_settle_from_another_thread_wakes_the_loop(broker_settings, monkeypatc
 
     consumer.subscribe(GENERATE_REQUESTS, hand_off)
     with Publisher(settings, "p") as publisher:
-        publisher.publish(*(Publish(topology.name(GENERATE_REQUESTS), sample_request(f"w{i}"))
-                            for i in range(3)))
+        publisher.publish(
+            *(Publish(topology.name(GENERATE_REQUESTS), sample_request(f"w{i}")) for i in range(3))
+        )
     with RunningConsumer(consumer):
-        wait_for(lambda: len(arrived) == 3 and not consumer._inflight, timeout=30,
-                 what="three settles")
+        wait_for(
+            lambda: len(arrived) == 3 and not consumer._inflight, timeout=30, what="three settles"
+        )
     assert arrived[-1] - arrived[0] < 2.5, arrived
 
 
@@ -311,9 +346,12 @@ def test_publish_from_another_thread_is_confirmed(broker_settings):
     sink.subscribe(GENERATE_REQUESTS, lambda m, _d: got.append(m.id) or [])
     with RunningConsumer(consumer), RunningConsumer(sink):
         futures = []
-        thread = threading.Thread(target=lambda: futures.extend(
-            consumer.publish(Publish(topology.name(GENERATE_REQUESTS), sample_request(f"t{i}")))
-            for i in range(5)))
+        thread = threading.Thread(
+            target=lambda: futures.extend(
+                consumer.publish(Publish(topology.name(GENERATE_REQUESTS), sample_request(f"t{i}")))
+                for i in range(5)
+            )
+        )
         thread.start()
         thread.join()
         for future in futures:
@@ -325,8 +363,18 @@ def test_publish_from_another_thread_is_confirmed(broker_settings):
 # --- any body, any headers: settled, and the consumer keeps serving ------------------------
 
 # superscript one, Arabic-Indic one, full-width one, then ASCII spellings that are not "1"
-ODD_VERSIONS = ["\u00b9", "\u0661", "\uff11",
-                "01", "1 ", "+1", "-0", "1_0", "", "99999999999999999999"]
+ODD_VERSIONS = [
+    "\u00b9",
+    "\u0661",
+    "\uff11",
+    "01",
+    "1 ",
+    "+1",
+    "-0",
+    "1_0",
+    "",
+    "99999999999999999999",
+]
 
 
 def test_odd_schema_versions_are_dead_lettered_not_fatal(broker_settings, raw_channel):
@@ -346,8 +394,13 @@ def test_odd_schema_versions_are_dead_lettered_not_fatal(broker_settings, raw_ch
         raw_channel.basic_publish("", queue, encode(good))
         wait_for(lambda: handled == [good.id], what="the valid message")
         dead: list = []
-        wait_for(lambda: dead.extend(drain(raw_channel, topology.dlq(CODE_TO_BENCH)))
-                 or len(dead) >= len(ODD_VERSIONS), what="dead letters")
+        wait_for(
+            lambda: (
+                dead.extend(drain(raw_channel, topology.dlq(CODE_TO_BENCH)))
+                or len(dead) >= len(ODD_VERSIONS)
+            ),
+            what="dead letters",
+        )
     assert all("unsupported major version" in props.headers[REASON_HEADER] for props, _ in dead)
     assert consumer.connections == 1
 
@@ -357,11 +410,21 @@ def _header_values():
 
     # pika cannot publish a float header (other clients can; the consumer reads it as "not a
     # count" like any other non-integer).
-    scalars = (st.text(max_size=20) | st.integers(-(2**63), 2**63 - 1) | st.booleans()
-               | st.binary(max_size=20) | st.none())
-    return st.recursive(scalars, lambda inner: st.lists(inner, max_size=3)
-                        | st.dictionaries(st.text(min_size=1, max_size=8), inner, max_size=3),
-                        max_leaves=6)
+    scalars = (
+        st.text(max_size=20)
+        | st.integers(-(2**63), 2**63 - 1)
+        | st.booleans()
+        | st.binary(max_size=20)
+        | st.none()
+    )
+    return st.recursive(
+        scalars,
+        lambda inner: (
+            st.lists(inner, max_size=3)
+            | st.dictionaries(st.text(min_size=1, max_size=8), inner, max_size=3)
+        ),
+        max_leaves=6,
+    )
 
 
 def _bodies():
@@ -370,19 +433,27 @@ def _bodies():
 
     raw = msgpack.unpackb(encode(sample_candidate()))
     anything = st.recursive(
-        st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats()
-        | st.text(max_size=30) | st.binary(max_size=30),
-        lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
-                                                                     max_size=4),
-        max_leaves=10)
+        st.none()
+        | st.booleans()
+        | st.integers(-(2**63), 2**64 - 1)
+        | st.floats()
+        | st.text(max_size=30)
+        | st.binary(max_size=30),
+        lambda inner: (
+            st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+        ),
+        max_leaves=10,
+    )
     mutated = st.tuples(st.sampled_from([*raw, "extra"]), anything).map(
-        lambda kv: msgpack.packb({**raw, kv[0]: kv[1]}))
+        lambda kv: msgpack.packb({**raw, kv[0]: kv[1]})
+    )
     schemas = st.text(max_size=12).map(lambda v: msgpack.packb({**raw, "schema": f"candidate/{v}"}))
     return st.binary(max_size=200) | anything.map(msgpack.packb) | mutated | schemas
 
 
-def test_any_body_and_headers_are_settled_and_the_consumer_keeps_serving(broker_settings,
-                                                                         raw_channel):
+def test_any_body_and_headers_are_settled_and_the_consumer_keeps_serving(
+    broker_settings, raw_channel
+):
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
@@ -407,8 +478,9 @@ def test_any_body_and_headers_are_settled_and_the_consumer_keeps_serving(broker_
 
         send()
         good = sample_candidate("after-the-storm")
-        raw_channel.basic_publish("", queue, encode(good),
-                                  pika.BasicProperties(headers={"x-delivery-count": "abc"}))
+        raw_channel.basic_publish(
+            "", queue, encode(good), pika.BasicProperties(headers={"x-delivery-count": "abc"})
+        )
         sent += 1
         dead: list = []
 
@@ -490,8 +562,10 @@ def test_a_stop_lets_running_work_settle_and_hands_back_the_rest(broker_settings
         second = Consumer(broker_settings, "stopping-second")
         second.subscribe(GENERATE_REQUESTS, echo_candidate(topology))
         with RunningConsumer(second):
-            wait_for(lambda: sorted(outputs) == sorted(f"{i}/0" for i in ids),
-                     what="the handed-back messages")
+            wait_for(
+                lambda: sorted(outputs) == sorted(f"{i}/0" for i in ids),
+                what="the handed-back messages",
+            )
     assert calls == {handled: 1}
     assert len(outputs) == len(ids)
 
@@ -567,16 +641,22 @@ def test_a_service_exits_on_sigterm_with_work_stuck_and_says_where(broker_settin
     script = tmp_path / "stuck.py"
     script.write_text(STUCK_SERVICE)
     stderr = (tmp_path / "stderr").open("w+")
-    proc = subprocess.Popen([sys.executable, str(script), broker_settings.model_dump_json()],
-                            stdout=subprocess.PIPE, stderr=stderr, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), broker_settings.model_dump_json()],
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+    )
     try:
         with Publisher(broker_settings, "stuck-pub") as publisher:
             publisher.publish(Publish(topology.name(GENERATE_REQUESTS), sample_request("s-1")))
         word, child = proc.stdout.readline().split()
         assert word == "handling"
         proc.send_signal(signal.SIGUSR1)
-        wait_for(lambda: "stuck_in_the_handler" in (tmp_path / "stderr").read_text(),
-                 what="the SIGUSR1 stack dump")
+        wait_for(
+            lambda: "stuck_in_the_handler" in (tmp_path / "stderr").read_text(),
+            what="the SIGUSR1 stack dump",
+        )
         started = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=15)

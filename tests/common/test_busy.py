@@ -156,8 +156,10 @@ def test_the_counter_accrues_during_an_item_and_the_first_start_is_a_wall_time()
     client = f"busy-{uuid.uuid4().hex[:8]}"
     clock = FakeClock()
     busy = BusyTime(client, clock=clock, wall_clock=lambda: 1_700_000_000.0)
-    value = lambda: REGISTRY.get_sample_value(f"{BUSY_SECONDS_NAME}_total",  # noqa: E731
-                                              {"client": client})
+
+    def value() -> float | None:
+        return REGISTRY.get_sample_value(f"{BUSY_SECONDS_NAME}_total", {"client": client})
+
     assert value() == 0.0
     assert REGISTRY.get_sample_value(FIRST_BUSY_NAME, {"client": client}) is None  # not 1970
     worker = Item(busy)
@@ -190,13 +192,15 @@ def test_a_consumer_counts_its_overlapping_handlers_and_ticks_once(broker_settin
     consumer.subscribe(GENERATE_REQUESTS, handler)
     with RunningConsumer(consumer), Publisher(broker_settings, "busy-pub") as publisher:
         assert consumer.busy.seconds() == 0.0
-        publisher.publish(*(Publish(topology.name(GENERATE_REQUESTS), sample_request(f"b{i}"))
-                            for i in range(2)))
+        publisher.publish(
+            *(Publish(topology.name(GENERATE_REQUESTS), sample_request(f"b{i}")) for i in range(2))
+        )
         wait_for(lambda: len(handled) == 2)
     handlers = consumer.busy.seconds()
     assert 0.5 <= handlers < 0.9  # two 0.5 s handlers at once: about 0.5 s, not 1.0 s
-    assert REGISTRY.get_sample_value(f"{BUSY_SECONDS_NAME}_total",
-                                     {"client": client}) == pytest.approx(handlers)
+    assert REGISTRY.get_sample_value(
+        f"{BUSY_SECONDS_NAME}_total", {"client": client}
+    ) == pytest.approx(handlers)
 
     ticks: list[float] = []
 

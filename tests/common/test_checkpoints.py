@@ -13,8 +13,9 @@ def write_version(store: CheckpointStore, version: int, payload: bytes):
     (staging / "model.safetensors").write_bytes(payload)
     (staging / "config.json").write_text("{}")
     assert store.latest() is None or store.latest().version < version  # not visible yet
-    return store.commit(staging, version, version - 1, "full", base_model="tiny",
-                        metrics={"loss": 0.25})
+    return store.commit(
+        staging, version, version - 1, "full", base_model="tiny", metrics={"loss": 0.25}
+    )
 
 
 def test_versions_become_visible_only_when_committed(tmp_path):

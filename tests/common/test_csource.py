@@ -21,8 +21,9 @@ from hpcrl_common.csource import (
 
 # Sources built from the characters that matter to the lexer, in every combination.
 sources = st.lists(
-    st.sampled_from(["a", "x1", " ", "\n", "\t", "/", "*", "//", "/*", "*/", '"', "'", "\\",
-                     "#", ";", "\f"]),
+    st.sampled_from(
+        ["a", "x1", " ", "\n", "\t", "/", "*", "//", "/*", "*/", '"', "'", "\\", "#", ";", "\f"]
+    ),
     max_size=40,
 ).map("".join)
 
@@ -30,9 +31,15 @@ sources = st.lists(
 def test_pieces_tell_code_comments_and_literals_apart() -> None:
     src = 'int a; // c1\nchar *s = "/* no */"; /* c2\n */ char c = \'"\';'
     assert list(pieces(src)) == [
-        Piece("code", "int a; "), Piece("comment", "// c1"), Piece("code", "\nchar *s = "),
-        Piece("literal", '"/* no */"'), Piece("code", "; "), Piece("comment", "/* c2\n */"),
-        Piece("code", " char c = "), Piece("literal", "'\"'"), Piece("code", ";"),
+        Piece("code", "int a; "),
+        Piece("comment", "// c1"),
+        Piece("code", "\nchar *s = "),
+        Piece("literal", '"/* no */"'),
+        Piece("code", "; "),
+        Piece("comment", "/* c2\n */"),
+        Piece("code", " char c = "),
+        Piece("literal", "'\"'"),
+        Piece("code", ";"),
     ]
 
 
@@ -40,12 +47,18 @@ def test_an_unclosed_quote_is_code_unless_literals_may_stay_open() -> None:
     src = 'x = "abc\ny = 1; /* c */'
     assert [p.kind for p in pieces(src)] == ["code", "comment"]
     assert list(pieces(src, open_literals=True))[:3] == [
-        Piece("code", "x = "), Piece("literal", '"abc'), Piece("code", "\ny = 1; ")]
+        Piece("code", "x = "),
+        Piece("literal", '"abc'),
+        Piece("code", "\ny = 1; "),
+    ]
     # After an unclosed quote, the other kind of quote and comments still count.
     assert [p for p in pieces('"a \'b\' // c\n"\\"') if p.kind != "code"] == [
-        Piece("literal", "'b'"), Piece("comment", "// c")]
+        Piece("literal", "'b'"),
+        Piece("comment", "// c"),
+    ]
     assert list(pieces("/* never closed\n int x;")) == [
-        Piece("comment", "/* never closed\n int x;")]
+        Piece("comment", "/* never closed\n int x;")
+    ]
 
 
 def test_an_escaped_quote_or_newline_stays_inside_the_literal() -> None:
@@ -54,9 +67,9 @@ def test_an_escaped_quote_or_newline_stays_inside_the_literal() -> None:
 
 
 def test_blanking_keeps_lines_and_quotes() -> None:
-    src = 'a /* _mm512 */ b // omp\n"#pragma omp" \'x\''
+    src = "a /* _mm512 */ b // omp\n\"#pragma omp\" 'x'"
     out = blank_comments_and_literals(src)
-    assert out == 'a              b       \n"           " \' \''
+    assert out == "a              b       \n\"           \" ' '"
     assert len(out) == len(src)
 
 
@@ -90,22 +103,44 @@ def test_blanked_text_has_no_comment_or_literal_content_left(src: str) -> None:
 
 
 # The plain way to lex closed literals: retry at every position (quadratic on hostile text).
-_REFERENCE = re.compile(r"""//[^\n]*|/\*.*?(?:\*/|\Z)|"(?:\\.|[^"\\\n])*"|'(?:\\.|[^'\\\n])*'""",
-                        re.DOTALL)
+_REFERENCE = re.compile(
+    r"""//[^\n]*|/\*.*?(?:\*/|\Z)|"(?:\\.|[^"\\\n])*"|'(?:\\.|[^'\\\n])*'""", re.DOTALL
+)
 
 
 @settings(max_examples=1000)
 @given(sources)
 def test_closed_literals_are_lexed_as_by_retrying_every_position(src: str) -> None:
     found = [(p.kind, p.text) for p in pieces(src) if p.kind != "code"]
-    expected = [("comment" if m.group()[0] == "/" else "literal", m.group())
-                for m in _REFERENCE.finditer(src)]
+    expected = [
+        ("comment" if m.group()[0] == "/" else "literal", m.group())
+        for m in _REFERENCE.finditer(src)
+    ]
     assert found == expected
 
 
-@pytest.mark.parametrize("unit", ['"', "'", "/*", "//", "\\\n", '"\\', "/", 'R"', 'u8R"x(',
-                                  "a\\\n", "\\ \n", "\r", "<:", "#if <", "#if <a>",
-                                  '#include "\\"\n', "\\u00C0"])
+@pytest.mark.parametrize(
+    "unit",
+    [
+        '"',
+        "'",
+        "/*",
+        "//",
+        "\\\n",
+        '"\\',
+        "/",
+        'R"',
+        'u8R"x(',
+        "a\\\n",
+        "\\ \n",
+        "\r",
+        "<:",
+        "#if <",
+        "#if <a>",
+        '#include "\\"\n',
+        "\\u00C0",
+    ],
+)
 def test_linear_time_on_hostile_text(unit: str) -> None:
     text = unit * (256 * 1024 // len(unit))
     started = time.monotonic()
@@ -165,18 +200,28 @@ def test_digraphs_read_as_the_characters_they_stand_for() -> None:
 def test_header_names_that_read_differently_as_tokens_are_refused() -> None:
     # gcc reads <x/*> as a header name here (also through a macro for __has_include), so the
     # /* opens no comment; a lexer that guesses gets the following lines wrong either way.
-    for src in ["#if __has_include(<x/*>)\n#endif\nasm();\n/* */",
-                "#define HI __has_include\n%:if HI(<x//y>)\n#endif",
-                "#include <a'b>", '#include "a\\" /*', '#pragma GCC dependency "x\\"']:
+    for src in [
+        "#if __has_include(<x/*>)\n#endif\nasm();\n/* */",
+        "#define HI __has_include\n%:if HI(<x//y>)\n#endif",
+        "#include <a'b>",
+        '#include "a\\" /*',
+        '#pragma GCC dependency "x\\"',
+    ]:
         assert unreadable(src), src
-    for src in ["#include <immintrin.h> // AVX-512\n#include <omp.h>",
-                "#define MIN(a, b) ((a) < (b) ? (a) : (b)) // smaller > larger",
-                "#pragma omp parallel for if (M > 64)",
-                '#include "local.h"']:
+    for src in [
+        "#include <immintrin.h> // AVX-512\n#include <omp.h>",
+        "#define MIN(a, b) ((a) < (b) ? (a) : (b)) // smaller > larger",
+        "#pragma omp parallel for if (M > 64)",
+        '#include "local.h"',
+    ]:
         assert not unreadable(src), src
 
 
 def test_code_tokens_are_gcc_s_tokens() -> None:
     assert list(code_tokens('_Pra\\\ngma /* c */ (L"omp \\"x\\"") 1.e+5x')) == [
-        ("identifier", "_Pragma"), ("punctuator", "("), ("string", 'L"omp \\"x\\""'),
-        ("punctuator", ")"), ("number", "1.e+5x")]
+        ("identifier", "_Pragma"),
+        ("punctuator", "("),
+        ("string", 'L"omp \\"x\\""'),
+        ("punctuator", ")"),
+        ("number", "1.e+5x"),
+    ]

@@ -46,35 +46,48 @@ def declare_as_before(channel: BlockingChannel, topology: Topology) -> None:
     channel.exchange_declare(topology.dead_letter_exchange, "direct", durable=True)
     for base in [*WORK_QUEUES, *FANOUT_EXCHANGES]:
         channel.queue_declare(topology.dlq(base), durable=True)
-        channel.queue_bind(topology.dlq(base), topology.dead_letter_exchange,
-                           routing_key=topology.name(base))
+        channel.queue_bind(
+            topology.dlq(base), topology.dead_letter_exchange, routing_key=topology.name(base)
+        )
     for base in WORK_QUEUES:
-        channel.queue_declare(topology.name(base), durable=True,
-                              arguments=topology.work_queue_arguments(base))
+        channel.queue_declare(
+            topology.name(base), durable=True, arguments=topology.work_queue_arguments(base)
+        )
         channel.exchange_declare(topology.work_exchange(base), "direct", durable=True)
-        channel.queue_bind(topology.name(base), topology.work_exchange(base),
-                           routing_key=topology.name(base))
+        channel.queue_bind(
+            topology.name(base), topology.work_exchange(base), routing_key=topology.name(base)
+        )
     channel.exchange_declare(topology.name(WEIGHT_UPDATES), "fanout", durable=True)
     scheduler = topology.subscriber_queue(WEIGHT_UPDATES, SCHEDULER_SUBSCRIBER)
-    channel.queue_declare(scheduler, durable=True,
-                          arguments=topology.dead_letter_arguments(WEIGHT_UPDATES))
+    channel.queue_declare(
+        scheduler, durable=True, arguments=topology.dead_letter_arguments(WEIGHT_UPDATES)
+    )
     channel.queue_bind(scheduler, topology.name(WEIGHT_UPDATES))
 
 
 def queue_types(namespace: str) -> dict[str, str]:
     out = subprocess.run(
         ["rabbitmqctl", "-q", "list_queues", "--no-table-headers", "name", "type"],
-        capture_output=True, text=True, check=True).stdout
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     rows = (line.split("\t") for line in out.splitlines() if line.startswith(namespace + "."))
     return {name.strip(): kind.strip() for name, kind in rows}
 
 
 def dead_letter(channel: BlockingChannel, topology: Topology, base: str, tag: str) -> None:
     """A dead letter as a consumer publishes it (reason header, the publisher's user_id)."""
-    properties = pika.BasicProperties(delivery_mode=2, message_id=tag, user_id="guest",
-                                      headers={REASON_HEADER: f"reason {tag}"})
-    channel.basic_publish(topology.dead_letter_exchange, topology.name(base), tag.encode(),
-                          properties=properties, mandatory=True)
+    properties = pika.BasicProperties(
+        delivery_mode=2, message_id=tag, user_id="guest", headers={REASON_HEADER: f"reason {tag}"}
+    )
+    channel.basic_publish(
+        topology.dead_letter_exchange,
+        topology.name(base),
+        tag.encode(),
+        properties=properties,
+        mandatory=True,
+    )
 
 
 def drain(channel: BlockingChannel, queue: str) -> list[tuple[pika.BasicProperties, bytes]]:
@@ -87,8 +100,7 @@ def drain(channel: BlockingChannel, queue: str) -> list[tuple[pika.BasicProperti
 
 
 @pytest.fixture
-def old_broker(broker_settings: BrokerSettings,
-               raw_channel: BlockingChannel) -> Iterator[Topology]:
+def old_broker(broker_settings: BrokerSettings, raw_channel: BlockingChannel) -> Iterator[Topology]:
     topology = Topology(broker_settings.namespace, broker_settings.delivery_limit)
     declare_as_before(raw_channel, topology)
     yield topology
@@ -98,9 +110,11 @@ def old_broker(broker_settings: BrokerSettings,
 def admin_config(broker_settings: BrokerSettings, tmp_path: Path) -> Path:
     """An administrator's config for the test's namespace."""
     config = tmp_path / "admin.toml"
-    config.write_text(f'[broker]\nurl = "{broker_settings.url}"\n'
-                      f'namespace = "{broker_settings.namespace}"\n'
-                      f"delivery_limit = {broker_settings.delivery_limit}\n")
+    config.write_text(
+        f'[broker]\nurl = "{broker_settings.url}"\n'
+        f'namespace = "{broker_settings.namespace}"\n'
+        f"delivery_limit = {broker_settings.delivery_limit}\n"
+    )
     return config
 
 
@@ -111,7 +125,8 @@ def migrate(admin_config: Path):
 
 
 def test_services_keep_running_on_classic_queues_and_say_to_migrate(
-        broker_settings, raw_channel, old_broker):
+    broker_settings, raw_channel, old_broker
+):
     topology = old_broker
 
     def refuse(_message, _delivery):
@@ -119,30 +134,41 @@ def test_services_keep_running_on_classic_queues_and_say_to_migrate(
 
     consumer = Consumer(broker_settings, "on-an-old-broker")
     consumer.subscribe(CODE_TO_BENCH, refuse)
-    consumer.subscribe_fanout(WEIGHT_UPDATES, SCHEDULER_SUBSCRIBER, lambda _m, _d: [],
-                              durable=True)
+    consumer.subscribe_fanout(WEIGHT_UPDATES, SCHEDULER_SUBSCRIBER, lambda _m, _d: [], durable=True)
     with capture_logs() as logs, RunningConsumer(consumer):
-        raw_channel.basic_publish(topology.work_exchange(CODE_TO_BENCH),
-                                  topology.name(CODE_TO_BENCH), b"not msgpack", mandatory=True)
+        raw_channel.basic_publish(
+            topology.work_exchange(CODE_TO_BENCH),
+            topology.name(CODE_TO_BENCH),
+            b"not msgpack",
+            mandatory=True,
+        )
         dlq = topology.dlq(CODE_TO_BENCH)
-        wait_for(lambda: raw_channel.queue_declare(dlq, passive=True).method.message_count == 1,
-                 what="the dead letter in the classic DLQ")
+        wait_for(
+            lambda: raw_channel.queue_declare(dlq, passive=True).method.message_count == 1,
+            what="the dead letter in the classic DLQ",
+        )
     warned = [entry for entry in logs if MIGRATE_HINT in entry["event"]]
     assert {queue for entry in warned for queue in entry["queues"]} == {
         *map(topology.dlq, [*WORK_QUEUES, *FANOUT_EXCHANGES]),
-        topology.subscriber_queue(WEIGHT_UPDATES, SCHEDULER_SUBSCRIBER)}
+        topology.subscriber_queue(WEIGHT_UPDATES, SCHEDULER_SUBSCRIBER),
+    }
     assert set(queue_types(topology.namespace).values()) == {"classic", "quorum"}  # untouched
 
 
 def test_migrate_moves_every_message_into_quorum_queues(
-        broker_settings, raw_channel, old_broker, migrate, capsys):
+    broker_settings, raw_channel, old_broker, migrate, capsys
+):
     topology = old_broker
     bases = [*WORK_QUEUES, *FANOUT_EXCHANGES]
     for base in bases:
         for index in range(3):
             dead_letter(raw_channel, topology, base, f"{base}-{index}")
-    raw_channel.basic_publish(topology.name(WEIGHT_UPDATES), "", b"update",
-                              properties=pika.BasicProperties(delivery_mode=2))
+    raw_channel.basic_publish(
+        topology.name(WEIGHT_UPDATES),
+        "",
+        b"update",
+        properties=pika.BasicProperties(delivery_mode=2),
+    )
 
     assert migrate() == 0
     out = capsys.readouterr().out
@@ -171,8 +197,7 @@ def test_migrate_moves_every_message_into_quorum_queues(
     assert migrate() == 0  # a second run has nothing to do
     assert "a quorum queue now" not in capsys.readouterr().out
     consumer = Consumer(broker_settings, "on-a-migrated-broker")
-    consumer.subscribe_fanout(WEIGHT_UPDATES, SCHEDULER_SUBSCRIBER, lambda _m, _d: [],
-                              durable=True)
+    consumer.subscribe_fanout(WEIGHT_UPDATES, SCHEDULER_SUBSCRIBER, lambda _m, _d: [], durable=True)
     with capture_logs() as logs, RunningConsumer(consumer):
         pass
     assert not [entry for entry in logs if MIGRATE_HINT in entry["event"]]
@@ -204,12 +229,15 @@ def test_a_migration_cut_short_carries_on(raw_channel, old_broker, migrate):
         assert bodies == {f"{base}-0".encode(), f"{base}-1".encode()}
 
 
-def test_migrate_leaves_a_consumed_queue_alone(rabbitmq, raw_channel, old_broker, migrate,
-                                               capsys):
+def test_migrate_leaves_a_consumed_queue_alone(rabbitmq, raw_channel, old_broker, migrate, capsys):
     topology = old_broker
     scheduler = topology.subscriber_queue(WEIGHT_UPDATES, SCHEDULER_SUBSCRIBER)
-    raw_channel.basic_publish(topology.name(WEIGHT_UPDATES), "", b"update",
-                              properties=pika.BasicProperties(delivery_mode=2))
+    raw_channel.basic_publish(
+        topology.name(WEIGHT_UPDATES),
+        "",
+        b"update",
+        properties=pika.BasicProperties(delivery_mode=2),
+    )
     wait_for(lambda: raw_channel.queue_declare(scheduler, passive=True).method.message_count)
     reader = pika.BlockingConnection(pika.URLParameters(rabbitmq))
     try:
@@ -227,7 +255,8 @@ def test_migrate_leaves_a_consumed_queue_alone(rabbitmq, raw_channel, old_broker
 
 
 def test_a_service_running_through_the_migration_loses_no_dead_letter(
-        broker_settings, raw_channel, old_broker, migrate):
+    broker_settings, raw_channel, old_broker, migrate
+):
     topology = old_broker
     inbox, queue = topology.work_exchange(CODE_TO_BENCH), topology.name(CODE_TO_BENCH)
     dlq = topology.dlq(CODE_TO_BENCH)

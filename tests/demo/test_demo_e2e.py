@@ -31,16 +31,30 @@ def test_reduced_demo_runs_end_to_end(broker_settings, tmp_path):
         "HPCRL__SCHEDULER__MAX_TOKENS": "256",
         "HPCRL__SCHEDULER__INITIAL_GROUPS_PER_STEP": "1",
         "HPCRL__LEARNER__GROUPS_PER_STEP": "1",
-        **{f"HPCRL__{svc}__METRICS_PORT": "0"
-           for svc in ("GENERATOR", "BENCHMARKER", "LEARNER", "SCHEDULER")},
+        **{
+            f"HPCRL__{svc}__METRICS_PORT": "0"
+            for svc in ("GENERATOR", "BENCHMARKER", "LEARNER", "SCHEDULER")
+        },
     }
     runs = tmp_path / "runs"
     result = subprocess.run(
-        [sys.executable, str(ROOT / "deploy/local/demo.py"),
-         "--runs", str(runs), "--policy-data-dir", str(tmp_path / "data"),
-         "--bootstrap-arg=--steps=4", "--bootstrap-arg=--examples=64",
-         "--bootstrap-arg=--kernels-per-stage=2,2,1,1,1,1", "--eval-samples", "1"],
-        capture_output=True, text=True, timeout=900, cwd=ROOT,
+        [
+            sys.executable,
+            str(ROOT / "deploy/local/demo.py"),
+            "--runs",
+            str(runs),
+            "--policy-data-dir",
+            str(tmp_path / "data"),
+            "--bootstrap-arg=--steps=4",
+            "--bootstrap-arg=--examples=64",
+            "--bootstrap-arg=--kernels-per-stage=2,2,1,1,1,1",
+            "--eval-samples",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=ROOT,
         env={**os.environ, **overrides},
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
@@ -52,8 +66,13 @@ def test_reduced_demo_runs_end_to_end(broker_settings, tmp_path):
     iteration = scheduler["iterations"][0]
     assert iteration["groups"] == 1 and iteration["closed"] == 1
     assert metrics["learner"]["policy_version"] == 1  # one group, one step, one version
-    for name in ("iterations.csv", "reward_curve.png", "best_gflops.png", "learner.png",
-                 "kernels/index.json"):
+    for name in (
+        "iterations.csv",
+        "reward_curve.png",
+        "best_gflops.png",
+        "learner.png",
+        "kernels/index.json",
+    ):
         assert (run_dir / name).stat().st_size > 0, name
     for service in ("benchmarker", "learner", "generator", "scheduler"):
         assert (run_dir / "logs" / f"{service}.log").exists()
@@ -64,11 +83,16 @@ def test_reduced_demo_runs_end_to_end(broker_settings, tmp_path):
     for version in evaluation["versions"]:  # every prompt of the set, one judged sample each
         assert len(version["samples"]) == len(evaluation["prompts"])
         assert all(sample["status"] for sample in version["samples"])
-    assert set(evaluation["comparison"]["metrics"]) >= {"share_correct", "mean_reward",
-                                                         "mean_gflops"}
+    assert set(evaluation["comparison"]["metrics"]) >= {
+        "share_correct",
+        "mean_reward",
+        "mean_gflops",
+    }
     assert (run_dir / "evaluation.png").stat().st_size > 0
-    assert metrics["evaluation"]["gains"]["mean_reward"] == \
-        evaluation["comparison"]["metrics"]["mean_reward"]
+    assert (
+        metrics["evaluation"]["gains"]["mean_reward"]
+        == evaluation["comparison"]["metrics"]["mean_reward"]
+    )
     assert "Fixed evaluation set" in result.stdout and "sampler KL" in result.stdout
     # The summary leads with v0 -> final and the best kernel against OpenBLAS.
     headline = result.stdout.index("v0 -> v1:")

@@ -23,14 +23,29 @@ def commit_version(store: CheckpointStore, version: int) -> None:
 def close_iteration(store: Store, iteration: int, groups: int = 2) -> None:
     for ordinal in range(groups):
         gid = f"g{iteration}-{ordinal}"
-        store.plan_group(gid, iteration=iteration, ordinal=ordinal, parent_id="seed",
-                         mode="improve", target_stage=1, group_size=2, prompt=[])
-        store.mark_closed(gid, at=time.time(), reason="complete", outcome="sent",
-                          host_class="x", excluded=0, reward_mean=None, reward_max=None)
+        store.plan_group(
+            gid,
+            iteration=iteration,
+            ordinal=ordinal,
+            parent_id="seed",
+            mode="improve",
+            target_stage=1,
+            group_size=2,
+            prompt=[],
+        )
+        store.mark_closed(
+            gid,
+            at=time.time(),
+            reason="complete",
+            outcome="sent",
+            host_class="x",
+            excluded=0,
+            reward_mean=None,
+            reward_max=None,
+        )
 
 
-def test_the_version_after_four_iterations_is_the_newest_committed_when_they_closed(
-        tmp_path):
+def test_the_version_after_four_iterations_is_the_newest_committed_when_they_closed(tmp_path):
     db, checkpoints = tmp_path / "scheduler.db", CheckpointStore(tmp_path / "ckpt")
     store = Store(db)
     assert demo.version_after_iterations(db, checkpoints.root, 4) is None  # no run yet
@@ -52,9 +67,12 @@ def gain(value: float, low: float, high: float) -> dict[str, float]:
 
 
 def comparison(after: int, share: dict, gflops: dict, per_prompt: list) -> dict:
-    return {"before": 0, "after": after, "metrics": {"share_correct": share,
-                                                     "mean_gflops": gflops},
-            "per_prompt": per_prompt}
+    return {
+        "before": 0,
+        "after": after,
+        "metrics": {"share_correct": share, "mean_gflops": gflops},
+        "per_prompt": per_prompt,
+    }
 
 
 def test_the_headline_says_whether_the_gain_was_kept_and_which_prompts_lost(capsys):
@@ -62,9 +80,13 @@ def test_the_headline_says_whether_the_gain_was_kept_and_which_prompts_lost(caps
     unclear = {"name": "seed@1", "metrics": {"share_correct": gain(-0.1, -0.3, 0.1)}}
     middle = comparison(7, gain(0.2, 0.1, 0.3), gain(5.0, 2.0, 8.0), [])
     final = comparison(17, gain(0.25, 0.1, 0.4), gain(3.0, 1.0, 5.0), [lost, unclear])
-    demo.print_gain_held({"comparison": final, "comparisons": [middle, final],
-                          "metric_labels": {"share_correct": "share correct",
-                                            "mean_gflops": "mean GFLOPS"}})
+    demo.print_gain_held(
+        {
+            "comparison": final,
+            "comparisons": [middle, final],
+            "metric_labels": {"share_correct": "share correct", "mean_gflops": "mean GFLOPS"},
+        }
+    )
     out = " ".join(capsys.readouterr().out.split())
     assert "gain after 4 iterations (v7) -> final (v17)" in out
     assert "share correct +0.2 [+0.1, +0.3] -> +0.25 [+0.1, +0.4] kept" in out

@@ -27,8 +27,9 @@ report = load_script("deploy/local/overlap_report.py", "overlap_report")
 class Service:
     """One service's metrics as it exports them: its own registry on its own HTTP port."""
 
-    def __init__(self, busy: dict[str, float], first_busy: float | None = None,
-                 with_busy: bool = True) -> None:
+    def __init__(
+        self, busy: dict[str, float], first_busy: float | None = None, with_busy: bool = True
+    ) -> None:
         self.registry = CollectorRegistry()
         if with_busy:
             counter = Counter(BUSY_SECONDS_NAME, "busy", ["client"], registry=self.registry)
@@ -38,8 +39,9 @@ class Service:
         if first_busy is not None:
             gauge.labels(next(iter(busy))).set(first_busy)
         Counter("hpcrl_other_total", "something else", registry=self.registry).inc()
-        self.server = MetricsServer("test", lambda: (True, {}), "127.0.0.1", 0,
-                                    registry=self.registry).start()
+        self.server = MetricsServer(
+            "test", lambda: (True, {}), "127.0.0.1", 0, registry=self.registry
+        ).start()
         self.url = f"http://127.0.0.1:{self.server.port}/metrics"
 
     def stop(self) -> None:
@@ -77,9 +79,13 @@ def test_busy_times_are_scraped_and_the_ratio_uses_the_busiest_service(services)
     assert bench.clients == {"benchmarker-a": 100.0, "benchmarker-b": 40.0}
     assert bench.busy_s == 100.0 and bench.first_busy == 1_004.0
 
-    out = report.overlap_summary({s: [r] for s, r in probe.readings.items()}, probe.errors,
-                                 end=1_105.0, end_is="the last version committed",
-                                 iterations=4)
+    out = report.overlap_summary(
+        {s: [r] for s, r in probe.readings.items()},
+        probe.errors,
+        end=1_105.0,
+        end_is="the last version committed",
+        iterations=4,
+    )
     assert out["measured"] and out["complete"]
     assert out["start"] == 1_000.0  # the generator's first request, not the scheduler's tick
     assert out["wall_s"] == 105.0 and out["wall_per_iteration_s"] == 26.25
@@ -101,9 +107,16 @@ def test_several_replicas_count_as_their_mean():
         return report.Reading(busy_s=busy, first_busy=first, clients={"c": busy}, at=0.0)
 
     out = report.overlap_summary(
-        {"generator": [reading(60.0, 10.0), reading(20.0, 5.0)],
-         "benchmarker": [reading(90.0), reading(30.0)], "learner": [reading(10.0)]},
-        {"scheduler": "no address"}, end=105.0, end_is="x", iterations=None)
+        {
+            "generator": [reading(60.0, 10.0), reading(20.0, 5.0)],
+            "benchmarker": [reading(90.0), reading(30.0)],
+            "learner": [reading(10.0)],
+        },
+        {"scheduler": "no address"},
+        end=105.0,
+        end_is="x",
+        iterations=None,
+    )
     assert out["start"] == 5.0 and out["wall_s"] == 100.0
     assert out["services"]["benchmarker"]["busy_s"] == 60.0
     assert out["services"]["generator"]["busy_s"] == 40.0
@@ -117,8 +130,13 @@ def test_what_cannot_be_measured_is_said_not_raised(services):
     down = f"http://127.0.0.1:{closed_port()}/metrics"
     probe = report.OverlapProbe({"generator": down, "learner": services["learner"].url})
     probe.finish()
-    out = report.overlap_summary({s: [r] for s, r in probe.readings.items()}, probe.errors,
-                                 end=2_000.0, end_is="x", iterations=1)
+    out = report.overlap_summary(
+        {s: [r] for s, r in probe.readings.items()},
+        probe.errors,
+        end=2_000.0,
+        end_is="x",
+        iterations=1,
+    )
     assert not out["measured"] and down in out["reason"]
 
     idle = Service({"generator": 0.0})  # started, never took a request
@@ -143,8 +161,9 @@ def test_what_cannot_be_measured_is_said_not_raised(services):
 
 def test_the_probe_scrapes_at_most_every_few_seconds(services):
     now = [0.0]
-    probe = report.OverlapProbe({"learner": services["learner"].url}, every_s=5.0,
-                                clock=lambda: now[0])
+    probe = report.OverlapProbe(
+        {"learner": services["learner"].url}, every_s=5.0, clock=lambda: now[0]
+    )
     probe.poll()
     first = probe.readings["learner"].at
     time.sleep(0.01)
@@ -160,10 +179,12 @@ def test_ports_come_from_the_config_and_a_port_0_is_chosen_here(tmp_path):
     config = ROOT / "deploy" / "local" / "demo.toml"
     urls, overrides, errors = report.metrics_endpoints(config, {})
     assert not errors and not overrides
-    assert urls == {"generator": "http://127.0.0.1:9101/metrics",
-                    "benchmarker": "http://127.0.0.1:9102/metrics",
-                    "learner": "http://127.0.0.1:9103/metrics",
-                    "scheduler": "http://127.0.0.1:9104/metrics"}
+    assert urls == {
+        "generator": "http://127.0.0.1:9101/metrics",
+        "benchmarker": "http://127.0.0.1:9102/metrics",
+        "learner": "http://127.0.0.1:9103/metrics",
+        "scheduler": "http://127.0.0.1:9104/metrics",
+    }
     env = {"HPCRL__LEARNER__METRICS_PORT": "0", "HPCRL__GENERATOR__METRICS_HOST": "0.0.0.0"}
     urls, overrides, errors = report.metrics_endpoints(config, env)
     port = int(overrides["HPCRL__LEARNER__METRICS_PORT"])
@@ -183,11 +204,27 @@ def test_the_loop_ends_with_the_last_commit_or_the_last_group_closed(tmp_path):
     store = Store(db)
     for ordinal, closed in enumerate((1_050.0, 1_080.0)):
         group = f"g{ordinal}"
-        store.plan_group(group, iteration=0, ordinal=ordinal, parent_id="seed", mode="seed",
-                         target_stage=1, group_size=2, prompt=[])
+        store.plan_group(
+            group,
+            iteration=0,
+            ordinal=ordinal,
+            parent_id="seed",
+            mode="seed",
+            target_stage=1,
+            group_size=2,
+            prompt=[],
+        )
         store.mark_published(group, min_policy_version=0, at=1_000.0)
-        store.mark_closed(group, at=closed, reason="complete", outcome="sent", host_class="h",
-                          excluded=0, reward_mean=None, reward_max=None)
+        store.mark_closed(
+            group,
+            at=closed,
+            reason="complete",
+            outcome="sent",
+            host_class="h",
+            excluded=0,
+            reward_mean=None,
+            reward_max=None,
+        )
     store.close()
     assert report.loop_end(data, db, checkpoints) == (1_080.0, "the last group closed")
     checkpoints.mkdir()
@@ -195,8 +232,7 @@ def test_the_loop_ends_with_the_last_commit_or_the_last_group_closed(tmp_path):
     staging = versions.staging_dir(1)
     (staging / "weights.bin").write_bytes(b"w")
     info = versions.commit(staging, 1, 0, "full")
-    assert report.loop_end(data, db, checkpoints) == (info.created_at,
-                                                      "the last version committed")
+    assert report.loop_end(data, db, checkpoints) == (info.created_at, "the last version committed")
     probe = report.OverlapProbe({})
     out = probe.summary(data, db, checkpoints, resumed=True)
     assert not out["measured"] and "not scraped" in out["reason"]
@@ -208,6 +244,10 @@ def test_the_ratio_after_the_pipeline_filled_starts_at_the_busiest_services_firs
 
     out = report.overlap_summary(
         {"generator": [reading(50.0, 0.0)], "learner": [reading(80.0, 30.0)]},
-        {}, end=120.0, end_is="x", iterations=4)
+        {},
+        end=120.0,
+        end_is="x",
+        iterations=4,
+    )
     assert out["busiest"] == "learner" and out["ratio"] == pytest.approx(120 / 80)
     assert out["filled"] == 30.0 and out["ratio_after_fill"] == pytest.approx(90 / 80)

@@ -46,19 +46,39 @@ UNITS = {
     "scheduler": SYSTEMD / "hpcrl-scheduler.service",
 }
 CONTAINERFILES = {service: CONTAINERS / f"{service}.Containerfile" for service in SERVICES}
-SOURCE_DIRS = {"scheduler": "services/sqd_scheduler", "generator": "services/generator",
-               "learner": "services/learner", "benchmarker": "services/benchmarker"}
+SOURCE_DIRS = {
+    "scheduler": "services/sqd_scheduler",
+    "generator": "services/generator",
+    "learner": "services/learner",
+    "benchmarker": "services/benchmarker",
+}
 # Hosts of package and image registries: no deploy file may name one (images are plain names
 # such as rabbitmq:3.13-management; indexes are build arguments).
-REGISTRY_HOSTS = ("pypi.org", "pythonhosted.org", "pytorch.org", "docker.io", "docker.com",
-                  "quay.io", "ghcr.io", "gcr.io", "registry.k8s.io", "nvcr.io",
-                  "deb.debian.org", "security.debian.org", "archive.ubuntu.com")
+REGISTRY_HOSTS = (
+    "pypi.org",
+    "pythonhosted.org",
+    "pytorch.org",
+    "docker.io",
+    "docker.com",
+    "quay.io",
+    "ghcr.io",
+    "gcr.io",
+    "registry.k8s.io",
+    "nvcr.io",
+    "deb.debian.org",
+    "security.debian.org",
+    "archive.ubuntu.com",
+)
 URL_WITH_PASSWORD = re.compile(r"\b[a-z][a-z0-9+.-]*://[^\s/@:'\"]+:[^\s/@'\"]+@", re.I)
 
 
 def deploy_files() -> list[Path]:
-    return sorted(p for d in (SLURM, SYSTEMD, CONTAINERS) for p in d.rglob("*")
-                  if p.is_file() and "__pycache__" not in p.parts)
+    return sorted(
+        p
+        for d in (SLURM, SYSTEMD, CONTAINERS)
+        for p in d.rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts
+    )
 
 
 def shell_scripts() -> list[Path]:
@@ -83,8 +103,7 @@ def default_ports() -> dict[str, int]:
 
 def run(args: list[str], **kwargs) -> subprocess.CompletedProcess[str]:
     kwargs.setdefault("timeout", 120)
-    return subprocess.run(args, capture_output=True, text=True, stdin=subprocess.DEVNULL,
-                          **kwargs)
+    return subprocess.run(args, capture_output=True, text=True, stdin=subprocess.DEVNULL, **kwargs)
 
 
 def which(tool: str) -> str:
@@ -100,15 +119,27 @@ def which(tool: str) -> str:
 def test_the_deploy_directories_hold_the_expected_files() -> None:
     names = {p.relative_to(DEPLOY).as_posix() for p in deploy_files()}
     expected = {
-        "slurm/hpcrl-lib.sh", "slurm/gpu.sbatch", "slurm/benchmarkers.sbatch",
-        "slurm/scheduler.sbatch", "slurm/common.env.example", "slurm/role.env.example",
-        "systemd/hpcrl-benchmarker@.service", "systemd/hpcrl-generator.service",
-        "systemd/hpcrl-learner.service", "systemd/hpcrl-scheduler.service",
-        "systemd/hpcrl-benchmarker-instance", "systemd/install.sh",
-        "systemd/common.env.example", "systemd/service.env.example",
-        "containers/compose.yaml", "containers/compose.gpu.yaml", "containers/prometheus.yml",
-        "containers/grafana-datasource.yml", "containers/rabbitmq.conf",
-        "containers/experiment.toml", "containers/install-venv.sh",
+        "slurm/hpcrl-lib.sh",
+        "slurm/gpu.sbatch",
+        "slurm/benchmarkers.sbatch",
+        "slurm/scheduler.sbatch",
+        "slurm/common.env.example",
+        "slurm/role.env.example",
+        "systemd/hpcrl-benchmarker@.service",
+        "systemd/hpcrl-generator.service",
+        "systemd/hpcrl-learner.service",
+        "systemd/hpcrl-scheduler.service",
+        "systemd/hpcrl-benchmarker-instance",
+        "systemd/install.sh",
+        "systemd/common.env.example",
+        "systemd/service.env.example",
+        "containers/compose.yaml",
+        "containers/compose.gpu.yaml",
+        "containers/prometheus.yml",
+        "containers/grafana-datasource.yml",
+        "containers/rabbitmq.conf",
+        "containers/experiment.toml",
+        "containers/install-venv.sh",
         "containers/secrets/.gitignore",
         *(f"containers/{s}.Containerfile" for s in SERVICES),
         *(f"containers/{s}.Containerfile.dockerignore" for s in SERVICES),
@@ -178,7 +209,8 @@ def test_no_password_on_a_command_line_or_in_a_url() -> None:
         for line in text.splitlines():
             code = line.split("#", 1)[0]
             assert not re.search(r"--pass(word)?\b|PASSWORD=[^\s$'\"]", code, re.I), (
-                f"{path}: a password on a command line: {line.strip()}")
+                f"{path}: a password on a command line: {line.strip()}"
+            )
             if re.search(r"rabbitmqctl\s+(add_user|change_password)", code):
                 pytest.fail(f"{path}: rabbitmqctl takes the password from argv: {line}")
 
@@ -204,17 +236,29 @@ def env_dir(tmp_path: Path) -> Path:
     write_private(directory / "common.env", "# shared\nHPCRL__LOGGING__FORMAT=json\n")
     for role in SERVICES:
         password = write_private(directory / f"hpcrl-{role}.password", "s3cret\n")
-        write_private(directory / f"{role}.env",
-                      f'HPCRL__BROKER__URL="amqps://hpcrl-{role}@broker.example.org:5671/exp"\n'
-                      f"HPCRL__BROKER__PASSWORD_FILE={password}\n")
+        write_private(
+            directory / f"{role}.env",
+            f'HPCRL__BROKER__URL="amqps://hpcrl-{role}@broker.example.org:5671/exp"\n'
+            f"HPCRL__BROKER__PASSWORD_FILE={password}\n",
+        )
     return directory
 
 
-def role_env(env_dir: Path, role: str, *, extra: dict[str, str] | None = None,
-             show: str = "HPCRL__BROKER__URL") -> subprocess.CompletedProcess[str]:
+def role_env(
+    env_dir: Path,
+    role: str,
+    *,
+    extra: dict[str, str] | None = None,
+    show: str = "HPCRL__BROKER__URL",
+) -> subprocess.CompletedProcess[str]:
     script = f'source {LIB}; hpcrl_role_env {role} && printf "%s" "${{{show}:-}}"'
-    env = {"PATH": os.environ["PATH"], "HOME": str(env_dir.parent), "HPCRL_ENV_DIR": str(env_dir),
-           "HPCRL_VENV": sys.prefix, **(extra or {})}
+    env = {
+        "PATH": os.environ["PATH"],
+        "HOME": str(env_dir.parent),
+        "HPCRL_ENV_DIR": str(env_dir),
+        "HPCRL_VENV": sys.prefix,
+        **(extra or {}),
+    }
     return run(["bash", "-c", script], env=env)
 
 
@@ -226,20 +270,37 @@ def test_role_env_loads_a_role_and_refuses_unsafe_credentials(env_dir: Path) -> 
 
     # JSON values keep their double quotes when the whole value is single-quoted (as systemd).
     (env_dir / "benchmarker.env").write_text(
-        (env_dir / "benchmarker.env").read_text() + "HPCRL__BENCHMARKER__ALLOW_ISA='[\"avx2\"]'\n")
+        (env_dir / "benchmarker.env").read_text() + "HPCRL__BENCHMARKER__ALLOW_ISA='[\"avx2\"]'\n"
+    )
     isa = role_env(env_dir, "benchmarker", show="HPCRL__BENCHMARKER__ALLOW_ISA")
     assert isa.returncode == 0 and isa.stdout == '["avx2"]', isa.stderr
 
     cases = {
-        "a password in the URL": ("generator.env", 'HPCRL__BROKER__URL=amqp://u:pw@h/v\n'
-                                  f"HPCRL__BROKER__PASSWORD_FILE={env_dir}/hpcrl-generator.password\n",
-                                  0o600, "carries a password"),
-        "no password file": ("learner.env", "HPCRL__BROKER__URL=amqp://u@h/v\n", 0o600,
-                             "must set HPCRL__BROKER__PASSWORD_FILE"),
-        "an env file others can read": ("scheduler.env", "HPCRL__BROKER__URL=amqp://u@h/v\n",
-                                        0o644, "chmod 600"),
-        "not KEY=VALUE": ("scheduler.env", "export $(cat /etc/passwd)\n", 0o600,
-                          "is not KEY=VALUE"),
+        "a password in the URL": (
+            "generator.env",
+            "HPCRL__BROKER__URL=amqp://u:pw@h/v\n"
+            f"HPCRL__BROKER__PASSWORD_FILE={env_dir}/hpcrl-generator.password\n",
+            0o600,
+            "carries a password",
+        ),
+        "no password file": (
+            "learner.env",
+            "HPCRL__BROKER__URL=amqp://u@h/v\n",
+            0o600,
+            "must set HPCRL__BROKER__PASSWORD_FILE",
+        ),
+        "an env file others can read": (
+            "scheduler.env",
+            "HPCRL__BROKER__URL=amqp://u@h/v\n",
+            0o644,
+            "chmod 600",
+        ),
+        "not KEY=VALUE": (
+            "scheduler.env",
+            "export $(cat /etc/passwd)\n",
+            0o600,
+            "is not KEY=VALUE",
+        ),
     }
     for why, (name, text, mode, message) in cases.items():
         original = (env_dir / name).read_text()
@@ -271,14 +332,16 @@ def supervise(command: str, **env: str) -> tuple[int, str]:
 
 def test_the_supervisor_restarts_failures_and_not_final_exits(tmp_path: Path) -> None:
     log = tmp_path / "runs"
-    status, stderr = supervise(f"sh -c 'echo run >> {log}; exit 1'",
-                               HPCRL_MAX_RESTARTS="2", HPCRL_RESTART_PAUSE="0")
+    status, stderr = supervise(
+        f"sh -c 'echo run >> {log}; exit 1'", HPCRL_MAX_RESTARTS="2", HPCRL_RESTART_PAUSE="0"
+    )
     assert status == 1 and log.read_text().count("run") == 3, stderr
     assert "giving up" in stderr
     for final in (0, 2, 3):  # done, bad settings, host refused (no AVX-512)
         log.unlink()
-        status, stderr = supervise(f"sh -c 'echo run >> {log}; exit {final}'",
-                                   HPCRL_RESTART_PAUSE="0")
+        status, stderr = supervise(
+            f"sh -c 'echo run >> {log}; exit {final}'", HPCRL_RESTART_PAUSE="0"
+        )
         assert status == final and log.read_text().count("run") == 1, stderr
 
 
@@ -315,22 +378,32 @@ def stub_venv(tmp_path: Path) -> Path:
 class Job:
     """A batch script run as Slurm would run its batch step, minus Slurm."""
 
-    def __init__(self, script: str, tmp_path: Path, env_dir: Path, venv: Path,
-                 **env: str) -> None:
+    def __init__(self, script: str, tmp_path: Path, env_dir: Path, venv: Path, **env: str) -> None:
         self.out = tmp_path / "stub-out"
         self.sd = tmp_path / "file_sd"
         self.logs = tmp_path / "logs"
         self.out.mkdir()
         environment = {
-            "PATH": os.environ["PATH"], "HOME": str(tmp_path), "SLURM_SUBMIT_DIR": str(ROOT),
-            "SLURM_JOB_ID": "4242", "HPCRL_ENV_DIR": str(env_dir), "HPCRL_VENV": str(venv),
-            "HPCRL_LOG_DIR": str(self.logs), "HPCRL_PROMETHEUS_SD_DIR": str(self.sd),
-            "STUB_OUT": str(self.out), **env,
+            "PATH": os.environ["PATH"],
+            "HOME": str(tmp_path),
+            "SLURM_SUBMIT_DIR": str(ROOT),
+            "SLURM_JOB_ID": "4242",
+            "HPCRL_ENV_DIR": str(env_dir),
+            "HPCRL_VENV": str(venv),
+            "HPCRL_LOG_DIR": str(self.logs),
+            "HPCRL_PROMETHEUS_SD_DIR": str(self.sd),
+            "STUB_OUT": str(self.out),
+            **env,
         }
-        self.proc = subprocess.Popen(["bash", str(SLURM / script)], env=environment,
-                                     cwd=tmp_path, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            ["bash", str(SLURM / script)],
+            env=environment,
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
 
     def started(self, count: int, timeout: float = 60) -> list[dict]:
         deadline = time.monotonic() + timeout
@@ -338,8 +411,10 @@ class Job:
             found = sorted(self.out.glob("*.json"))
             if len(found) >= count:
                 time.sleep(0.3)  # anything more than expected would show up now
-                return [json.loads(p.read_text()) | {"name": p.name}
-                        for p in sorted(self.out.glob("*.json"))]
+                return [
+                    json.loads(p.read_text()) | {"name": p.name}
+                    for p in sorted(self.out.glob("*.json"))
+                ]
             if self.proc.poll() is not None:
                 break
             time.sleep(0.1)
@@ -372,25 +447,35 @@ def jobs() -> Iterator[list[Job]]:
 def test_gpu_job_splits_the_gpus_between_learner_and_generators(
     tmp_path: Path, env_dir: Path, stub_venv: Path, jobs: list[Job]
 ) -> None:
-    job = Job("gpu.sbatch", tmp_path, env_dir, stub_venv, CUDA_VISIBLE_DEVICES="0,1,2,3,4",
-              HPCRL_GENERATOR_GPUS="2")
+    job = Job(
+        "gpu.sbatch",
+        tmp_path,
+        env_dir,
+        stub_venv,
+        CUDA_VISIBLE_DEVICES="0,1,2,3,4",
+        HPCRL_GENERATOR_GPUS="2",
+    )
     jobs.append(job)
     started = job.started(3)
     assert len(started) == 3, started
     learner = [s for s in started if s["name"].startswith("hpcrl-learner")]
-    generators = sorted((s for s in started if s["name"].startswith("hpcrl-generator")),
-                        key=lambda s: s["env"]["HPCRL__GENERATOR__METRICS_PORT"])
+    generators = sorted(
+        (s for s in started if s["name"].startswith("hpcrl-generator")),
+        key=lambda s: s["env"]["HPCRL__GENERATOR__METRICS_PORT"],
+    )
     assert learner[0]["env"]["CUDA_VISIBLE_DEVICES"] == "0"
     assert learner[0]["env"]["HPCRL__BROKER__URL"].startswith("amqps://hpcrl-learner@")
     assert learner[0]["argv"] == ["serve"]
     assert [g["env"]["CUDA_VISIBLE_DEVICES"] for g in generators] == ["1,2", "3,4"]
     assert [g["env"]["HPCRL__GENERATOR__TENSOR_PARALLEL_SIZE"] for g in generators] == ["2", "2"]
     assert [g["env"]["HPCRL__GENERATOR__METRICS_PORT"] for g in generators] == ["9101", "9111"]
-    assert all(g["env"]["HPCRL__BROKER__URL"].startswith("amqps://hpcrl-generator@")
-               for g in generators)
+    assert all(
+        g["env"]["HPCRL__BROKER__URL"].startswith("amqps://hpcrl-generator@") for g in generators
+    )
     assert len({g["env"]["HPCRL__GENERATOR__REPLICA"] for g in generators}) == 2
-    targets = sorted(json.loads(p.read_text())[0]["targets"][0].rsplit(":", 1)[1]
-                     for p in job.sd.glob("*.json"))
+    targets = sorted(
+        json.loads(p.read_text())[0]["targets"][0].rsplit(":", 1)[1] for p in job.sd.glob("*.json")
+    )
     assert targets == ["9101", "9103", "9111"]
     status, output = job.stop()
     assert status == 0, output
@@ -401,8 +486,14 @@ def test_gpu_job_splits_the_gpus_between_learner_and_generators(
 def test_gpu_job_without_learner_runs_generators_only(
     tmp_path: Path, env_dir: Path, stub_venv: Path, jobs: list[Job]
 ) -> None:
-    job = Job("gpu.sbatch", tmp_path, env_dir, stub_venv, CUDA_VISIBLE_DEVICES="0,1",
-              HPCRL_WITH_LEARNER="0")
+    job = Job(
+        "gpu.sbatch",
+        tmp_path,
+        env_dir,
+        stub_venv,
+        CUDA_VISIBLE_DEVICES="0,1",
+        HPCRL_WITH_LEARNER="0",
+    )
     jobs.append(job)
     started = job.started(2)
     assert sorted(s["env"]["CUDA_VISIBLE_DEVICES"] for s in started) == ["0", "1"]
@@ -411,9 +502,30 @@ def test_gpu_job_without_learner_runs_generators_only(
 
 
 def bwrap_works() -> bool:
-    return run(["bwrap", "--unshare-all", "--unshare-user", "--ro-bind", "/usr", "/usr",
-                "--symlink", "usr/lib", "/lib", "--symlink", "usr/lib64", "/lib64",
-                "--symlink", "usr/bin", "/bin", "--", "true"]).returncode == 0
+    return (
+        run(
+            [
+                "bwrap",
+                "--unshare-all",
+                "--unshare-user",
+                "--ro-bind",
+                "/usr",
+                "/usr",
+                "--symlink",
+                "usr/lib",
+                "/lib",
+                "--symlink",
+                "usr/lib64",
+                "/lib64",
+                "--symlink",
+                "usr/bin",
+                "/bin",
+                "--",
+                "true",
+            ]
+        ).returncode
+        == 0
+    )
 
 
 def cpuinfo_flags() -> set[str]:
@@ -437,8 +549,14 @@ def test_benchmarker_array_task_runs_one_replica_per_cpu_set(
         with (env_dir / "benchmarker.env").open("a") as handle:
             handle.write("HPCRL__BENCHMARKER__ALLOW_ISA='[\"avx2\"]'\n")
     sets = f"{cpus[0]}-{cpus[0]} {cpus[1]}"
-    job = Job("benchmarkers.sbatch", tmp_path, env_dir, stub_venv, HPCRL_CPU_SETS=sets,
-              SLURM_ARRAY_TASK_ID="7")
+    job = Job(
+        "benchmarkers.sbatch",
+        tmp_path,
+        env_dir,
+        stub_venv,
+        HPCRL_CPU_SETS=sets,
+        SLURM_ARRAY_TASK_ID="7",
+    )
     jobs.append(job)
     started = sorted(job.started(2), key=lambda s: s["env"]["HPCRL__BENCHMARKER__METRICS_PORT"])
     assert [s["cpus"] for s in started] == [[cpus[0]], [cpus[1]]]
@@ -446,11 +564,14 @@ def test_benchmarker_array_task_runs_one_replica_per_cpu_set(
     work_dirs = {s["env"]["HPCRL__BENCHMARKER__WORK_DIR"] for s in started}
     assert len(work_dirs) == 2
     # Each replica is told its set (its timing locks follow it); the lock path stays per node.
-    assert [s["env"]["HPCRL__BENCHMARKER__CPUS"] for s in started] == [f"{cpus[0]}-{cpus[0]}",
-                                                                       f"{cpus[1]}"]
+    assert [s["env"]["HPCRL__BENCHMARKER__CPUS"] for s in started] == [
+        f"{cpus[0]}-{cpus[0]}",
+        f"{cpus[1]}",
+    ]
     assert all("HPCRL__BENCHMARKER__LOCK_PATH" not in s["env"] for s in started)
-    assert all(s["env"]["HPCRL__BROKER__URL"].startswith("amqps://hpcrl-benchmarker@")
-               for s in started)
+    assert all(
+        s["env"]["HPCRL__BROKER__URL"].startswith("amqps://hpcrl-benchmarker@") for s in started
+    )
     assert len(list(job.sd.glob("hpcrl-benchmarker-*.json"))) == 2
     assert (job.logs / "benchmarker-7-0.log").exists()
     status, output = job.stop()
@@ -474,9 +595,15 @@ def test_benchmarker_array_task_refuses_a_node_without_avx512(
         which(tool)
     if not bwrap_works():
         pytest.skip("bubblewrap cannot create user namespaces here")
-    env = {"PATH": path, "HOME": str(tmp_path), "SLURM_SUBMIT_DIR": str(ROOT),
-           "HPCRL_ENV_DIR": str(env_dir), "HPCRL_VENV": str(stub_venv),
-           "HPCRL_LOG_DIR": str(tmp_path / "logs"), "STUB_OUT": str(tmp_path)}
+    env = {
+        "PATH": path,
+        "HOME": str(tmp_path),
+        "SLURM_SUBMIT_DIR": str(ROOT),
+        "HPCRL_ENV_DIR": str(env_dir),
+        "HPCRL_VENV": str(stub_venv),
+        "HPCRL_LOG_DIR": str(tmp_path / "logs"),
+        "STUB_OUT": str(tmp_path),
+    }
     result = run(["bash", str(SLURM / "benchmarkers.sbatch")], env=env, timeout=60)
     assert result.returncode == 3, result.stdout + result.stderr
     assert "has no avx512f" in result.stderr
@@ -534,7 +661,8 @@ def test_units_restart_limit_and_take_credentials_from_files(service: str) -> No
     files = s["EnvironmentFile"]
     assert f"/etc/hpcrl/{service}.env" in files and "-/etc/hpcrl/common.env" in files
     assert s["LoadCredential"] == [
-        f"broker-password:/etc/hpcrl/credentials/hpcrl-{service}.password"]
+        f"broker-password:/etc/hpcrl/credentials/hpcrl-{service}.password"
+    ]
     assert "HPCRL__BROKER__PASSWORD_FILE=%d/broker-password" in s["Environment"]
     assert not any("PASSWORD=" in value for value in s["Environment"])
     comments = unit_comments(path)
@@ -566,26 +694,41 @@ def test_the_benchmarker_unit_leaves_bubblewrap_its_namespaces() -> None:
 def test_systemd_analyze_verify(service: str) -> None:
     tool = which("systemd-analyze")
     path = UNITS[service]
-    names = ([path.with_name("hpcrl-benchmarker@0.service"),
-              path.with_name("hpcrl-benchmarker@0-27.service")]
-             if service == "benchmarker" else [path])
+    names = (
+        [
+            path.with_name("hpcrl-benchmarker@0.service"),
+            path.with_name("hpcrl-benchmarker@0-27.service"),
+        ]
+        if service == "benchmarker"
+        else [path]
+    )
     result = run([tool, "verify", "--man=no", *map(str, names)])
-    problems = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()
-                # The install paths do not exist on this machine: the only message allowed.
-                and not re.fullmatch(r"\S+: Command /opt/hpcrl/\S+ is not executable: "
-                                     r"No such file or directory", line.strip())]
+    problems = [
+        line
+        for line in (result.stdout + result.stderr).splitlines()
+        if line.strip()
+        # The install paths do not exist on this machine: the only message allowed.
+        and not re.fullmatch(
+            r"\S+: Command /opt/hpcrl/\S+ is not executable: "
+            r"No such file or directory",
+            line.strip(),
+        )
+    ]
     assert not problems, "\n".join(problems)
 
 
-@pytest.mark.parametrize(("service", "threshold"), [
-    ("scheduler", 2.0), ("benchmarker", 3.0), ("generator", 4.0), ("learner", 4.0)])
+@pytest.mark.parametrize(
+    ("service", "threshold"),
+    [("scheduler", 2.0), ("benchmarker", 3.0), ("generator", 4.0), ("learner", 4.0)],
+)
 def test_systemd_exposure_level(service: str, threshold: float) -> None:
     tool = which("systemd-analyze")
     if "--offline" not in run([tool, "security", "--help"]).stdout:
         pytest.skip("systemd-analyze security has no --offline here (systemd < 250)")
     name = "hpcrl-benchmarker@0.service" if service == "benchmarker" else UNITS[service].name
-    result = run([tool, "security", "--offline=true", "--no-pager",
-                  str(UNITS[service].with_name(name))])
+    result = run(
+        [tool, "security", "--offline=true", "--no-pager", str(UNITS[service].with_name(name))]
+    )
     match = re.search(r"Overall exposure level for \S+: ([\d.]+)", result.stdout)
     assert match, result.stdout + result.stderr
     assert float(match.group(1)) <= threshold, result.stdout[-2000:]
@@ -593,14 +736,17 @@ def test_systemd_exposure_level(service: str, threshold: float) -> None:
 
 def test_benchmarker_instance_names_give_ports_and_cpu_sets(tmp_path: Path) -> None:
     fake = tmp_path / "hpcrl-benchmarker"
-    fake.write_text('#!/bin/sh\necho "$HPCRL__BENCHMARKER__METRICS_PORT $*"\n'
-                    'taskset -pc $$ | cut -d: -f2\n')
+    fake.write_text(
+        '#!/bin/sh\necho "$HPCRL__BENCHMARKER__METRICS_PORT $*"\ntaskset -pc $$ | cut -d: -f2\n'
+    )
     fake.chmod(0o755)
     cpus = sorted(os.sched_getaffinity(0))
 
     def start(instance: str, **env: str) -> list[str]:
-        result = run([str(SYSTEMD / "hpcrl-benchmarker-instance"), instance],
-                     env={"PATH": os.environ["PATH"], "HPCRL_BENCHMARKER_BIN": str(fake), **env})
+        result = run(
+            [str(SYSTEMD / "hpcrl-benchmarker-instance"), instance],
+            env={"PATH": os.environ["PATH"], "HPCRL_BENCHMARKER_BIN": str(fake), **env},
+        )
         assert result.returncode == 0, result.stderr
         return [line.strip() for line in result.stdout.splitlines()]
 
@@ -610,14 +756,17 @@ def test_benchmarker_instance_names_give_ports_and_cpu_sets(tmp_path: Path) -> N
     assert start("1", HPCRL__BENCHMARKER__METRICS_PORT="9200")[0] == "9200 serve"
     first = start(f"{cpus[0]}-{cpus[0]}")
     assert first == [f"{9102 + 10 * cpus[0]} serve", str(cpus[0])]
-    bad = run([str(SYSTEMD / "hpcrl-benchmarker-instance"), "5-3"],
-              env={"PATH": os.environ["PATH"], "HPCRL_BENCHMARKER_BIN": str(fake)})
+    bad = run(
+        [str(SYSTEMD / "hpcrl-benchmarker-instance"), "5-3"],
+        env={"PATH": os.environ["PATH"], "HPCRL_BENCHMARKER_BIN": str(fake)},
+    )
     assert bad.returncode == 2
 
 
 def test_install_script_lays_out_units_and_private_env_files(tmp_path: Path) -> None:
-    result = run([str(SYSTEMD / "install.sh")], env={"PATH": os.environ["PATH"],
-                                                    "DESTDIR": str(tmp_path)})
+    result = run(
+        [str(SYSTEMD / "install.sh")], env={"PATH": os.environ["PATH"], "DESTDIR": str(tmp_path)}
+    )
     assert result.returncode == 0, result.stderr
     for unit in UNITS.values():
         assert (tmp_path / "etc/systemd/system" / unit.name).read_text() == unit.read_text()
@@ -629,12 +778,17 @@ def test_install_script_lays_out_units_and_private_env_files(tmp_path: Path) -> 
         assert env.stat().st_mode & 0o777 == 0o600
         assert f"amqps://hpcrl-{service}@" in env.read_text()
     (tmp_path / "etc/hpcrl/learner.env").write_text("kept\n")
-    assert run([str(SYSTEMD / "install.sh")], env={"PATH": os.environ["PATH"],
-                                                   "DESTDIR": str(tmp_path)}).returncode == 0
+    assert (
+        run(
+            [str(SYSTEMD / "install.sh")],
+            env={"PATH": os.environ["PATH"], "DESTDIR": str(tmp_path)},
+        ).returncode
+        == 0
+    )
     assert (tmp_path / "etc/hpcrl/learner.env").read_text() == "kept\n", "never overwritten"
 
 
-CONFINE = r'''
+CONFINE = r"""
 import errno, os, socket, subprocess, sys
 import seccomp
 
@@ -659,7 +813,7 @@ for family in range(64):
                    seccomp.Arg(0, seccomp.EQ, family))
 f.load()
 os.execv(sys.argv[4], sys.argv[4:])
-'''
+"""
 
 
 def test_benchmarker_sandbox_works_under_the_units_confinement() -> None:
@@ -692,21 +846,64 @@ def test_benchmarker_sandbox_works_under_the_units_confinement() -> None:
     if hidden:
         pytest.skip(f"{hidden[0]} is under /tmp, which the unit's PrivateTmp= replaces here")
     kernel = ROOT / "tests" / "benchmarker" / "kernels" / "naive.c"
-    check = (f"import site, sys; site.addsitedir({site!r}); "
-             "from hpcrl_benchmarker.cli import main; sys.exit(main(sys.argv[1:]))")
+    check = (
+        f"import site, sys; site.addsitedir({site!r}); "
+        "from hpcrl_benchmarker.cli import main; sys.exit(main(sys.argv[1:]))"
+    )
 
     def confined(deny_hostname: bool) -> subprocess.CompletedProcess[str]:
-        inner = [str(python), "-c", CONFINE, groups, families, "1" if deny_hostname else "0",
-                 str(python), "-c", check, "check", str(kernel), "--json", *isa]
-        return run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
-                    'mount -t tmpfs -o mode=1777 tmpfs /tmp && exec "$@"', "sh",
-                    "setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups",
-                    "--no-new-privs", "--bounding-set=-all", "--inh-caps=-all",
-                    "env", "HOME=/tmp", *inner], timeout=300, cwd="/")
+        inner = [
+            str(python),
+            "-c",
+            CONFINE,
+            groups,
+            families,
+            "1" if deny_hostname else "0",
+            str(python),
+            "-c",
+            check,
+            "check",
+            str(kernel),
+            "--json",
+            *isa,
+        ]
+        return run(
+            [
+                "unshare",
+                "--mount",
+                "--propagation",
+                "private",
+                "sh",
+                "-c",
+                'mount -t tmpfs -o mode=1777 tmpfs /tmp && exec "$@"',
+                "sh",
+                "setpriv",
+                "--reuid=nobody",
+                "--regid=nogroup",
+                "--clear-groups",
+                "--no-new-privs",
+                "--bounding-set=-all",
+                "--inh-caps=-all",
+                "env",
+                "HOME=/tmp",
+                *inner,
+            ],
+            timeout=300,
+            cwd="/",
+        )
 
-    readable = run(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups",
-                    str(python), "-c", check.replace("sys.exit(main(sys.argv[1:]))", "")],
-                   cwd="/")
+    readable = run(
+        [
+            "setpriv",
+            "--reuid=nobody",
+            "--regid=nogroup",
+            "--clear-groups",
+            str(python),
+            "-c",
+            check.replace("sys.exit(main(sys.argv[1:]))", ""),
+        ],
+        cwd="/",
+    )
     if readable.returncode != 0:
         pytest.skip(f"this venv is not readable by nobody: {readable.stderr[-300:]}")
     result = confined(deny_hostname=False)
@@ -773,8 +970,9 @@ def test_compose_holds_no_secret_and_hands_each_role_its_own() -> None:
     secrets = document["secrets"]
     for name, secret in secrets.items():
         assert secret["file"].startswith("./secrets/"), name
-    ignored = run(["git", "check-ignore", "-q", "deploy/containers/secrets/hpcrl-x.password"],
-                  cwd=ROOT)
+    ignored = run(
+        ["git", "check-ignore", "-q", "deploy/containers/secrets/hpcrl-x.password"], cwd=ROOT
+    )
     assert ignored.returncode == 0, "secret files would be committed"
     for name in SERVICES:
         env = services[name]["environment"]
@@ -805,8 +1003,9 @@ def test_compose_shares_the_checkpoint_store_and_the_timing_lock() -> None:
         assert any(v.endswith(f":{model}:ro") for v in services[name]["volumes"])
     bench = services["benchmarker"]
     lock = bench["environment"]["HPCRL__BENCHMARKER__LOCK_PATH"]
-    assert any(v.startswith("bench-lock:") and lock.startswith(v.split(":")[1])
-               for v in bench["volumes"])
+    assert any(
+        v.startswith("bench-lock:") and lock.startswith(v.split(":")[1]) for v in bench["volumes"]
+    )
     assert "seccomp=unconfined" in bench["security_opt"], "bubblewrap needs its namespaces"
 
 
@@ -814,9 +1013,11 @@ def test_compose_experiment_loads_in_every_service() -> None:
     from hpcrl_common.config import ServiceConfig, load_config
 
     configs: list[type[ServiceConfig]] = []
-    for module, name in [("hpcrl_generator.config", "GeneratorConfig"),
-                         ("hpcrl_learner.config", "LearnerConfig"),
-                         ("hpcrl_scheduler.config", "SchedulerConfig")]:
+    for module, name in [
+        ("hpcrl_generator.config", "GeneratorConfig"),
+        ("hpcrl_learner.config", "LearnerConfig"),
+        ("hpcrl_scheduler.config", "SchedulerConfig"),
+    ]:
         configs.append(getattr(__import__(module, fromlist=[name]), name))
     try:
         from hpcrl_benchmarker.config import BenchmarkerConfig
@@ -826,20 +1027,33 @@ def test_compose_experiment_loads_in_every_service() -> None:
     services = compose()["services"]
     for config in configs:
         service = config.__name__.removesuffix("Config").lower()
-        env = {k: str(v) for k, v in services[service]["environment"].items()
-               if k.startswith("HPCRL__") and "${" not in str(v)}
+        env = {
+            k: str(v)
+            for k, v in services[service]["environment"].items()
+            if k.startswith("HPCRL__") and "${" not in str(v)
+        }
         loaded = load_config(config, CONTAINERS / "experiment.toml", env=env)
         assert loaded.broker.declare_topology is False
 
 
 def test_compose_file_matches_the_compose_specification() -> None:
-    tool = shutil.which("check-jsonschema") or str(Path(sys.executable).with_name(
-        "check-jsonschema"))
+    tool = shutil.which("check-jsonschema") or str(
+        Path(sys.executable).with_name("check-jsonschema")
+    )
     if not Path(tool).exists():
-        pytest.skip("check-jsonschema is not installed (pip install check-jsonschema): it "
-                    "carries the compose specification's JSON schema")
-    result = run([tool, "--builtin-schema", "vendor.compose-spec",
-                  str(CONTAINERS / "compose.yaml"), str(CONTAINERS / "compose.gpu.yaml")])
+        pytest.skip(
+            "check-jsonschema is not installed (pip install check-jsonschema): it "
+            "carries the compose specification's JSON schema"
+        )
+    result = run(
+        [
+            tool,
+            "--builtin-schema",
+            "vendor.compose-spec",
+            str(CONTAINERS / "compose.yaml"),
+            str(CONTAINERS / "compose.gpu.yaml"),
+        ]
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -848,24 +1062,51 @@ def test_docker_compose_config() -> None:
     if run([docker, "compose", "version"]).returncode != 0:
         pytest.skip("docker has no compose plugin here (and no daemon): not run")
     env = {**os.environ, "HPCRL_MODEL_DIR": "/models/base", "HPCRL_VLLM_SPEC": "vllm==0"}
-    result = run([docker, "compose", "-f", "compose.yaml", "-f", "compose.gpu.yaml", "config",
-                  "--quiet", "--no-interpolate"], cwd=CONTAINERS, env=env)
+    result = run(
+        [
+            docker,
+            "compose",
+            "-f",
+            "compose.yaml",
+            "-f",
+            "compose.gpu.yaml",
+            "config",
+            "--quiet",
+            "--no-interpolate",
+        ],
+        cwd=CONTAINERS,
+        env=env,
+    )
     assert result.returncode == 0, result.stderr
 
 
 @pytest.mark.parametrize("service", SERVICES)
 def test_containerfiles(service: str) -> None:
     instructions = containerfile(service)
-    known = {"FROM", "RUN", "COPY", "ARG", "ENV", "USER", "WORKDIR", "EXPOSE", "HEALTHCHECK",
-             "ENTRYPOINT", "CMD", "VOLUME", "LABEL"}
+    known = {
+        "FROM",
+        "RUN",
+        "COPY",
+        "ARG",
+        "ENV",
+        "USER",
+        "WORKDIR",
+        "EXPOSE",
+        "HEALTHCHECK",
+        "ENTRYPOINT",
+        "CMD",
+        "VOLUME",
+        "LABEL",
+    }
     assert {i for i, _ in instructions} <= known, instructions
     assert next(i for i, _ in instructions if i != "ARG") == "FROM"
     [base] = [a for i, a in instructions if i == "FROM"]
     assert plain_image(base), base
     copies = [a.split() for i, a in instructions if i == "COPY"]
     sources = {c[0] for c in copies}
-    assert sources == {"libs/common", SOURCE_DIRS[service],
-                       "deploy/containers/install-venv.sh"}, sources
+    assert sources == {"libs/common", SOURCE_DIRS[service], "deploy/containers/install-venv.sh"}, (
+        sources
+    )
     for source in sources:
         assert (ROOT / source).exists(), source
     ignore = CONTAINERFILES[service].with_name(f"{service}.Containerfile.dockerignore")
@@ -892,8 +1133,11 @@ def test_containerfiles(service: str) -> None:
         wanted = {"gcc", "libopenblas-dev", "bubblewrap", "python3", "util-linux", "binutils"}
         assert wanted <= set(packages.group(1).split())
     if service in ("learner", "generator"):
-        args = {a.split("=", 1)[0]: a.split("=", 1)[1] if "=" in a else ""
-                for i, a in instructions if i == "ARG"}
+        args = {
+            a.split("=", 1)[0]: a.split("=", 1)[1] if "=" in a else ""
+            for i, a in instructions
+            if i == "ARG"
+        }
         assert args["TORCH_VERSION"] == "2.13.0" and args["TORCH_FLAVOUR"] == "cpu"
 
 
@@ -901,7 +1145,7 @@ def test_install_venv_keeps_the_benchmarker_free_of_torch_and_vllm() -> None:
     text = (CONTAINERS / "install-venv.sh").read_text()
     benchmarker_case = re.search(r"benchmarker\) (.*?) ;;", text)
     assert benchmarker_case and "torch" not in benchmarker_case.group(1)
-    assert 'torch==$torch_version' in text and "TORCH_VERSION:-2.13.0" in text
+    assert "torch==$torch_version" in text and "TORCH_VERSION:-2.13.0" in text
     assert "which need none" in text, "the script refuses torch/vLLM beside a benchmarker"
 
 
@@ -912,8 +1156,11 @@ def test_install_venv_builds_the_benchmarker_environment(tmp_path: Path) -> None
         pytest.skip("no python3 on PATH")
     venv = tmp_path / "venv"
     result = run([str(CONTAINERS / "install-venv.sh"), str(venv), "benchmarker"], timeout=600)
-    if result.returncode != 0 and re.search(r"No matching distribution|Could not find a version|"
-                                            r"NewConnectionError", result.stderr):
+    if result.returncode != 0 and re.search(
+        r"No matching distribution|Could not find a version|"
+        r"NewConnectionError",
+        result.stderr,
+    ):
         pytest.skip(f"no package index reachable: {result.stderr[-300:]}")
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert f"ok: benchmarker in {venv}" in result.stdout
@@ -942,16 +1189,19 @@ def test_compose_prometheus_scrapes_the_same_jobs_on_the_default_ports() -> None
         assert result.returncode == 0, result.stdout + result.stderr
     datasource = yaml.safe_load((CONTAINERS / "grafana-datasource.yml").read_text())
     shipped = yaml.safe_load(
-        (DEPLOY / "grafana/provisioning/datasources/prometheus.yml").read_text())
+        (DEPLOY / "grafana/provisioning/datasources/prometheus.yml").read_text()
+    )
     ours, theirs = datasource["datasources"][0], shipped["datasources"][0]
     assert ours["uid"] == theirs["uid"] and ours["url"] == "http://prometheus:9090"
     assert ours["jsonData"]["timeInterval"] == config["global"]["scrape_interval"]
 
 
 def test_rabbitmq_conf_of_the_stack() -> None:
-    settings = dict(line.split(" = ", 1) for line in
-                    (CONTAINERS / "rabbitmq.conf").read_text().splitlines()
-                    if line and not line.startswith("#"))
+    settings = dict(
+        line.split(" = ", 1)
+        for line in (CONTAINERS / "rabbitmq.conf").read_text().splitlines()
+        if line and not line.startswith("#")
+    )
     assert settings["loopback_users.guest"] == "true", "the image lets guest in from anywhere"
     assert settings["load_definitions"] == "/run/secrets/rabbitmq_definitions"
     assert "rabbitmq_definitions" in compose()["services"]["rabbitmq"]["secrets"]
@@ -970,16 +1220,25 @@ def test_the_readme_documents_every_deploy_file_and_what_was_validated() -> None
             relative = "containers/<service>.Containerfile.dockerignore"
         assert relative in readme, f"deploy/README.md does not mention {relative}"
     assert "What was validated, and with what" in readme
-    for needed in ("listeners.tcp = none", "fail_if_no_peer_cert", "hpcrl-broker-admin",
-                   "rabbitmqctl import_definitions", "broker.password_file",
-                   "broker.declare_topology", "sbatch --array"):
+    for needed in (
+        "listeners.tcp = none",
+        "fail_if_no_peer_cert",
+        "hpcrl-broker-admin",
+        "rabbitmqctl import_definitions",
+        "broker.password_file",
+        "broker.declare_topology",
+        "sbatch --array",
+    ):
         assert needed in readme, needed
 
 
 # --- every supervisor waits longer than the service's stop grace -----------------------------
 
-SLURM_JOBS = {"gpu.sbatch": ("learner", "generator"), "benchmarkers.sbatch": ("benchmarker",),
-              "scheduler.sbatch": ("scheduler",)}
+SLURM_JOBS = {
+    "gpu.sbatch": ("learner", "generator"),
+    "benchmarkers.sbatch": ("benchmarker",),
+    "scheduler.sbatch": ("scheduler",),
+}
 
 
 def stop_grace_s(service: str) -> float:
@@ -989,8 +1248,12 @@ def stop_grace_s(service: str) -> float:
     from hpcrl_learner.config import LearnerSettings
     from hpcrl_scheduler.config import SchedulerSection
 
-    models = {"scheduler": SchedulerSection, "generator": GeneratorSection,
-              "learner": LearnerSettings, "benchmarker": BenchmarkerSection}
+    models = {
+        "scheduler": SchedulerSection,
+        "generator": GeneratorSection,
+        "learner": LearnerSettings,
+        "benchmarker": BenchmarkerSection,
+    }
     return models[service].model_fields["stop_grace_s"].default
 
 

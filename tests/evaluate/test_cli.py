@@ -18,14 +18,40 @@ from hpcrl_evaluate.evalset import parent_source
 from hpcrl_evaluate.run import METRICS, SampleRecord, compare, make_judge, summarise
 
 BIN = Path(sys.executable).parent
-STATUSES = {"success", "format_violation", "library_violation", "stage_violation",
-            "compile_error", "timeout", "runtime_error", "verification_error"}
-PENALTIES = {"format_violation": -100.0, "library_violation": -100.0, "stage_violation": -100.0,
-             "compile_error": -40.0, "timeout": -30.0, "runtime_error": -20.0,
-             "verification_error": -10.0}
+STATUSES = {
+    "success",
+    "format_violation",
+    "library_violation",
+    "stage_violation",
+    "compile_error",
+    "timeout",
+    "runtime_error",
+    "verification_error",
+}
+PENALTIES = {
+    "format_violation": -100.0,
+    "library_violation": -100.0,
+    "stage_violation": -100.0,
+    "compile_error": -40.0,
+    "timeout": -30.0,
+    "runtime_error": -20.0,
+    "verification_error": -10.0,
+}
 
-COMMON = ("--backend", "transformers", "--samples", "2", "--prompts", "0,3", "--max-tokens",
-          "24", "--seed", "5", "--resamples", "200")
+COMMON = (
+    "--backend",
+    "transformers",
+    "--samples",
+    "2",
+    "--prompts",
+    "0,3",
+    "--max-tokens",
+    "24",
+    "--seed",
+    "5",
+    "--resamples",
+    "200",
+)
 
 
 @pytest.fixture(scope="module")
@@ -47,12 +73,26 @@ def policy(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return model, store.root
 
 
-def run_cli(model: Path, checkpoints: Path, out: Path, versions: str, *extra: str
-            ) -> tuple[dict, str]:
+def run_cli(
+    model: Path, checkpoints: Path, out: Path, versions: str, *extra: str
+) -> tuple[dict, str]:
     done = subprocess.run(
-        [str(BIN / "hpcrl-evaluate"), "--model", str(model), "--checkpoints", str(checkpoints),
-         "--versions", versions, *COMMON, "--json", str(out), *extra],
-        capture_output=True, text=True, timeout=180,
+        [
+            str(BIN / "hpcrl-evaluate"),
+            "--model",
+            str(model),
+            "--checkpoints",
+            str(checkpoints),
+            "--versions",
+            versions,
+            *COMMON,
+            "--json",
+            str(out),
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return json.loads(out.read_text()), done.stdout
@@ -65,8 +105,9 @@ def completions(version: dict) -> list[str]:
 @pytest.mark.slow
 def test_identical_versions_show_no_gain_and_seeds_repeat(policy, tmp_path: Path) -> None:
     model, checkpoints = policy
-    report, stdout = run_cli(model, checkpoints, tmp_path / "a.json", "0,latest",
-                             "--plot", str(tmp_path / "a.png"))
+    report, stdout = run_cli(
+        model, checkpoints, tmp_path / "a.json", "0,latest", "--plot", str(tmp_path / "a.png")
+    )
     assert [v["version"] for v in report["versions"]] == [0, 2]
     assert [p["name"] for p in report["prompts"]] == ["seed@1", "deepen ikj@1->2"]
     for version in report["versions"]:
@@ -86,8 +127,22 @@ def test_identical_versions_show_no_gain_and_seeds_repeat(policy, tmp_path: Path
     # Version 1 holds the base weights: same seeds, same samples, so nothing gains. In this
     # process (torch is already imported here): the seeds must repeat across processes too.
     # A version between the first and the last is compared with the first too.
-    assert main(["--model", str(model), "--checkpoints", str(checkpoints), "--versions",
-                 "0,1,latest", *COMMON, "--json", str(tmp_path / "b.json")]) == 0
+    assert (
+        main(
+            [
+                "--model",
+                str(model),
+                "--checkpoints",
+                str(checkpoints),
+                "--versions",
+                "0,1,latest",
+                *COMMON,
+                "--json",
+                str(tmp_path / "b.json"),
+            ]
+        )
+        == 0
+    )
     same = json.loads((tmp_path / "b.json").read_text())
     assert completions(same["versions"][0]) == completions(report["versions"][0])
     assert completions(same["versions"][1]) == completions(same["versions"][0])
@@ -105,8 +160,10 @@ def test_bad_arguments_exit_2(policy, tmp_path: Path, capsys) -> None:
     model, checkpoints = policy
     cases = [
         (["--model", str(tmp_path / "missing")], "not a model directory"),
-        (["--model", str(model), "--checkpoints", str(checkpoints), "--versions", "0,7"],
-         "unknown version 7"),
+        (
+            ["--model", str(model), "--checkpoints", str(checkpoints), "--versions", "0,7"],
+            "unknown version 7",
+        ),
         (["--model", str(model), "--versions", "0,latest"], "needs --checkpoints"),
         (["--model", str(model), "--versions", "0,newest"], "unknown version 'newest'"),
         (["--model", str(model), "--prompts", "12"], "--prompts"),
@@ -119,19 +176,36 @@ def test_bad_arguments_exit_2(policy, tmp_path: Path, capsys) -> None:
         assert message in capsys.readouterr().err, argv
 
 
-def _record(prompt: int, index: int, status: str, gflops: float | None,
-            techniques: tuple[str, ...] = ()) -> SampleRecord:
+def _record(
+    prompt: int, index: int, status: str, gflops: float | None, techniques: tuple[str, ...] = ()
+) -> SampleRecord:
     reward = gflops if status == "success" else PENALTIES[status]
-    return SampleRecord(prompt=prompt, index=index, status=status, reward=reward,
-                        gflops=gflops, techniques=list(techniques), finish_reason="stop",
-                        tokens=10, completion="")
+    return SampleRecord(
+        prompt=prompt,
+        index=index,
+        status=status,
+        reward=reward,
+        gflops=gflops,
+        techniques=list(techniques),
+        finish_reason="stop",
+        tokens=10,
+        completion="",
+    )
 
 
 def test_metrics_by_hand() -> None:
-    before = [_record(0, 0, "success", 2.0), _record(0, 1, "compile_error", None),
-              _record(1, 0, "format_violation", None), _record(1, 1, "success", 4.0, ("simd",))]
-    after = [_record(0, 0, "success", 6.0), _record(0, 1, "success", 2.0),
-             _record(1, 0, "verification_error", None), _record(1, 1, "success", 4.0)]
+    before = [
+        _record(0, 0, "success", 2.0),
+        _record(0, 1, "compile_error", None),
+        _record(1, 0, "format_violation", None),
+        _record(1, 1, "success", 4.0, ("simd",)),
+    ]
+    after = [
+        _record(0, 0, "success", 6.0),
+        _record(0, 1, "success", 2.0),
+        _record(1, 0, "verification_error", None),
+        _record(1, 1, "success", 4.0),
+    ]
     m = summarise(before)
     assert m["share_correct"] == 0.5
     assert m["mean_reward"] == (2.0 - 40.0 - 100.0 + 4.0) / 4

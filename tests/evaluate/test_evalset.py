@@ -28,8 +28,14 @@ HOST_ISA = detect().prompt_isa
 
 def test_the_set_covers_every_stage_with_improve_and_deepen() -> None:
     shape = [(s.mode, s.target_stage, s.parent) for s in SPECS]
-    assert shape[:6] == [("seed", 1, None), ("improve", 1, "seed"), ("improve", 1, "ikj"),
-                         ("deepen", 2, "ikj"), ("improve", 2, "tiled"), ("deepen", 3, "tiled")]
+    assert shape[:6] == [
+        ("seed", 1, None),
+        ("improve", 1, "seed"),
+        ("improve", 1, "ikj"),
+        ("deepen", 2, "ikj"),
+        ("improve", 2, "tiled"),
+        ("deepen", 3, "tiled"),
+    ]
     # Every stage is asked for with a parent the policy did not write; stages 1-5 in both
     # modes, stage 6 (the same techniques as 5) by deepening.
     for stage in range(1, 7):
@@ -51,8 +57,14 @@ def test_prompts_are_the_schedulers(isa: str) -> None:
     assert [p.index for p in prompts] == list(range(len(SPECS)))
     for prompt in prompts:
         parent = parent_source(prompt.spec.parent or "seed")
-        expected = build_prompt(task, target_stage=prompt.stage, mode=prompt.spec.mode,
-                                parent_source=parent, error=None, isa=isa)
+        expected = build_prompt(
+            task,
+            target_stage=prompt.stage,
+            mode=prompt.spec.mode,
+            parent_source=parent,
+            error=None,
+            isa=isa,
+        )
         assert list(prompt.messages) == expected
         if prompt.spec.parent is not None:
             assert parent.strip() in prompt.messages[-1].content
@@ -86,16 +98,29 @@ def test_fixed_parents_pass_the_benchmarker(name: str, tmp_path: Path) -> None:
     path.write_text(parent_source(name))
     allow = [] if HOST_ISA == "avx512" else ["--allow-isa", "avx2"]
     out = subprocess.run(
-        [str(BIN / "hpcrl-benchmarker"), "check", str(path), "--stage",
-         str(PARENT_STAGES[name]), "--json", *allow],
-        capture_output=True, text=True, timeout=120, check=True,
+        [
+            str(BIN / "hpcrl-benchmarker"),
+            "check",
+            str(path),
+            "--stage",
+            str(PARENT_STAGES[name]),
+            "--json",
+            *allow,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
     )
     verdict = json.loads(out.stdout)
     assert verdict["status"] == "success", verdict["error"]
     assert verdict["generalizes"] is True
     assert verdict["gflops"] > 0
-    expected = {"ikj": [], "tiled": ["cache_blocking"],
-                "simd": ["register_blocking", "simd"],
-                "omp": ["openmp", "register_blocking", "simd"],
-                "prefetch": ["openmp", "prefetch", "register_blocking", "simd"]}[name]
+    expected = {
+        "ikj": [],
+        "tiled": ["cache_blocking"],
+        "simd": ["register_blocking", "simd"],
+        "omp": ["openmp", "register_blocking", "simd"],
+        "prefetch": ["openmp", "prefetch", "register_blocking", "simd"],
+    }[name]
     assert verdict["techniques"] == expected

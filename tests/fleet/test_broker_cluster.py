@@ -72,8 +72,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[RabbitNod
     """Three clustered nodes for the module; each test finds all three running."""
     started = time.monotonic()
     with start_cluster(tmp_path_factory.mktemp("cluster"), 3) as nodes:
-        print(f"\ncluster of {len(nodes)} up in {time.monotonic() - started:.1f} s: "
-              f"{', '.join(f'{n.name}:{n.port}' for n in nodes)}")
+        print(
+            f"\ncluster of {len(nodes)} up in {time.monotonic() - started:.1f} s: "
+            f"{', '.join(f'{n.name}:{n.port}' for n in nodes)}"
+        )
         yield nodes
 
 
@@ -106,9 +108,14 @@ def cluster_settings(nodes: list[RabbitNode], namespace: str) -> BrokerSettings:
 
 def request(index: int) -> GenerateRequest:
     return GenerateRequest(
-        id=f"drill-{index:04d}", experiment="drill", iteration=0, mode="seed",
-        prompt=[ChatMessage(role="user", content="write a kernel")], group_size=1,
-        bench=BenchSpec(task="matmul", stage=1))
+        id=f"drill-{index:04d}",
+        experiment="drill",
+        iteration=0,
+        mode="seed",
+        prompt=[ChatMessage(role="user", content="write a kernel")],
+        group_size=1,
+        bench=BenchSpec(task="matmul", stage=1),
+    )
 
 
 def drain(node: RabbitNode, queue: str) -> list[Candidate]:
@@ -402,13 +409,19 @@ def test_durable_queues_outlive_the_node_that_declared_them(cluster: list[Rabbit
     topology.declare(channel)  # everything declared through b
     topology.declare_subscriber(channel, WEIGHT_UPDATES, SCHEDULER_SUBSCRIBER, durable=True)
     channel.confirm_delivery()
-    channel.basic_publish(topology.dead_letter_exchange, topology.name(CODE_TO_BENCH),
-                          b"dead letter", properties=pika.BasicProperties(delivery_mode=2),
-                          mandatory=True)
+    channel.basic_publish(
+        topology.dead_letter_exchange,
+        topology.name(CODE_TO_BENCH),
+        b"dead letter",
+        properties=pika.BasicProperties(delivery_mode=2),
+        mandatory=True,
+    )
     connection.close()
     table = queue_table(b, namespace)
-    durable = [*map(topology.dlq, [*WORK_QUEUES, WEIGHT_UPDATES]),
-               topology.subscriber_queue(WEIGHT_UPDATES, SCHEDULER_SUBSCRIBER)]
+    durable = [
+        *map(topology.dlq, [*WORK_QUEUES, WEIGHT_UPDATES]),
+        topology.subscriber_queue(WEIGHT_UPDATES, SCHEDULER_SUBSCRIBER),
+    ]
     for queue in durable:
         row = table[queue]
         assert row["type"] == "quorum" and set(row["members"]) == {a.name, b.name, c.name}, row
@@ -443,11 +456,14 @@ def test_durable_queues_outlive_the_node_that_declared_them(cluster: list[Rabbit
 
 def test_failover_urls_must_be_reached_like_url() -> None:
     url = "amqp://hpcrl-learner:s3cret@node-a:5672/hpcrl"
-    with pytest.raises(pydantic.ValidationError,
-                       match=r"failover_urls\[1\] \(amqps://node-c:5671/hpcrl\) is amqps:// "
-                             r"but url is amqp://"):
-        BrokerSettings(url=url, failover_urls=["amqp://node-b:5672/hpcrl",
-                                               "amqps://node-c:5671/hpcrl"])
+    with pytest.raises(
+        pydantic.ValidationError,
+        match=r"failover_urls\[1\] \(amqps://node-c:5671/hpcrl\) is amqps:// "
+        r"but url is amqp://",
+    ):
+        BrokerSettings(
+            url=url, failover_urls=["amqp://node-b:5672/hpcrl", "amqps://node-c:5671/hpcrl"]
+        )
     with pytest.raises(pydantic.ValidationError, match=r"must start with amqp:// or amqps://"):
         BrokerSettings(url=url, failover_urls=["http://node-b:5672/hpcrl"])
     with pytest.raises(pydantic.ValidationError, match="has user 'guest', url has 'hpcrl-lea"):
@@ -458,10 +474,15 @@ def test_failover_urls_must_be_reached_like_url() -> None:
         BrokerSettings(url=url, failover_urls=["amqp://hpcrl-learner:pw-b@node-b:5672/hpcrl"])
 
     # From the environment, as deploy/local/rabbitmq-cluster.sh documents: a JSON list.
-    env = {"HPCRL__BROKER__URL": "amqps://node-a:5671/%2F",
-           "HPCRL__BROKER__FAILOVER_URLS": '["amqps://node-b:5671/%2F", "amqp://node-c/"]'}
-    with pytest.raises(ConfigError, match=r"broker: .*failover_urls\[1\] .* is amqp:// but "
-                                          r"url is amqps://"):
+    env = {
+        "HPCRL__BROKER__URL": "amqps://node-a:5671/%2F",
+        "HPCRL__BROKER__FAILOVER_URLS": '["amqps://node-b:5671/%2F", "amqp://node-c/"]',
+    }
+    with pytest.raises(
+        ConfigError,
+        match=r"broker: .*failover_urls\[1\] .* is amqp:// but "
+        r"url is amqps://",
+    ):
         load_config(ServiceConfig, env=env)
     env["HPCRL__BROKER__URL"] = "amqps://guest:pw-a@node-a:5671/%2F"
     env["HPCRL__BROKER__FAILOVER_URLS"] = '["amqps://guest:pw-b@node-b:5671/%2F"]'
@@ -477,28 +498,39 @@ def test_every_address_gets_the_same_credentials_and_tls(tmp_path: Path) -> None
     settings = BrokerSettings(
         url="amqp://hpcrl-learner:in-url@node-a:5681/hpcrl",
         failover_urls=["amqp://node-b:5682/hpcrl", "amqp://hpcrl-learner@node-c:5683/hpcrl"],
-        password_file=password_file, heartbeat_s=7)
+        password_file=password_file,
+        heartbeat_s=7,
+    )
     params = connection_parameters(settings, "learner")
-    assert [(p.host, p.port) for p in params] == [("node-a", 5681), ("node-b", 5682),
-                                                  ("node-c", 5683)]
+    assert [(p.host, p.port) for p in params] == [
+        ("node-a", 5681),
+        ("node-b", 5682),
+        ("node-c", 5683),
+    ]
     for p in params:
         assert (p.credentials.username, p.credentials.password) == ("hpcrl-learner", "from-file")
         assert p.virtual_host == "hpcrl" and p.heartbeat == 7 and p.ssl_options is None
         assert p.client_properties["connection_name"] == "learner"
     assert params[-1].connection_attempts == 1  # one pass per try; callers back off
 
-    tls = BrokerSettings(url="amqps://node-a:5671/%2F", tls_server_name="broker.example",
-                         failover_urls=["amqps://node-b:5671/%2F", "amqps://node-c:5671/%2F"])
+    tls = BrokerSettings(
+        url="amqps://node-a:5671/%2F",
+        tls_server_name="broker.example",
+        failover_urls=["amqps://node-b:5671/%2F", "amqps://node-c:5671/%2F"],
+    )
     params = connection_parameters(tls, "learner")
-    assert all(p.ssl_options is not None and p.ssl_options.server_hostname == "broker.example"
-               for p in params)
+    assert all(
+        p.ssl_options is not None and p.ssl_options.server_hostname == "broker.example"
+        for p in params
+    )
     assert connection_parameters(BrokerSettings(), "x")[0].port == 5672  # no failover: one
 
 
 @pytest.mark.broker
 @pytest.mark.slow
-def test_the_fleet_carries_on_when_its_broker_node_is_lost(cluster: list[RabbitNode],
-                                                           tmp_path: Path) -> None:
+def test_the_fleet_carries_on_when_its_broker_node_is_lost(
+    cluster: list[RabbitNode], tmp_path: Path
+) -> None:
     """The four real services (``tests.support.fleet``) on the cluster, every one given
     node a as ``url`` and b, c as ``failover_urls``: node a, which holds every queue's
     leader, is killed once the learner has committed a version and a service holds
@@ -515,8 +547,9 @@ def test_the_fleet_carries_on_when_its_broker_node_is_lost(cluster: list[RabbitN
     fleet = Fleet(tmp_path / "fleet", settings, iterations=16, rabbitmqctl=rabbitmqctl)
     try:
         procs, held = start_and_wait_mid_run(fleet)
-        leaders = {row["leader"] for row in queue_table(a, namespace).values()
-                   if row["type"] == "quorum"}
+        leaders = {
+            row["leader"] for row in queue_table(a, namespace).values() if row["type"] == "quorum"
+        }
         assert leaders == {a.name}, leaders  # declared through a: losing a loses them all
         at = {"iteration": fleet.iteration(), "version": fleet.learner_version()}
         killed_at = time.monotonic()
@@ -524,11 +557,17 @@ def test_the_fleet_carries_on_when_its_broker_node_is_lost(cluster: list[RabbitN
 
         def all_moved() -> bool:
             fleet.check_alive()
-            return all(connected(fleet, proc) and fleet.metric(
-                proc, "hpcrl_broker_reconnects_total") >= 1 for proc in procs.values())
+            return all(
+                connected(fleet, proc) and fleet.metric(proc, "hpcrl_broker_reconnects_total") >= 1
+                for proc in procs.values()
+            )
 
-        wait_for(all_moved, 60, "every service to reconnect through b or c",
-                 lambda: {p.label: fleet.health(p) for p in procs.values()})
+        wait_for(
+            all_moved,
+            60,
+            "every service to reconnect through b or c",
+            lambda: {p.label: fleet.health(p) for p in procs.values()},
+        )
         moved_s = time.monotonic() - killed_at
         on_b_or_c = b.connection_names() + c.connection_names()
         wait_done(fleet, procs["scheduler"], procs["learner"])
@@ -540,7 +579,9 @@ def test_the_fleet_carries_on_when_its_broker_node_is_lost(cluster: list[RabbitN
         counts = assert_nothing_lost_nothing_twice(fleet)
     finally:
         fleet.close()
-    print(f"\nfleet drill: node a killed at iteration {at['iteration']}, policy version "
-          f"{at['version']}, held {held}; every service reconnected through b or c "
-          f"{moved_s:.1f} s after the kill; connections there {sorted(set(on_b_or_c))}; "
-          f"counts {counts}")
+    print(
+        f"\nfleet drill: node a killed at iteration {at['iteration']}, policy version "
+        f"{at['version']}, held {held}; every service reconnected through b or c "
+        f"{moved_s:.1f} s after the kill; connections there {sorted(set(on_b_or_c))}; "
+        f"counts {counts}"
+    )

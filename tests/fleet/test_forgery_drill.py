@@ -121,8 +121,11 @@ FORGED_REPLICA = "benchmarker-forged"
 KERNEL = builtin_seed("matmul")  # correct: the SQD seed
 KERNEL_TEXT = f"```c\n{KERNEL}\n```\n"
 TOKENS_66 = [66] * 40
-ENV = {"HPCRL__SCHEDULER__MAX_STALENESS": "2", "HPCRL__SCHEDULER__RATIO_DEEPEN": "0",
-       "HPCRL__SCHEDULER__RATIO_IMPROVE": "0"}
+ENV = {
+    "HPCRL__SCHEDULER__MAX_STALENESS": "2",
+    "HPCRL__SCHEDULER__RATIO_DEEPEN": "0",
+    "HPCRL__SCHEDULER__RATIO_IMPROVE": "0",
+}
 DEAD_LETTER_BASES = (*WORK_QUEUES, WEIGHT_UPDATES)
 
 
@@ -174,21 +177,26 @@ class Drill:
         set theirs)."""
         return Publisher(self.settings(self.user(role)), f"forger-{role}")
 
-    def raw(self, role: str, exchange: str, routing_key: str, body: bytes,
-            message_id: str) -> None:
+    def raw(self, role: str, exchange: str, routing_key: str, body: bytes, message_id: str) -> None:
         """Publish a body no schema would let us build, as ``role``."""
         user = self.user(role)
         channel = self.site.channel(user)
         try:
-            channel.basic_publish(exchange, routing_key, body, mandatory=True,
-                                  properties=pika.BasicProperties(
-                                      user_id=user, message_id=message_id,
-                                      delivery_mode=pika.DeliveryMode.Persistent))
+            channel.basic_publish(
+                exchange,
+                routing_key,
+                body,
+                mandatory=True,
+                properties=pika.BasicProperties(
+                    user_id=user, message_id=message_id, delivery_mode=pika.DeliveryMode.Persistent
+                ),
+            )
         finally:
             channel.connection.close()
 
-    def expect(self, base: str, message_id: str, count: int, phase: str,
-               *reasons: tuple[str, ...]) -> None:
+    def expect(
+        self, base: str, message_id: str, count: int, phase: str, *reasons: tuple[str, ...]
+    ) -> None:
         self.expected.append(Expected(base, message_id, count, list(reasons), phase))
 
     def drain(self) -> list[Dead]:
@@ -201,24 +209,40 @@ class Drill:
                     if method is None:
                         break
                     headers = props.headers or {}
-                    new.append(Dead(base, props.message_id, str(headers.get(REASON_HEADER, "")),
-                                    str(headers.get(CONSUMER_HEADER, ""))))
+                    new.append(
+                        Dead(
+                            base,
+                            props.message_id,
+                            str(headers.get(REASON_HEADER, "")),
+                            str(headers.get(CONSUMER_HEADER, "")),
+                        )
+                    )
         self.dead += new
         return new
 
     def dead_of(self, base: str, message_id: str) -> list[Dead]:
         return [d for d in self.dead if d.base == base and d.message_id == message_id]
 
-    def await_dead(self, base: str, message_id: str, count: int, timeout: float = 60.0,
-                   ) -> list[Dead]:
+    def await_dead(
+        self,
+        base: str,
+        message_id: str,
+        count: int,
+        timeout: float = 60.0,
+    ) -> list[Dead]:
         def arrived() -> list[Dead] | None:
             self.fleet.check_alive()
             self.drain()
             found = self.dead_of(base, message_id)
             return found if len(found) >= count else None
 
-        return wait_for(arrived, timeout, f"{count} dead letter(s) of {message_id} in "
-                        f"{base}.dlq", lambda: (self.dead, self.fleet.tails()), every=0.2)
+        return wait_for(
+            arrived,
+            timeout,
+            f"{count} dead letter(s) of {message_id} in {base}.dlq",
+            lambda: (self.dead, self.fleet.tails()),
+            every=0.2,
+        )
 
     def freeze(self, *services: str) -> None:
         for service in services:
@@ -253,12 +277,25 @@ def drill(request, rabbitmq: str, tmp_path_factory: pytest.TempPathFactory) -> I
     site.create()
     started = time.monotonic()
     root = tmp_path_factory.mktemp(f"forgery-{'on' if auth else 'off'}")
-    settings = BrokerSettings(url=site.url(None), namespace=NAMESPACE, delivery_limit=3,
-                              declare_topology=False, authenticate_publishers=auth,
-                              role_users=site.role_users, heartbeat_s=30,
-                              reconnect_initial_s=0.2, reconnect_max_s=2.0)
-    fleet = Fleet(root, settings, iterations=ITERATIONS, rabbitmqctl=vhost_ctl(site.vhost),
-                  service_urls={s: site.url(site.role_users[s]) for s in SERVICES}, env=ENV)
+    settings = BrokerSettings(
+        url=site.url(None),
+        namespace=NAMESPACE,
+        delivery_limit=3,
+        declare_topology=False,
+        authenticate_publishers=auth,
+        role_users=site.role_users,
+        heartbeat_s=30,
+        reconnect_initial_s=0.2,
+        reconnect_max_s=2.0,
+    )
+    fleet = Fleet(
+        root,
+        settings,
+        iterations=ITERATIONS,
+        rabbitmqctl=vhost_ctl(site.vhost),
+        service_urls={s: site.url(site.role_users[s]) for s in SERVICES},
+        env=ENV,
+    )
     try:
         procs = {service: fleet.start(service) for service in SERVICES}
         for proc in procs.values():
@@ -266,8 +303,10 @@ def drill(request, rabbitmq: str, tmp_path_factory: pytest.TempPathFactory) -> I
         drill = Drill(auth, site, fleet, procs, started)
         drill.lap("healthy")
         yield drill
-        print(f"\nforgery drill, publisher authentication {'on' if auth else 'off'}: "
-              f"timings (s since start) {drill.timings}")
+        print(
+            f"\nforgery drill, publisher authentication {'on' if auth else 'off'}: "
+            f"timings (s since start) {drill.timings}"
+        )
     finally:
         for proc in fleet.procs:
             if proc.frozen:
@@ -287,33 +326,47 @@ def wait_closed(drill: Drill, group_id: str, timeout: float = 120.0) -> None:
         group = drill.fleet.store.group(group_id)
         return group is not None and group.state == "closed"
 
-    wait_for(closed, timeout, f"group {group_id} to close",
-             lambda: (drill.fleet.health(drill.procs["scheduler"]), drill.fleet.tails()),
-             every=0.2)
+    wait_for(
+        closed,
+        timeout,
+        f"group {group_id} to close",
+        lambda: (drill.fleet.health(drill.procs["scheduler"]), drill.fleet.tails()),
+        every=0.2,
+    )
 
 
 def next_group(drill: Drill, after: str, timeout: float = 120.0):
     def published():
         drill.fleet.check_alive()
-        return next((g for g in drill.fleet.groups() if g.id > after and g.state != "pending"),
-                    None)
+        return next(
+            (g for g in drill.fleet.groups() if g.id > after and g.state != "pending"), None
+        )
 
     return wait_for(published, timeout, f"a group after {after}", drill.fleet.tails, every=0.2)
 
 
 def request_of(fleet: Fleet, group_id: str) -> GenerateRequest:
-    return next(r for r in (decode(b, GenerateRequest)
-                            for b in fleet.outbox_bodies(GENERATE_REQUESTS)) if r.id == group_id)
+    return next(
+        r
+        for r in (decode(b, GenerateRequest) for b in fleet.outbox_bodies(GENERATE_REQUESTS))
+        if r.id == group_id
+    )
 
 
 def batch_of(fleet: Fleet, group_id: str) -> RolloutBatch | None:
-    return next((b for b in (decode(body, RolloutBatch)
-                             for body in fleet.outbox_bodies(ROLLOUT_BATCHES))
-                 if b.id == group_id), None)
+    return next(
+        (
+            b
+            for b in (decode(body, RolloutBatch) for body in fleet.outbox_bodies(ROLLOUT_BATCHES))
+            if b.id == group_id
+        ),
+        None,
+    )
 
 
-def freeze_for_next_group(drill: Drill, service: str, holds: Callable[[Any, int], bool],
-                          what: str) -> Any:
+def freeze_for_next_group(
+    drill: Drill, service: str, holds: Callable[[Any, int], bool], what: str
+) -> Any:
     """Freeze ``service`` between two groups; the next group, once the frozen service holds
     (unacked) what ``holds(group, held)`` asks for."""
     fleet = drill.fleet
@@ -327,8 +380,13 @@ def freeze_for_next_group(drill: Drill, service: str, holds: Callable[[Any, int]
         fleet.check_alive()
         return holds(target, fleet.held_by(drill.procs[service]))
 
-    wait_for(holding, 120, f"the frozen {service} to hold {what} of {target.id}",
-             lambda: (fleet.held_by(drill.procs[service]), fleet.tails()), every=0.3)
+    wait_for(
+        holding,
+        120,
+        f"the frozen {service} to hold {what} of {target.id}",
+        lambda: (fleet.held_by(drill.procs[service]), fleet.tails()),
+        every=0.3,
+    )
     return target
 
 
@@ -345,10 +403,13 @@ def tokenizer(fleet: Fleet):
 class TestForgeryDrill:
     def test_1_residual_rights(self, drill: Drill):
         t, fleet, site = drill.t, drill.fleet, drill.site
-        replica_queue = next(q for q in fleet.queue_names()
-                             if q.startswith(t.name(WEIGHT_UPDATES) + ".")
-                             and q != t.subscriber_queue(WEIGHT_UPDATES, SCHEDULER_SUBSCRIBER)
-                             and q != t.dlq(WEIGHT_UPDATES))
+        replica_queue = next(
+            q
+            for q in fleet.queue_names()
+            if q.startswith(t.name(WEIGHT_UPDATES) + ".")
+            and q != t.subscriber_queue(WEIGHT_UPDATES, SCHEDULER_SUBSCRIBER)
+            and q != t.dlq(WEIGHT_UPDATES)
+        )
 
         def as_(role: str, action: Callable[[Any], Any]) -> int | None:
             channel = site.channel(drill.user(role))
@@ -360,60 +421,93 @@ class TestForgeryDrill:
 
         # Another generator replica's update queue (the running one's): exclusive.
         codes = {
-            "generator: delete another replica's update queue":
-                as_("generator", lambda ch: ch.queue_delete(replica_queue)),
-            "generator: purge another replica's update queue":
-                as_("generator", lambda ch: ch.queue_purge(replica_queue)),
+            "generator: delete another replica's update queue": as_(
+                "generator", lambda ch: ch.queue_delete(replica_queue)
+            ),
+            "generator: purge another replica's update queue": as_(
+                "generator", lambda ch: ch.queue_purge(replica_queue)
+            ),
         }
         assert codes == dict.fromkeys(codes, 405), codes  # RESOURCE_LOCKED
         refused = {
-            ("scheduler", "bind weight-updates into the generators' inbox"): lambda ch:
-                ch.exchange_bind(t.work_exchange(GENERATE_REQUESTS), t.name(WEIGHT_UPDATES)),
-            ("scheduler", "bind weight-updates into the learner's inbox"): lambda ch:
-                ch.exchange_bind(t.work_exchange(ROLLOUT_BATCHES), t.name(WEIGHT_UPDATES)),
-            ("generator", "bind weight-updates into the learner's inbox"): lambda ch:
-                ch.exchange_bind(t.work_exchange(ROLLOUT_BATCHES), t.name(WEIGHT_UPDATES)),
-            ("generator", "delete the update dead letters' inbox"): lambda ch:
-                ch.exchange_delete(t.dead_letter_inbox(WEIGHT_UPDATES)),
-            ("scheduler", "delete its update queue"): lambda ch:
-                ch.queue_delete(t.subscriber_queue(WEIGHT_UPDATES, SCHEDULER_SUBSCRIBER)),
+            ("scheduler", "bind weight-updates into the generators' inbox"): lambda ch: (
+                ch.exchange_bind(t.work_exchange(GENERATE_REQUESTS), t.name(WEIGHT_UPDATES))
+            ),
+            ("scheduler", "bind weight-updates into the learner's inbox"): lambda ch: (
+                ch.exchange_bind(t.work_exchange(ROLLOUT_BATCHES), t.name(WEIGHT_UPDATES))
+            ),
+            ("generator", "bind weight-updates into the learner's inbox"): lambda ch: (
+                ch.exchange_bind(t.work_exchange(ROLLOUT_BATCHES), t.name(WEIGHT_UPDATES))
+            ),
+            ("generator", "delete the update dead letters' inbox"): lambda ch: ch.exchange_delete(
+                t.dead_letter_inbox(WEIGHT_UPDATES)
+            ),
+            ("scheduler", "delete its update queue"): lambda ch: ch.queue_delete(
+                t.subscriber_queue(WEIGHT_UPDATES, SCHEDULER_SUBSCRIBER)
+            ),
         }
-        consumed = {"scheduler": [BENCH_RESULTS], "generator": [GENERATE_REQUESTS],
-                    "benchmarker": [CODE_TO_BENCH], "learner": [ROLLOUT_BATCHES]}
+        consumed = {
+            "scheduler": [BENCH_RESULTS],
+            "generator": [GENERATE_REQUESTS],
+            "benchmarker": [CODE_TO_BENCH],
+            "learner": [ROLLOUT_BATCHES],
+        }
         for role in ROLES:
-            refused[(role, "publish to the dead-letter exchange")] = lambda ch: \
-                ch.basic_publish(t.dead_letter_exchange, t.name(ROLLOUT_BATCHES), b"x")
+            refused[(role, "publish to the dead-letter exchange")] = lambda ch: ch.basic_publish(
+                t.dead_letter_exchange, t.name(ROLLOUT_BATCHES), b"x"
+            )
             for base in WORK_QUEUES:
-                if base not in consumed[role] and base in (GENERATE_REQUESTS, CODE_TO_BENCH,
-                                                           BENCH_RESULTS, ROLLOUT_BATCHES):
-                    refused[(role, f"write into {base}.dlq")] = lambda ch, b=base: \
-                        ch.basic_publish(t.dead_letter_inbox(b), t.name(b), b"x")
-                    refused[(role, f"purge {base}")] = lambda ch, b=base: \
-                        ch.queue_purge(t.name(b))
-        codes = {f"{role}: {what}": as_(role, action)
-                 for (role, what), action in refused.items()}
+                if base not in consumed[role] and base in (
+                    GENERATE_REQUESTS,
+                    CODE_TO_BENCH,
+                    BENCH_RESULTS,
+                    ROLLOUT_BATCHES,
+                ):
+                    refused[(role, f"write into {base}.dlq")] = lambda ch, b=base: ch.basic_publish(
+                        t.dead_letter_inbox(b), t.name(b), b"x"
+                    )
+                    refused[(role, f"purge {base}")] = lambda ch, b=base: ch.queue_purge(t.name(b))
+        codes = {f"{role}: {what}": as_(role, action) for (role, what), action in refused.items()}
         assert {what for what, code in codes.items() if code != 403} == set(), codes
 
         # What stays, as documented (hpcrl_common.access; README, Security). A generator may
         # bind weight-updates into the candidates' inbox: kept bound for the whole run, it
         # must deliver nothing (announcements have routing key "", the inbox routes only
         # its queue's name): phase 9 finds no update in code-to-bench or its dead letters.
-        assert as_("generator", lambda ch: ch.exchange_bind(
-            t.work_exchange(CODE_TO_BENCH), t.name(WEIGHT_UPDATES))) is None
+        assert (
+            as_(
+                "generator",
+                lambda ch: ch.exchange_bind(t.work_exchange(CODE_TO_BENCH), t.name(WEIGHT_UPDATES)),
+            )
+            is None
+        )
         # A role writes into the dead letters of its own input (its consumer's path).
-        assert as_("benchmarker", lambda ch: ch.basic_publish(
-            t.dead_letter_inbox(CODE_TO_BENCH), t.name(CODE_TO_BENCH), b"hostile",
-            properties=pika.BasicProperties(message_id="hostile-dead-letter"),
-            mandatory=True)) is None
+        assert (
+            as_(
+                "benchmarker",
+                lambda ch: ch.basic_publish(
+                    t.dead_letter_inbox(CODE_TO_BENCH),
+                    t.name(CODE_TO_BENCH),
+                    b"hostile",
+                    properties=pika.BasicProperties(message_id="hostile-dead-letter"),
+                    mandatory=True,
+                ),
+            )
+            is None
+        )
         drill.expect(CODE_TO_BENCH, "hostile-dead-letter", 1, "rights", ("",))
         # A role may purge its own input: RabbitMQ checks queue.purge against the read
         # right that consuming needs. Done with every service frozen and nothing ready (the
         # consumers' prefetch holds what was queued), so it takes nothing from the run.
-        own = {"scheduler": [t.name(BENCH_RESULTS),
-                             t.subscriber_queue(WEIGHT_UPDATES, SCHEDULER_SUBSCRIBER)],
-               "generator": [t.name(GENERATE_REQUESTS)],
-               "benchmarker": [t.name(CODE_TO_BENCH)],
-               "learner": [t.name(ROLLOUT_BATCHES)]}
+        own = {
+            "scheduler": [
+                t.name(BENCH_RESULTS),
+                t.subscriber_queue(WEIGHT_UPDATES, SCHEDULER_SUBSCRIBER),
+            ],
+            "generator": [t.name(GENERATE_REQUESTS)],
+            "benchmarker": [t.name(CODE_TO_BENCH)],
+            "learner": [t.name(ROLLOUT_BATCHES)],
+        }
         drill.freeze(*SERVICES)
         try:
             time.sleep(0.5)  # what a process had written before its stop reaches the broker
@@ -428,8 +522,7 @@ class TestForgeryDrill:
                 for queue in queues:
                     channel = site.channel(drill.user(role))
                     try:
-                        purged[f"{role}: {queue}"] = channel.queue_purge(
-                            queue).method.message_count
+                        purged[f"{role}: {queue}"] = channel.queue_purge(queue).method.message_count
                     finally:
                         channel.connection.close()
         finally:
@@ -441,8 +534,13 @@ class TestForgeryDrill:
         """Version 2**31-1 of the pinned run (learner's user, and the administrator's),
         ``groups_trained = -1e12`` under the genuine v2's id, "v3" before v3 exists."""
         t, fleet = drill.t, drill.fleet
-        wait_for(lambda: fleet.check_alive() or fleet.learner_version() >= 1, 120,
-                 "the learner's v1", fleet.tails, every=0.3)
+        wait_for(
+            lambda: fleet.check_alive() or fleet.learner_version() >= 1,
+            120,
+            "the learner's v1",
+            fleet.tails,
+            every=0.3,
+        )
         store = fleet.checkpoint_store()
         v1 = store.get(1)
         run = f"{EXPERIMENT}/{store.run_id}"
@@ -450,25 +548,31 @@ class TestForgeryDrill:
         assert fleet.learner_version() < EARLY_VERSION, "too late for the early announcement"
 
         def forged(version: int, parent: int) -> WeightUpdate:
-            return genuine.model_copy(update={"id": f"v{version}", "version": version,
-                                              "parent_version": parent})
+            return genuine.model_copy(
+                update={"id": f"v{version}", "version": version, "parent_version": parent}
+            )
 
         top = forged(2**31 - 1, 1)
         by_admin = forged(2**31 - 2, 1)
         early = forged(EARLY_VERSION, EARLY_VERSION - 1)
         with drill.publisher("learner") as publisher:
             for update in (top, early):
-                publisher.publish(Publish(t.name(WEIGHT_UPDATES), update,
-                                          exchange=t.name(WEIGHT_UPDATES)))
+                publisher.publish(
+                    Publish(t.name(WEIGHT_UPDATES), update, exchange=t.name(WEIGHT_UPDATES))
+                )
         with Publisher(drill.settings(None), "forger-admin") as publisher:
-            publisher.publish(Publish(t.name(WEIGHT_UPDATES), by_admin,
-                                      exchange=t.name(WEIGHT_UPDATES)))
+            publisher.publish(
+                Publish(t.name(WEIGHT_UPDATES), by_admin, exchange=t.name(WEIGHT_UPDATES))
+            )
         # As weight-update/2 (a typed field) and as weight-update/1 (a float in metrics,
         # the issue's): both under the id of the genuine v2, which must still be taken.
         negative = msgpack.unpackb(encode(forged(2, 1)))
-        negative["groups_trained"] = -10**12
-        legacy = {**negative, "schema": "weight-update/1",
-                  "metrics": {"groups_trained": -1e12, "groups_per_step": 2.0}}
+        negative["groups_trained"] = -(10**12)
+        legacy = {
+            **negative,
+            "schema": "weight-update/1",
+            "metrics": {"groups_trained": -1e12, "groups_per_step": 2.0},
+        }
         for field in ("groups_trained", "groups_dropped", "groups_per_step"):
             legacy.pop(field, None)
         for body in (negative, legacy):
@@ -480,12 +584,14 @@ class TestForgeryDrill:
             drill.await_dead(WEIGHT_UPDATES, update.id, 2)
             drill.expect(WEIGHT_UPDATES, update.id, 2, "learner", not_in_store)
         drill.await_dead(WEIGHT_UPDATES, by_admin.id, 2)
-        admin_refused = ((f"user 'guest' may not publish to {WEIGHT_UPDATES}",) if drill.auth
-                         else not_in_store)
+        admin_refused = (
+            (f"user 'guest' may not publish to {WEIGHT_UPDATES}",) if drill.auth else not_in_store
+        )
         drill.expect(WEIGHT_UPDATES, by_admin.id, 2, "learner (guest)", admin_refused)
         drill.await_dead(WEIGHT_UPDATES, "v2", 4)
-        drill.expect(WEIGHT_UPDATES, "v2", 4, "learner",
-                     ("groups_trained", "greater than or equal to 0"))
+        drill.expect(
+            WEIGHT_UPDATES, "v2", 4, "learner", ("groups_trained", "greater than or equal to 0")
+        )
         for expected in drill.expected[-4:]:
             check_reasons(drill, expected)
 
@@ -495,9 +601,11 @@ class TestForgeryDrill:
         assert int(fleet.store.get("groups_trained", 0)) >= 0
         healthy = fleet.health(drill.procs["scheduler"])
         assert healthy and healthy["healthy"] and "pacing_holds_every_request" not in healthy
-        ignored = fleet.metric(drill.procs["scheduler"],
-                               "hpcrl_scheduler_weight_updates_ignored_total",
-                               reason="not_in_store")
+        ignored = fleet.metric(
+            drill.procs["scheduler"],
+            "hpcrl_scheduler_weight_updates_ignored_total",
+            reason="not_in_store",
+        )
         assert ignored == (2 if drill.auth else 3), ignored
         drill.lap("learner")
 
@@ -507,30 +615,53 @@ class TestForgeryDrill:
         version = fleet.learner_version()  # fresh: not dropped as stale before the checks
 
         def batch(batch_id: str, lengths: int, rewards: list[float]) -> dict:
-            samples = [RolloutSample(
-                candidate_id=f"{batch_id}/{i}",
-                completion_token_ids=PackedArray.of([30 + i] * lengths, "<i4"),
-                sampling_logprobs=PackedArray.of([-0.5] * lengths, "<f4"),
-                policy_version=version, reward=1.0, status="success",
-                completion_sha256="0" * 64) for i in range(len(rewards))]
-            raw = msgpack.unpackb(encode(RolloutBatch(
-                id=batch_id, experiment=EXPERIMENT, iteration=0,
-                prompt_token_ids=PackedArray.of([1, 2, 3, 4], "<i4"), samples=samples,
-                reward_mode="raw")))
+            samples = [
+                RolloutSample(
+                    candidate_id=f"{batch_id}/{i}",
+                    completion_token_ids=PackedArray.of([30 + i] * lengths, "<i4"),
+                    sampling_logprobs=PackedArray.of([-0.5] * lengths, "<f4"),
+                    policy_version=version,
+                    reward=1.0,
+                    status="success",
+                    completion_sha256="0" * 64,
+                )
+                for i in range(len(rewards))
+            ]
+            raw = msgpack.unpackb(
+                encode(
+                    RolloutBatch(
+                        id=batch_id,
+                        experiment=EXPERIMENT,
+                        iteration=0,
+                        prompt_token_ids=PackedArray.of([1, 2, 3, 4], "<i4"),
+                        samples=samples,
+                        reward_mode="raw",
+                    )
+                )
+            )
             for sample, reward in zip(raw["samples"], rewards, strict=True):
                 sample["reward"] = reward
             return raw
 
         forged = {
             "forged-issue": (batch("forged-issue", 8003, [1e6, -1e6] * 4), ("reward",)),
-            "forged-long": (batch("forged-long", 8003, [100.0, 1.0] * 4),
-                            ("8007 tokens > max_sequence_tokens 2048",)),
-            "forged-reward": (batch("forged-reward", 40, [1e6, 1.0] * 4),
-                              ("learner.max_abs_reward",)),
+            "forged-long": (
+                batch("forged-long", 8003, [100.0, 1.0] * 4),
+                ("8007 tokens > max_sequence_tokens 2048",),
+            ),
+            "forged-reward": (
+                batch("forged-reward", 40, [1e6, 1.0] * 4),
+                ("learner.max_abs_reward",),
+            ),
         }
         for batch_id, (raw, _reason) in forged.items():
-            drill.raw("scheduler", t.work_exchange(ROLLOUT_BATCHES), t.name(ROLLOUT_BATCHES),
-                      msgpack.packb(raw), batch_id)
+            drill.raw(
+                "scheduler",
+                t.work_exchange(ROLLOUT_BATCHES),
+                t.name(ROLLOUT_BATCHES),
+                msgpack.packb(raw),
+                batch_id,
+            )
         for batch_id, (_raw, reason) in forged.items():
             drill.await_dead(ROLLOUT_BATCHES, batch_id, 1)
             drill.expect(ROLLOUT_BATCHES, batch_id, 1, "scheduler", reason)
@@ -539,8 +670,10 @@ class TestForgeryDrill:
         # Those the learner itself refused (counted as dropped); one outside its reward
         # mode's range is refused by the contract at the boundary, before the learner.
         drill.notes["forged_refused_by_learner"] = {
-            batch_id for batch_id in forged
-            if not drill.dead_of(ROLLOUT_BATCHES, batch_id)[0].reason.startswith("invalid ")}
+            batch_id
+            for batch_id in forged
+            if not drill.dead_of(ROLLOUT_BATCHES, batch_id)[0].reason.startswith("invalid ")
+        }
         health = fleet.health(drill.procs["learner"])
         assert health and health["healthy"] and health["failed"] is None, health
         drill.lap("scheduler")
@@ -551,13 +684,23 @@ class TestForgeryDrill:
         queue, so bob gets it (README, "Use the benchmarker fleet from your own trainer")."""
         t, fleet, site = drill.t, drill.fleet, drill.site
         group = uuid.uuid4().hex
-        forged = RewardRequest(id=f"{group}/0", group_id=group, index=0, completion="no code",
-                               bench=BenchSpec(task="matmul", stage=6), client=site.bob)
+        forged = RewardRequest(
+            id=f"{group}/0",
+            group_id=group,
+            index=0,
+            completion="no code",
+            bench=BenchSpec(task="matmul", stage=6),
+            client=site.bob,
+        )
         channel = site.channel(site.alice)
         try:
-            channel.basic_publish(t.work_exchange(REWARD_REQUESTS), t.name(REWARD_REQUESTS),
-                                  encode(forged), mandatory=True, properties=pika.BasicProperties(
-                                      user_id=site.alice, message_id=forged.id))
+            channel.basic_publish(
+                t.work_exchange(REWARD_REQUESTS),
+                t.name(REWARD_REQUESTS),
+                encode(forged),
+                mandatory=True,
+                properties=pika.BasicProperties(user_id=site.alice, message_id=forged.id),
+            )
         finally:
             channel.connection.close()
         gets, other = (site.alice, site.bob) if drill.auth else (site.bob, site.alice)
@@ -582,46 +725,85 @@ class TestForgeryDrill:
         t, fleet = drill.t, drill.fleet
         procs = drill.procs
         real = next(r for g in fleet.groups() for r in fleet.store.results_of(g.id))
-        target = freeze_for_next_group(drill, "benchmarker",
-                                       lambda g, held: held >= GROUP_SIZE
-                                       and fleet.store.count_results(g.id) == 0
-                                       and fleet.ready(CODE_TO_BENCH) == 0, "every candidate")
+        target = freeze_for_next_group(
+            drill,
+            "benchmarker",
+            lambda g, held: (
+                held >= GROUP_SIZE
+                and fleet.store.count_results(g.id) == 0
+                and fleet.ready(CODE_TO_BENCH) == 0
+            ),
+            "every candidate",
+        )
         try:
             request = request_of(fleet, target.id)
             host = real.host
             peak = host.peak_gflops  # the class's peak as the scheduler has seen it
             judged = tokenizer(fleet).decode(TOKENS_66, skip_special_tokens=True)
 
-            def result(index: int, gflops: float, host: HostInfo,
-                       rollout: RolloutData | None = None, sha: str | None = None):
+            def result(
+                index: int,
+                gflops: float,
+                host: HostInfo,
+                rollout: RolloutData | None = None,
+                sha: str | None = None,
+            ):
                 return BenchResult(
-                    id=f"{target.id}/{index}", group_id=target.id, index=index,
-                    status="success", reward=gflops, gflops=gflops, source=KERNEL,
-                    bench=request.bench, host=host, benchmarker=FORGED_REPLICA,
-                    rollout=rollout, completion_sha256=sha)
+                    id=f"{target.id}/{index}",
+                    group_id=target.id,
+                    index=index,
+                    status="success",
+                    reward=gflops,
+                    gflops=gflops,
+                    source=KERNEL,
+                    bench=request.bench,
+                    host=host,
+                    benchmarker=FORGED_REPLICA,
+                    rollout=rollout,
+                    completion_sha256=sha,
+                )
 
             # The forger's tokens, and the hash of "the text it judged" (that of its tokens).
             rollout = RolloutData(
                 prompt_token_ids=PackedArray.of([1, 2, 3], "<i4"),
                 completion_token_ids=PackedArray.of(TOKENS_66, "<i4"),
                 sampling_logprobs=PackedArray.of([-0.1] * len(TOKENS_66), "<f4"),
-                policy_version=request.min_policy_version)
-            above = result(3, 5000.0, host.model_copy(update={"peak_gflops": 1e6}),
-                           rollout, text_sha256(judged))
+                policy_version=request.min_policy_version,
+            )
+            above = result(
+                3,
+                5000.0,
+                host.model_copy(update={"peak_gflops": 1e6}),
+                rollout,
+                text_sha256(judged),
+            )
             inflated = result(2, round(0.9 * peak, 1), host, rollout, text_sha256(judged))
             # An honest figure for a correct kernel.
             steering = result(1, 0.1, host, rollout, text_sha256(judged))
             with drill.publisher("benchmarker") as publisher:
-                publisher.publish(*(Publish(t.name(BENCH_RESULTS), r)
-                                    for r in (above, inflated, steering)))
+                publisher.publish(
+                    *(Publish(t.name(BENCH_RESULTS), r) for r in (above, inflated, steering))
+                )
             drill.await_dead(BENCH_RESULTS, above.id, 1)
-            wait_for(lambda: {r.id for r in fleet.store.results_of(target.id)}
-                     == {inflated.id, steering.id}, 30, "the two under the peak filed")
+            wait_for(
+                lambda: (
+                    {r.id for r in fleet.store.results_of(target.id)} == {inflated.id, steering.id}
+                ),
+                30,
+                "the two under the peak filed",
+            )
         finally:
             drill.thaw("benchmarker")
-        drill.expect(BENCH_RESULTS, above.id, 1, "benchmarker",
-                     ("gflops 5000 is above the peak of host class",
-                      f"{host.host_class!r}, {peak:g} GFLOPS (seen; the result claims 1e+06)"))
+        drill.expect(
+            BENCH_RESULTS,
+            above.id,
+            1,
+            "benchmarker",
+            (
+                "gflops 5000 is above the peak of host class",
+                f"{host.host_class!r}, {peak:g} GFLOPS (seen; the result claims 1e+06)",
+            ),
+        )
         check_reasons(drill, drill.expected[-1])
         wait_closed(drill, target.id, 180)
 
@@ -634,8 +816,12 @@ class TestForgeryDrill:
         suspect = health["suspect_hosts"][f"{host.hostname}/{FORGED_REPLICA}"]
         assert f"{inflated.gflops:g} GFLOPS claimed" in suspect["reason"], suspect
         assert "measured again" in suspect["reason"], suspect
-        assert fleet.metric(procs["scheduler"], "hpcrl_scheduler_results_ignored_total",
-                            reason="above_peak") == 1
+        assert (
+            fleet.metric(
+                procs["scheduler"], "hpcrl_scheduler_results_ignored_total", reason="above_peak"
+            )
+            == 1
+        )
         assert fleet.metric(procs["scheduler"], "hpcrl_scheduler_suspect_results_total") == 2
         batch = batch_of(fleet, target.id)
         assert batch is not None and inflated.id not in {s.candidate_id for s in batch.samples}
@@ -648,18 +834,33 @@ class TestForgeryDrill:
         with no source (index 0), its own tokens and their hash."""
         t, fleet = drill.t, drill.fleet
         host, peak = drill.notes["host"], drill.notes["peak"]
-        target = freeze_for_next_group(drill, "benchmarker",
-                                       lambda g, held: held >= GROUP_SIZE
-                                       and fleet.store.count_results(g.id) == 0
-                                       and fleet.ready(CODE_TO_BENCH) == 0, "every candidate")
+        target = freeze_for_next_group(
+            drill,
+            "benchmarker",
+            lambda g, held: (
+                held >= GROUP_SIZE
+                and fleet.store.count_results(g.id) == 0
+                and fleet.ready(CODE_TO_BENCH) == 0
+            ),
+            "every candidate",
+        )
         try:
             request = request_of(fleet, target.id)
             gflops = round(0.8 * peak, 1)
-            claim = BenchResult(id=f"{target.id}/0", group_id=target.id, index=0,
-                                status="success", reward=gflops, gflops=gflops, source=None,
-                                bench=request.bench, host=host, benchmarker=FORGED_REPLICA,
-                                rollout=drill.notes["rollout"],
-                                completion_sha256=drill.notes["sha"])
+            claim = BenchResult(
+                id=f"{target.id}/0",
+                group_id=target.id,
+                index=0,
+                status="success",
+                reward=gflops,
+                gflops=gflops,
+                source=None,
+                bench=request.bench,
+                host=host,
+                benchmarker=FORGED_REPLICA,
+                rollout=drill.notes["rollout"],
+                completion_sha256=drill.notes["sha"],
+            )
             with drill.publisher("benchmarker") as publisher:
                 publisher.publish(Publish(t.name(BENCH_RESULTS), claim))
             wait_for(lambda: fleet.store.count_results(target.id) == 1, 30, "the claim filed")
@@ -672,57 +873,81 @@ class TestForgeryDrill:
         rewards = {s.candidate_id: s.reward for s in batch.samples} if batch else {}
         assert (best.gflops or 0.0) < 0.5 * peak, (
             f"{best.id}: {best.gflops:g} GFLOPS, never measured again (no source), is the "
-            f"run's best; the group's rewards: {rewards}")
+            f"run's best; the group's rewards: {rewards}"
+        )
 
     def test_7_generator_forgery(self, drill: Drill):
         """The generator frozen holding a request; as its user, candidate 3 of that group:
         the text of a correct kernel with token ids [66] * 40."""
         t, fleet = drill.t, drill.fleet
         target = freeze_for_next_group(
-            drill, "generator",
-            lambda g, held: held >= 1 and fleet.ready(GENERATE_REQUESTS) == 0, "the request")
+            drill,
+            "generator",
+            lambda g, held: held >= 1 and fleet.ready(GENERATE_REQUESTS) == 0,
+            "the request",
+        )
         try:
             request = request_of(fleet, target.id)
             forged = Candidate(
-                id=f"{target.id}/3", group_id=target.id, index=3, completion=KERNEL_TEXT,
-                bench=request.bench, generator="generator-forged", rollout=RolloutData(
+                id=f"{target.id}/3",
+                group_id=target.id,
+                index=3,
+                completion=KERNEL_TEXT,
+                bench=request.bench,
+                generator="generator-forged",
+                rollout=RolloutData(
                     prompt_token_ids=PackedArray.of([1, 2, 3], "<i4"),
                     completion_token_ids=PackedArray.of(TOKENS_66, "<i4"),
                     sampling_logprobs=PackedArray.of([-0.1] * len(TOKENS_66), "<f4"),
-                    policy_version=request.min_policy_version))
+                    policy_version=request.min_policy_version,
+                ),
+            )
             with drill.publisher("generator") as publisher:
                 publisher.publish(Publish(t.name(CODE_TO_BENCH), forged))
 
             def judged() -> BenchResult | None:
                 fleet.check_alive()
-                return next((r for r in fleet.store.results_of(target.id)
-                             if r.id == forged.id), None)
+                return next(
+                    (r for r in fleet.store.results_of(target.id) if r.id == forged.id), None
+                )
 
             result = wait_for(judged, 120, f"{forged.id} to be judged", fleet.tails)
         finally:
             drill.thaw("generator")
         # It is a correct kernel: a success, the group's best (reward 100 in the batch) ...
         assert result.status == "success" and result.completion_sha256 == text_sha256(
-            KERNEL_TEXT), result
+            KERNEL_TEXT
+        ), result
         wait_closed(drill, target.id, 180)
         batch = batch_of(fleet, target.id)
         [sample] = [s for s in batch.samples if s.candidate_id == forged.id]
         assert sample.reward == 100.0
         # ... which the learner refuses: its tokens are not those of the judged text.
         drill.await_dead(ROLLOUT_BATCHES, target.id, 1, timeout=120)
-        drill.expect(ROLLOUT_BATCHES, target.id, 1, "generator",
-                     (f"{forged.id}: its 40 token ids decode to a text",
-                      "other than the one the benchmarker judged"))
+        drill.expect(
+            ROLLOUT_BATCHES,
+            target.id,
+            1,
+            "generator",
+            (
+                f"{forged.id}: its 40 token ids decode to a text",
+                "other than the one the benchmarker judged",
+            ),
+        )
         check_reasons(drill, drill.expected[-1])
         drill.refused_batches.add(target.id)
         drill.lap("generator")
 
-    @pytest.mark.xfail(strict=True, reason=(
-        "not stopped on today's code: a benchmarker credential writes a result's rollout (the "
-        "generator's token ids) and completion_sha256 (the hash of the text it judged), and "
-        "nothing ties either to the candidate the generator sent, so a success with a correct "
-        "kernel's source and an honest figure passes the peak, is confirmed by a second "
-        "measurement, and has the learner train 40 x token 66 at the group's top reward"))
+    @pytest.mark.xfail(
+        strict=True,
+        reason=(
+            "not stopped on today's code: a benchmarker credential writes a result's rollout (the "
+            "generator's token ids) and completion_sha256 (the hash of the text it judged), and "
+            "nothing ties either to the candidate the generator sent, so a success with a correct "
+            "kernel's source and an honest figure passes the peak, is confirmed by a second "
+            "measurement, and has the learner train 40 x token 66 at the group's top reward"
+        ),
+    )
     def test_8_benchmarker_rollout_is_the_candidates(self, drill: Drill):
         fleet = drill.fleet
         group_id, forged_id = drill.notes["steering"]
@@ -730,26 +955,34 @@ class TestForgeryDrill:
         def settled() -> bool:  # trained, or refused by the learner
             fleet.check_alive()
             drill.drain()
-            return group_id in trained_ids(fleet) or bool(drill.dead_of(ROLLOUT_BATCHES,
-                                                                        group_id))
+            return group_id in trained_ids(fleet) or bool(drill.dead_of(ROLLOUT_BATCHES, group_id))
 
         wait_for(settled, 120, f"the learner to take {group_id}", fleet.tails, every=0.5)
         batch = batch_of(fleet, group_id)
-        forged = [s for s in (batch.samples if batch else [])
-                  if s.completion_token_ids.numpy().tolist() == TOKENS_66]
+        forged = [
+            s
+            for s in (batch.samples if batch else [])
+            if s.completion_token_ids.numpy().tolist() == TOKENS_66
+        ]
         trained = group_id in trained_ids(fleet)
         assert not (forged and trained), (
             f"{forged_id}: the learner trained {len(TOKENS_66)} x token 66 at reward "
             f"{forged[0].reward:g} (group {group_id}, confirmed: a correct kernel's source at "
-            f"0.1 GFLOPS)")
+            f"0.1 GFLOPS)"
+        )
 
     def test_9_the_run_carried_on(self, drill: Drill):
         t, fleet, procs = drill.t, drill.fleet, drill.procs
-        wait_done(fleet, procs["scheduler"], procs["learner"],
-                  refused=len(drill.refused_batches))
+        wait_done(fleet, procs["scheduler"], procs["learner"], refused=len(drill.refused_batches))
         # The generator loaded the genuine last version (an early "v3" was refused first).
-        wait_for(lambda: fleet.metric(procs["generator"], "hpcrl_generator_policy_version")
-                 == FINAL_VERSION, 60, f"the generator to load v{FINAL_VERSION}", fleet.tails)
+        wait_for(
+            lambda: (
+                fleet.metric(procs["generator"], "hpcrl_generator_policy_version") == FINAL_VERSION
+            ),
+            60,
+            f"the generator to load v{FINAL_VERSION}",
+            fleet.tails,
+        )
         codes = stop_all(fleet)
         assert set(codes.values()) == {0}, codes
         drill.lap("done")
@@ -764,7 +997,8 @@ class TestForgeryDrill:
         for group in groups:
             assert group.state == "closed" and group.close_reason == "complete", group
             assert [r.id for r in store.results_of(group.id)] == [
-                f"{group.id}/{i}" for i in range(GROUP_SIZE)]
+                f"{group.id}/{i}" for i in range(GROUP_SIZE)
+            ]
             assert outbox.get((GENERATE_REQUESTS, group.id)) == 1
             assert outbox.get((ROLLOUT_BATCHES, group.id)) == 1
         rows = fleet.result_rows()
@@ -810,11 +1044,11 @@ class TestForgeryDrill:
         for expected in drill.expected:
             check_reasons(drill, expected)
         drill.lap("checked")
-        print(f"\ndead letters ({'with' if drill.auth else 'without'} publisher "
-              f"authentication):")
+        print(f"\ndead letters ({'with' if drill.auth else 'without'} publisher authentication):")
         for dead in drill.dead:
-            print(f"  {dead.base:<16} {dead.message_id!s:<34} {dead.consumer:<36} "
-                  f"{dead.reason[:110]}")
+            print(
+                f"  {dead.base:<16} {dead.message_id!s:<34} {dead.consumer:<36} {dead.reason[:110]}"
+            )
 
     def test_10_a_refused_batch_is_counted_done(self, drill: Drill):
         # The learner reports every batch it refused as dropped (done), so the scheduler does
@@ -826,9 +1060,11 @@ class TestForgeryDrill:
         done = int(last.metrics["groups_trained"] + last.metrics.get("groups_dropped", 0))
         sent = fleet.store.count_batches_sent()
         forged = drill.notes["forged_refused_by_learner"]
-        assert done == sent + len(forged), (f"the learner's v{last.version} accounts for "
-                                            f"{done} groups; the scheduler sent {sent}, the "
-                                            f"learner refused {len(forged)} forged ones")
+        assert done == sent + len(forged), (
+            f"the learner's v{last.version} accounts for "
+            f"{done} groups; the scheduler sent {sent}, the "
+            f"learner refused {len(forged)} forged ones"
+        )
 
 
 def trained_ids(fleet: Fleet) -> set[str]:
@@ -842,4 +1078,5 @@ def check_reasons(drill: Drill, expected: Expected) -> None:
     for each in dead:
         assert any(all(part in each.reason for part in texts) for texts in expected.reasons), (
             f"{expected.phase}: {expected.message_id} dead-lettered by {each.consumer} with "
-            f"{each.reason!r}, expected {expected.reasons}")
+            f"{each.reason!r}, expected {expected.reasons}"
+        )

@@ -107,6 +107,7 @@ from tests.support.rabbit_node import RabbitNode, free_port
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
 
+
 @pytest.fixture
 def fleet_factory(broker_settings: BrokerSettings, tmp_path: Path) -> Iterator[Callable]:
     fleets: list[Fleet] = []
@@ -141,6 +142,7 @@ def wait_closed(fleet: Fleet, group_id: str, timeout: float = 120.0) -> None:
 
 def next_group(fleet: Fleet, after: str, timeout: float = 120.0):
     """The group published after group ``after`` (ids sort in planning order)."""
+
     def published():
         fleet.check_alive()
         return next((g for g in fleet.groups() if g.id > after and g.state != "pending"), None)
@@ -148,9 +150,16 @@ def next_group(fleet: Fleet, after: str, timeout: float = 120.0):
     return wait_for(published, timeout, f"a group after {after}", fleet.tails)
 
 
-def kill_holding(fleet: Fleet, victim: Proc, queue: str, holds: Callable[[int], bool],
-                 kills: list[Kill], what: str, extra: Callable[[], dict[str, Any]] = dict,
-                 timeout: float = 120.0) -> None:
+def kill_holding(
+    fleet: Fleet,
+    victim: Proc,
+    queue: str,
+    holds: Callable[[int], bool],
+    kills: list[Kill],
+    what: str,
+    extra: Callable[[], dict[str, Any]] = dict,
+    timeout: float = 120.0,
+) -> None:
     """``victim`` is frozen, and the only consumer of ``queue``: wait until nothing of the
     queue is ready and the broker shows the victim holding unacked what ``holds`` asks for,
     then SIGKILL it."""
@@ -160,29 +169,51 @@ def kill_holding(fleet: Fleet, victim: Proc, queue: str, holds: Callable[[int], 
         ready, unacked = fleet.ready(queue), fleet.held_by(victim)
         return (ready, unacked) if ready == 0 and holds(unacked) else None
 
-    ready, unacked = wait_for(held, timeout, f"the frozen {victim.label} to hold {what}",
-                              lambda: (fleet.ready(queue), fleet.held_by(victim),
-                                       fleet.tails()), every=0.3)
-    kills.append(Kill(victim.service, queue, ready, unacked, fleet.iteration(), fleet.done(),
-                      extra()))
+    ready, unacked = wait_for(
+        held,
+        timeout,
+        f"the frozen {victim.label} to hold {what}",
+        lambda: (fleet.ready(queue), fleet.held_by(victim), fleet.tails()),
+        every=0.3,
+    )
+    kills.append(
+        Kill(victim.service, queue, ready, unacked, fleet.iteration(), fleet.done(), extra())
+    )
     fleet.kill9(victim)
 
 
 def inject_duplicates(fleet: Fleet, group_id: str) -> list[str]:
     """Publish again, as a redelivery would bring them, the request, the first result and
     the rollout batch of a closed group; what was sent."""
-    request = decode(next(b for b in fleet.outbox_bodies(GENERATE_REQUESTS)
-                          if decode(b, GenerateRequest).id == group_id), GenerateRequest)
+    request = decode(
+        next(
+            b
+            for b in fleet.outbox_bodies(GENERATE_REQUESTS)
+            if decode(b, GenerateRequest).id == group_id
+        ),
+        GenerateRequest,
+    )
     result = fleet.store.results_of(group_id)[0]
-    batch = decode(next(b for b in fleet.outbox_bodies(ROLLOUT_BATCHES)
-                        if decode(b, RolloutBatch).id == group_id), RolloutBatch)
+    batch = decode(
+        next(
+            b
+            for b in fleet.outbox_bodies(ROLLOUT_BATCHES)
+            if decode(b, RolloutBatch).id == group_id
+        ),
+        RolloutBatch,
+    )
     assert batch.id in fleet.learner_state(fleet.learner_version())["trained_ids"]
     with Publisher(fleet.settings) as publisher:
-        publisher.publish(Publish(fleet.topology.name(GENERATE_REQUESTS), request),
-                          Publish(fleet.topology.name(BENCH_RESULTS), result),
-                          Publish(fleet.topology.name(ROLLOUT_BATCHES), batch))
-    return [f"{GENERATE_REQUESTS} {request.id}", f"{BENCH_RESULTS} {result.id}",
-            f"{ROLLOUT_BATCHES} {batch.id}"]
+        publisher.publish(
+            Publish(fleet.topology.name(GENERATE_REQUESTS), request),
+            Publish(fleet.topology.name(BENCH_RESULTS), result),
+            Publish(fleet.topology.name(ROLLOUT_BATCHES), batch),
+        )
+    return [
+        f"{GENERATE_REQUESTS} {request.id}",
+        f"{BENCH_RESULTS} {result.id}",
+        f"{ROLLOUT_BATCHES} {batch.id}",
+    ]
 
 
 def start_fleet(fleet: Fleet) -> dict[str, Proc]:
@@ -471,8 +502,12 @@ def test_benchmarker_replica_added_and_another_removed_mid_run(fleet_factory):
         fleet.check_alive()
         return any(row[5] == replica_name(b) for row in fleet.result_rows())
 
-    wait_for(b_judged, 120, "replica B to judge a candidate",
-             lambda: (Counter(row[5] for row in fleet.result_rows()), fleet.tails()))
+    wait_for(
+        b_judged,
+        120,
+        "replica B to judge a candidate",
+        lambda: (Counter(row[5] for row in fleet.result_rows()), fleet.tails()),
+    )
     judged_a = fleet.metric(a, "hpcrl_benchmarker_results_total")
 
     # A is removed while it holds candidates: frozen between two groups, it is handed its
@@ -484,9 +519,13 @@ def test_benchmarker_replica_added_and_another_removed_mid_run(fleet_factory):
         wait_closed(fleet, current.id)
         fleet.freeze(a)
         target = next_group(fleet, current.id)
-        held = wait_for(lambda group=target.id: a_holds(fleet, a, group), 120,
-                        f"B to judge its share of {target.id} while A holds the rest",
-                        fleet.tails, every=0.5)[0]
+        held = wait_for(
+            lambda group=target.id: a_holds(fleet, a, group),
+            120,
+            f"B to judge its share of {target.id} while A holds the rest",
+            fleet.tails,
+            every=0.5,
+        )[0]
         if held:
             break
         fleet.signal(a, signal.SIGCONT)
@@ -520,10 +559,12 @@ def test_benchmarker_replica_added_and_another_removed_mid_run(fleet_factory):
     assert set(after_exit) == {replica_name(b)}, (after_exit, len(later))
     assert judged_a >= 1 and judged_b >= by_replica[replica_name(b)], (judged_a, judged_b)
     print(f"\nA held {held} candidate(s) at SIGTERM, stopped in {stop_s:.1f} s")
-    print(f"stored results by replica: {dict(by_replica)}; of groups requested after A "
-          f"exited ({len(later)}): "
-          f"{dict(after_exit)}; /metrics results_total: A {judged_a:.0f} (at SIGTERM), "
-          f"B {judged_b:.0f}")
+    print(
+        f"stored results by replica: {dict(by_replica)}; of groups requested after A "
+        f"exited ({len(later)}): "
+        f"{dict(after_exit)}; /metrics results_total: A {judged_a:.0f} (at SIGTERM), "
+        f"B {judged_b:.0f}"
+    )
     print(f"counts: {counts}; total {time.monotonic() - started:.0f} s")
 
 
@@ -539,19 +580,32 @@ def private_broker(tmp_path: Path) -> Iterator[RabbitNode]:
 
 def test_whole_broker_restarted_mid_run(private_broker: RabbitNode, tmp_path: Path):
     node = private_broker
-    settings = BrokerSettings(url=node.url(), namespace="restart-drill", heartbeat_s=HEARTBEAT_S,
-                              delivery_limit=5, reconnect_initial_s=0.2, reconnect_max_s=2.0)
+    settings = BrokerSettings(
+        url=node.url(),
+        namespace="restart-drill",
+        heartbeat_s=HEARTBEAT_S,
+        delivery_limit=5,
+        reconnect_initial_s=0.2,
+        reconnect_max_s=2.0,
+    )
     # Long enough that the run is still going after the first version: a 6-iteration run of
     # failing candidates once finished in 3 s, before the drill's first look at the broker.
-    fleet = Fleet(tmp_path / "fleet", settings, iterations=16,
-                  rabbitmqctl=lambda *args: node.ctl(*args).stdout)
+    fleet = Fleet(
+        tmp_path / "fleet",
+        settings,
+        iterations=16,
+        rabbitmqctl=lambda *args: node.ctl(*args).stdout,
+    )
     try:
         started = time.monotonic()
         # Mid-run: the learner has committed a version, and services hold unacked work.
         procs, held = start_and_wait_mid_run(fleet)
         queued = {base: fleet.ready(base) for base in WORK_QUEUES}
-        at = {"iteration": fleet.iteration(), "version": fleet.learner_version(),
-              "results": len(fleet.result_rows())}
+        at = {
+            "iteration": fleet.iteration(),
+            "version": fleet.learner_version(),
+            "results": len(fleet.result_rows()),
+        }
         down_at = time.monotonic()
         node.stop()  # every connection closed by the broker; then nothing answers
 
@@ -559,8 +613,12 @@ def test_whole_broker_restarted_mid_run(private_broker: RabbitNode, tmp_path: Pa
             fleet.check_alive()
             return all(connected(fleet, proc) is False for proc in procs.values())
 
-        wait_for(all_disconnected, 30, "every service to see the broker gone",
-                 lambda: {p.label: fleet.health(p) for p in procs.values()})
+        wait_for(
+            all_disconnected,
+            30,
+            "every service to see the broker gone",
+            lambda: {p.label: fleet.health(p) for p in procs.values()},
+        )
         time.sleep(5)  # a few reconnect attempts against a closed port
         fleet.check_alive()
         node.start().wait_started()
@@ -568,15 +626,24 @@ def test_whole_broker_restarted_mid_run(private_broker: RabbitNode, tmp_path: Pa
 
         def all_reconnected() -> bool:
             fleet.check_alive()
-            return all(connected(fleet, proc) for proc in procs.values()
-                       if proc.alive() and not proc.retired)
+            return all(
+                connected(fleet, proc)
+                for proc in procs.values()
+                if proc.alive() and not proc.retired
+            )
 
-        reconnect_s = wait_for(lambda: all_reconnected() and time.monotonic(), 60,
-                               "every service to reconnect",
-                               lambda: {p.label: fleet.health(p) for p in procs.values()})
+        reconnect_s = wait_for(
+            lambda: all_reconnected() and time.monotonic(),
+            60,
+            "every service to reconnect",
+            lambda: {p.label: fleet.health(p) for p in procs.values()},
+        )
         reconnect_s -= up_at
-        reconnects = {p.label: fleet.metric(p, "hpcrl_broker_reconnects_total")
-                      for p in procs.values() if p.alive()}
+        reconnects = {
+            p.label: fleet.metric(p, "hpcrl_broker_reconnects_total")
+            for p in procs.values()
+            if p.alive()
+        }
         assert all(count >= 1 for count in reconnects.values()), reconnects
 
         wait_done(fleet, procs["scheduler"], procs["learner"])
@@ -585,8 +652,10 @@ def test_whole_broker_restarted_mid_run(private_broker: RabbitNode, tmp_path: Pa
         counts = assert_nothing_lost_nothing_twice(fleet)
     finally:
         fleet.close()
-    print(f"\nbroker stopped at iteration {at['iteration']}, policy version {at['version']}, "
-          f"{at['results']} results stored, queued {queued}, held {held}; down for "
-          f"{up_at - down_at:.1f} s (stop and start included); every service reconnected "
-          f"{reconnect_s:.1f} s after it was up; reconnects {reconnects}")
+    print(
+        f"\nbroker stopped at iteration {at['iteration']}, policy version {at['version']}, "
+        f"{at['results']} results stored, queued {queued}, held {held}; down for "
+        f"{up_at - down_at:.1f} s (stop and start included); every service reconnected "
+        f"{reconnect_s:.1f} s after it was up; reconnects {reconnects}"
+    )
     print(f"counts: {counts}; total {time.monotonic() - started:.0f} s")

@@ -129,8 +129,15 @@ def _rollout() -> RolloutData:
 
 
 def _host() -> HostInfo:
-    return HostInfo(hostname="node1", cpu_model="Test CPU", isa=["avx2", "avx512f"], cores=8,
-                    compiler="gcc 12", host_class="x86-avx512", peak_gflops=2000.0)
+    return HostInfo(
+        hostname="node1",
+        cpu_model="Test CPU",
+        isa=["avx2", "avx512f"],
+        cores=8,
+        compiler="gcc 12",
+        host_class="x86-avx512",
+        peak_gflops=2000.0,
+    )
 
 
 BENCH = BenchSpec(task="matmul", stage=2, opt_level="O3")
@@ -139,42 +146,103 @@ BENCH = BenchSpec(task="matmul", stage=2, opt_level="O3")
 def valid_messages() -> dict[str, Message]:
     """One valid message of each schema, with every optional part filled in."""
     request = GenerateRequest(
-        id="poison-req", experiment="elsewhere", iteration=1, parent_id="seed",
+        id="poison-req",
+        experiment="elsewhere",
+        iteration=1,
+        parent_id="seed",
         mode="improve",
-        prompt=[ChatMessage(role="system", content="You are an expert HPC programmer."),
-                ChatMessage(role="user", content="Write a faster matmul kernel in C.")],
+        prompt=[
+            ChatMessage(role="system", content="You are an expert HPC programmer."),
+            ChatMessage(role="user", content="Write a faster matmul kernel in C."),
+        ],
         group_size=4,
         sampling=SamplingParams(temperature=0.7, top_p=0.9, max_tokens=64, seed=7),
-        min_policy_version=0, bench=BENCH,
+        min_policy_version=0,
+        bench=BENCH,
     )
-    candidate = Candidate(id="pg/1", group_id="pg", index=1,
-                          completion="```c\nvoid f(void) {}\n```", bench=BENCH,
-                          rollout=_rollout(), generator="r1")
+    candidate = Candidate(
+        id="pg/1",
+        group_id="pg",
+        index=1,
+        completion="```c\nvoid f(void) {}\n```",
+        bench=BENCH,
+        rollout=_rollout(),
+        generator="r1",
+    )
     result = BenchResult(
-        id="pg/1", group_id="pg", index=1, status="success", reward=12.5, gflops=12.5,
-        timing=Timing(runs_s=[0.1, 0.11, 0.12], mean_s=0.11, median_s=0.11, min_s=0.1,
-                      max_s=0.12, cv=0.05, attempts=2),
-        techniques=["openmp"], generalizes=True, source="void f(void) {}", bench=BENCH,
-        compile_flags=["gcc", "-O3"], host=_host(), benchmarker="b1",
-        durations_s={"compile": 0.5, "run": 1.25}, rollout=_rollout(),
+        id="pg/1",
+        group_id="pg",
+        index=1,
+        status="success",
+        reward=12.5,
+        gflops=12.5,
+        timing=Timing(
+            runs_s=[0.1, 0.11, 0.12],
+            mean_s=0.11,
+            median_s=0.11,
+            min_s=0.1,
+            max_s=0.12,
+            cv=0.05,
+            attempts=2,
+        ),
+        techniques=["openmp"],
+        generalizes=True,
+        source="void f(void) {}",
+        bench=BENCH,
+        compile_flags=["gcc", "-O3"],
+        host=_host(),
+        benchmarker="b1",
+        durations_s={"compile": 0.5, "run": 1.25},
+        rollout=_rollout(),
     )
     samples = [
-        RolloutSample(candidate_id=f"pg/{i}", completion_token_ids=PackedArray.of([5, 6], "<i4"),
-                      sampling_logprobs=PackedArray.of([-0.5, -0.75], "<f4"), policy_version=0,
-                      reward=reward, status=status)
+        RolloutSample(
+            candidate_id=f"pg/{i}",
+            completion_token_ids=PackedArray.of([5, 6], "<i4"),
+            sampling_logprobs=PackedArray.of([-0.5, -0.75], "<f4"),
+            policy_version=0,
+            reward=reward,
+            status=status,
+        )
         for i, (reward, status) in enumerate([(12.5, "success"), (-40.0, "compile_error")])
     ]
-    batch = RolloutBatch(id="pg", experiment="elsewhere", iteration=0,
-                         prompt_token_ids=PackedArray.of([1, 2, 3, 4], "<i4"), samples=samples,
-                         reward_mode="group_normalized", host_class="x86-avx512")
-    update = WeightUpdate(id="v3", run="elsewhere/r1", version=3, parent_version=2,
-                          uri="file:///nowhere/3", format="full",
-                          checksum="sha256:" + "ab" * 32, base_model="tiny",
-                          groups_trained=4, metrics={"loss": 0.5})
-    reward = RewardRequest(id="pr/1", group_id="pr", index=1,
-                           completion="```c\nvoid f(void) {}\n```", bench=BENCH, client="c1")
-    return {GENERATE_REQUESTS: request, CODE_TO_BENCH: candidate, BENCH_RESULTS: result,
-            ROLLOUT_BATCHES: batch, WEIGHT_UPDATES: update, REWARD_REQUESTS: reward}
+    batch = RolloutBatch(
+        id="pg",
+        experiment="elsewhere",
+        iteration=0,
+        prompt_token_ids=PackedArray.of([1, 2, 3, 4], "<i4"),
+        samples=samples,
+        reward_mode="group_normalized",
+        host_class="x86-avx512",
+    )
+    update = WeightUpdate(
+        id="v3",
+        run="elsewhere/r1",
+        version=3,
+        parent_version=2,
+        uri="file:///nowhere/3",
+        format="full",
+        checksum="sha256:" + "ab" * 32,
+        base_model="tiny",
+        groups_trained=4,
+        metrics={"loss": 0.5},
+    )
+    reward = RewardRequest(
+        id="pr/1",
+        group_id="pr",
+        index=1,
+        completion="```c\nvoid f(void) {}\n```",
+        bench=BENCH,
+        client="c1",
+    )
+    return {
+        GENERATE_REQUESTS: request,
+        CODE_TO_BENCH: candidate,
+        BENCH_RESULTS: result,
+        ROLLOUT_BATCHES: batch,
+        WEIGHT_UPDATES: update,
+        REWARD_REQUESTS: reward,
+    }
 
 
 # --- raw-dict helpers ----------------------------------------------------------------------
@@ -215,9 +283,15 @@ def model_nodes(raw: dict[str, Any], cls: type[BaseModel]) -> list[tuple[Path_, 
             sub, value = submodel(info.annotation), node.get(name)
             if sub is None:
                 continue
-            items = [((*path, name), value)] if isinstance(value, dict) else (
-                [((*path, name, i), v) for i, v in enumerate(value)]
-                if isinstance(value, list) else [])
+            items = (
+                [((*path, name), value)]
+                if isinstance(value, dict)
+                else (
+                    [((*path, name, i), v) for i, v in enumerate(value)]
+                    if isinstance(value, list)
+                    else []
+                )
+            )
             for where, item in items:
                 if isinstance(item, dict):
                     nodes.append((where, sub))
@@ -240,8 +314,11 @@ def leaves(value: Any, path: Path_ = ()) -> Iterator[tuple[Path_, Any]]:
 
 def containers(value: Any, path: Path_ = ()) -> Iterator[Path_]:
     """Paths of every non-root dict and list."""
-    items = value.items() if isinstance(value, dict) else (
-        enumerate(value) if isinstance(value, list) else [])
+    items = (
+        value.items()
+        if isinstance(value, dict)
+        else (enumerate(value) if isinstance(value, list) else [])
+    )
     for key, item in items:
         if isinstance(item, dict | list):
             yield (*path, key)
@@ -249,8 +326,11 @@ def containers(value: Any, path: Path_ = ()) -> Iterator[Path_]:
 
 
 def packed_arrays(raw: dict[str, Any]) -> list[Path_]:
-    return [path for path in containers(raw)
-            if isinstance(get_at(raw, path), dict) and set(get_at(raw, path)) == {"dtype", "data"}]
+    return [
+        path
+        for path in containers(raw)
+        if isinstance(get_at(raw, path), dict) and set(get_at(raw, path)) == {"dtype", "data"}
+    ]
 
 
 def sized_str(build: Callable[[int], bytes], size: int) -> bytes:
@@ -297,9 +377,14 @@ class Ctx:
 
 Mutation = Callable[[random.Random, Ctx], "bytes | Poison"]
 
-SCHEMA_NAMES = {GENERATE_REQUESTS: "generate-request", CODE_TO_BENCH: "candidate",
-                BENCH_RESULTS: "bench-result", ROLLOUT_BATCHES: "rollout-batch",
-                WEIGHT_UPDATES: "weight-update", REWARD_REQUESTS: "reward-request"}
+SCHEMA_NAMES = {
+    GENERATE_REQUESTS: "generate-request",
+    CODE_TO_BENCH: "candidate",
+    BENCH_RESULTS: "bench-result",
+    ROLLOUT_BATCHES: "rollout-batch",
+    WEIGHT_UPDATES: "weight-update",
+    REWARD_REQUESTS: "reward-request",
+}
 
 
 def random_bytes(rng: random.Random, ctx: Ctx) -> bytes:
@@ -308,11 +393,18 @@ def random_bytes(rng: random.Random, ctx: Ctx) -> bytes:
 
 def not_msgpack(rng: random.Random, ctx: Ctx) -> bytes:
     text = json.dumps(ctx.raw, default=lambda b: b.hex())
-    return rng.choice([
-        text.encode(), text.encode("utf-16"), zlib.compress(ctx.body), b"\xc1",
-        b"<candidate id='1'/>", b"hello, queue", ctx.body.hex().encode(),
-        bytes(reversed(ctx.body)),
-    ])
+    return rng.choice(
+        [
+            text.encode(),
+            text.encode("utf-16"),
+            zlib.compress(ctx.body),
+            b"\xc1",
+            b"<candidate id='1'/>",
+            b"hello, queue",
+            ctx.body.hex().encode(),
+            bytes(reversed(ctx.body)),
+        ]
+    )
 
 
 def truncated(rng: random.Random, ctx: Ctx) -> bytes:
@@ -324,11 +416,26 @@ def trailing_bytes(rng: random.Random, ctx: Ctx) -> bytes:
 
 
 def non_map(rng: random.Random, ctx: Ctx) -> bytes:
-    return pack(rng.choice([
-        list(ctx.raw.values()), [ctx.raw], 42, -1, SCHEMA_NAMES[ctx.base] + "/1", None, True,
-        3.14, b"\x00\x01", [], "", msgpack.ExtType(7, b"x"), [ctx.raw, ctx.raw],
-        list(ctx.raw.items()),
-    ]))
+    return pack(
+        rng.choice(
+            [
+                list(ctx.raw.values()),
+                [ctx.raw],
+                42,
+                -1,
+                SCHEMA_NAMES[ctx.base] + "/1",
+                None,
+                True,
+                3.14,
+                b"\x00\x01",
+                [],
+                "",
+                msgpack.ExtType(7, b"x"),
+                [ctx.raw, ctx.raw],
+                list(ctx.raw.items()),
+            ]
+        )
+    )
 
 
 def bad_map_keys(rng: random.Random, ctx: Ctx) -> bytes:
@@ -341,8 +448,9 @@ def bad_map_keys(rng: random.Random, ctx: Ctx) -> bytes:
     if choice == 2:
         return pack({key.encode(): value for key, value in raw.items()})
     if choice == 3:  # bytes keys in a nested object
-        path = rng.choice([p for p in containers(raw)
-                           if isinstance(get_at(raw, p), dict) and get_at(raw, p)])
+        path = rng.choice(
+            [p for p in containers(raw) if isinstance(get_at(raw, p), dict) and get_at(raw, p)]
+        )
         set_at(raw, path, {key.encode(): value for key, value in get_at(raw, path).items()})
         return pack(raw)
     return pack({**raw, "nested": {None: 1}} if rng.random() < 0.5 else {**raw, 1.5: "f"})
@@ -371,8 +479,13 @@ def deep_nesting(rng: random.Random, ctx: Ctx) -> bytes:
 
 def ext_type(rng: random.Random, ctx: Ctx) -> bytes:
     raw = ctx.copy()
-    value = rng.choice([msgpack.ExtType(rng.randrange(128), rng.randbytes(4)),
-                        msgpack.Timestamp(0), msgpack.Timestamp(2**33, 5)])
+    value = rng.choice(
+        [
+            msgpack.ExtType(rng.randrange(128), rng.randbytes(4)),
+            msgpack.Timestamp(0),
+            msgpack.Timestamp(2**33, 5),
+        ]
+    )
     path = rng.choice([("schema",), *(p for p, _ in leaves(raw))])
     set_at(raw, path, value)
     return pack(raw)
@@ -389,14 +502,35 @@ def swapped_tag(rng: random.Random, ctx: Ctx) -> bytes:
 def bad_major(rng: random.Random, ctx: Ctx) -> bytes:
     name = SCHEMA_NAMES[ctx.base]
     # A major no build reads (weight-update is at 2, and still reads 1).
-    tag = rng.choice([
-        f"{name}/{MESSAGE_TYPES[name].SCHEMA_MAJOR + 1}", f"{name}/0", f"{name}/01",
-        f"{name}/1.0", f"{name}/\u00b9",
-        f"{name}/\u0661", f"{name}/\uff11", f"{name}/ 1", f"{name}/1\n", f"{name}/+1",
-        f"{name}/-1", f"{name}/", name, f"{name}/1/1", "/1", f"{name.upper()}/1",
-        f"{name}\x00/1", f"{name}/{'9' * 30}", f"{name}/1e0", f"{name}/0x1",
-        f" {name}/1", f"{name}/\u0967", f"{name}/\U0001d7cf", "unknown/1", "",
-    ])
+    tag = rng.choice(
+        [
+            f"{name}/{MESSAGE_TYPES[name].SCHEMA_MAJOR + 1}",
+            f"{name}/0",
+            f"{name}/01",
+            f"{name}/1.0",
+            f"{name}/\u00b9",
+            f"{name}/\u0661",
+            f"{name}/\uff11",
+            f"{name}/ 1",
+            f"{name}/1\n",
+            f"{name}/+1",
+            f"{name}/-1",
+            f"{name}/",
+            name,
+            f"{name}/1/1",
+            "/1",
+            f"{name.upper()}/1",
+            f"{name}\x00/1",
+            f"{name}/{'9' * 30}",
+            f"{name}/1e0",
+            f"{name}/0x1",
+            f" {name}/1",
+            f"{name}/\u0967",
+            f"{name}/\U0001d7cf",
+            "unknown/1",
+            "",
+        ]
+    )
     return pack({**ctx.raw, "schema": tag})
 
 
@@ -405,9 +539,18 @@ def bad_tag_type(rng: random.Random, ctx: Ctx) -> bytes:
     if rng.random() < 0.2:
         del raw["schema"]
         return pack(raw)
-    raw["schema"] = rng.choice([1, None, [SCHEMA_NAMES[ctx.base], 1],
-                                ctx.message.schema_tag().encode(),
-                                {"name": SCHEMA_NAMES[ctx.base]}, True, 1.0, -(2**63)])
+    raw["schema"] = rng.choice(
+        [
+            1,
+            None,
+            [SCHEMA_NAMES[ctx.base], 1],
+            ctx.message.schema_tag().encode(),
+            {"name": SCHEMA_NAMES[ctx.base]},
+            True,
+            1.0,
+            -(2**63),
+        ]
+    )
     return pack(raw)
 
 
@@ -416,8 +559,11 @@ def missing_key(rng: random.Random, ctx: Ctx) -> bytes:
     options = [((), "schema")]
     for path, model in model_nodes(raw, ctx.cls):
         node = get_at(raw, path)
-        options += [(path, name) for name, info in model.model_fields.items()
-                    if info.is_required() and name in node]
+        options += [
+            (path, name)
+            for name, info in model.model_fields.items()
+            if info.is_required() and name in node
+        ]
     path, name = rng.choice(options)
     del get_at(raw, path)[name]
     return pack(raw)
@@ -427,8 +573,20 @@ def extra_key(rng: random.Random, ctx: Ctx) -> bytes:
     raw = ctx.copy()
     path, model = rng.choice(model_nodes(raw, ctx.cls))
     node = get_at(raw, path)
-    name = rng.choice(["Id", "group-id", "schema_version", "", "\u043a\u043b\u044e\u0447",
-                       "__class__", "x" * 300, f"extra_{rng.randrange(10**6)}", "id ", "dtype2"])
+    name = rng.choice(
+        [
+            "Id",
+            "group-id",
+            "schema_version",
+            "",
+            "\u043a\u043b\u044e\u0447",
+            "__class__",
+            "x" * 300,
+            f"extra_{rng.randrange(10**6)}",
+            "id ",
+            "dtype2",
+        ]
+    )
     assert name not in model.model_fields
     node[name] = rng.choice([1, "v", None, [1], {"a": 1}, b"\x00"])
     return pack(raw)
@@ -455,11 +613,19 @@ def wrong_type(rng: random.Random, ctx: Ctx) -> bytes:
     if rng.random() < 0.3:  # a whole object or list replaced
         path = rng.choice(list(containers(raw)))
         current = get_at(raw, path)
-        set_at(raw, path, rng.choice(["not an object", 5, [current]] if isinstance(current, dict)
-                                     else ["not a list", {"0": 1}, 5]))
+        set_at(
+            raw,
+            path,
+            rng.choice(
+                ["not an object", 5, [current]]
+                if isinstance(current, dict)
+                else ["not a list", {"0": 1}, 5]
+            ),
+        )
         return pack(raw)
-    path, current = rng.choice([(p, v) for p, v in leaves(raw)
-                                if v is not None and p != ("schema",)])
+    path, current = rng.choice(
+        [(p, v) for p, v in leaves(raw) if v is not None and p != ("schema",)]
+    )
     set_at(raw, path, _wrong_for(rng, current))
     return pack(raw)
 
@@ -474,52 +640,109 @@ def non_finite(rng: random.Random, ctx: Ctx) -> bytes:
 
 OUT_OF_BOUNDS: dict[str, list[tuple[Path_, Any]]] = {
     GENERATE_REQUESTS: [
-        (("group_size",), 0), (("group_size",), 1025), (("group_size",), -1),
-        (("iteration",), -1), (("sampling", "temperature"), 10.5),
-        (("sampling", "temperature"), -0.1), (("sampling", "top_p"), 0.0),
-        (("sampling", "top_p"), 1.5), (("sampling", "max_tokens"), 0),
-        (("sampling", "max_tokens"), 65_537), (("bench", "stage"), 0), (("bench", "stage"), 7),
-        (("prompt",), []), (("id",), ""), (("id",), "has space"), (("id",), "x" * 257),
-        (("id",), "\u00fc"), (("experiment",), "x" * 257), (("mode",), "yolo"),
-        (("bench", "opt_level"), "O4"), (("prompt", 0, "role"), "tool"),
-        (("created_at",), -1.0), (("min_policy_version",), -1), (("parent_id",), "a b"),
-        (("bench", "task"), ""), (("sampling", "max_tokens"), 2**63 - 1),
+        (("group_size",), 0),
+        (("group_size",), 1025),
+        (("group_size",), -1),
+        (("iteration",), -1),
+        (("sampling", "temperature"), 10.5),
+        (("sampling", "temperature"), -0.1),
+        (("sampling", "top_p"), 0.0),
+        (("sampling", "top_p"), 1.5),
+        (("sampling", "max_tokens"), 0),
+        (("sampling", "max_tokens"), 65_537),
+        (("bench", "stage"), 0),
+        (("bench", "stage"), 7),
+        (("prompt",), []),
+        (("id",), ""),
+        (("id",), "has space"),
+        (("id",), "x" * 257),
+        (("id",), "\u00fc"),
+        (("experiment",), "x" * 257),
+        (("mode",), "yolo"),
+        (("bench", "opt_level"), "O4"),
+        (("prompt", 0, "role"), "tool"),
+        (("created_at",), -1.0),
+        (("min_policy_version",), -1),
+        (("parent_id",), "a b"),
+        (("bench", "task"), ""),
+        (("sampling", "max_tokens"), 2**63 - 1),
     ],
     CODE_TO_BENCH: [
-        (("index",), -1), (("index",), 1024), (("id",), "pg/9"), (("id",), "other/1"),
-        (("group_id",), "has space"), (("bench", "task"), ""), (("bench", "stage"), 7),
-        (("rollout", "policy_version"), -1), (("generator",), "x" * 257),
-        (("created_at",), -5.0), (("rollout", "finish_reason"), "x" * 257),
+        (("index",), -1),
+        (("index",), 1024),
+        (("id",), "pg/9"),
+        (("id",), "other/1"),
+        (("group_id",), "has space"),
+        (("bench", "task"), ""),
+        (("bench", "stage"), 7),
+        (("rollout", "policy_version"), -1),
+        (("generator",), "x" * 257),
+        (("created_at",), -5.0),
+        (("rollout", "finish_reason"), "x" * 257),
         (("bench", "task"), "t" * 257),
     ],
     BENCH_RESULTS: [
-        (("reward",), 1e7), (("reward",), 13.0), (("reward",), -1e9), (("gflops",), 2e6),
-        (("gflops",), 3000.0), (("gflops",), -1.0), (("status",), "ok"),
-        (("status",), "compile_error"), (("timing", "runs_s"), []),
-        (("timing", "runs_s"), [0.0]), (("timing", "runs_s"), [-1.0]),
-        (("timing", "cv"), -1.0), (("timing", "attempts"), 0), (("timing", "attempts"), 101),
-        (("host", "cores"), 0), (("host", "peak_gflops"), 0.0),
-        (("host", "peak_gflops"), 2e6), (("index",), 1024), (("durations_s",), {"x": -1.0}),
-        (("error",), "e" * 64_001), (("timing", "mean_s"), 0.0),
+        (("reward",), 1e7),
+        (("reward",), 13.0),
+        (("reward",), -1e9),
+        (("gflops",), 2e6),
+        (("gflops",), 3000.0),
+        (("gflops",), -1.0),
+        (("status",), "ok"),
+        (("status",), "compile_error"),
+        (("timing", "runs_s"), []),
+        (("timing", "runs_s"), [0.0]),
+        (("timing", "runs_s"), [-1.0]),
+        (("timing", "cv"), -1.0),
+        (("timing", "attempts"), 0),
+        (("timing", "attempts"), 101),
+        (("host", "cores"), 0),
+        (("host", "peak_gflops"), 0.0),
+        (("host", "peak_gflops"), 2e6),
+        (("index",), 1024),
+        (("durations_s",), {"x": -1.0}),
+        (("error",), "e" * 64_001),
+        (("timing", "mean_s"), 0.0),
     ],
     ROLLOUT_BATCHES: [
-        (("samples",), []), (("samples", 0, "reward"), 2e6), (("samples", 1, "reward"), -2e6),
-        (("samples", 0, "status"), "meh"), (("reward_mode",), "other"),
-        (("iteration",), -1), (("samples", 0, "policy_version"), -1),
-        (("samples", 0, "candidate_id"), ""), (("experiment",), "x" * 257),
+        (("samples",), []),
+        (("samples", 0, "reward"), 2e6),
+        (("samples", 1, "reward"), -2e6),
+        (("samples", 0, "status"), "meh"),
+        (("reward_mode",), "other"),
+        (("iteration",), -1),
+        (("samples", 0, "policy_version"), -1),
+        (("samples", 0, "candidate_id"), ""),
+        (("experiment",), "x" * 257),
         (("host_class",), "h" * 257),
     ],
     WEIGHT_UPDATES: [
-        (("version",), 0), (("version",), 2**31), (("version",), -1), (("parent_version",), 3),
-        (("parent_version",), 9), (("parent_version",), -1), (("checksum",), "sha256:xyz"),
-        (("checksum",), "md5:" + "a" * 32), (("checksum",), "sha256:" + "AB" * 32),
-        (("format",), "delta"), (("uri",), ""), (("uri",), "u" * 4097), (("run",), "r" * 257),
-        (("metrics",), {"loss": "high"}), (("id",), "v 3"),
+        (("version",), 0),
+        (("version",), 2**31),
+        (("version",), -1),
+        (("parent_version",), 3),
+        (("parent_version",), 9),
+        (("parent_version",), -1),
+        (("checksum",), "sha256:xyz"),
+        (("checksum",), "md5:" + "a" * 32),
+        (("checksum",), "sha256:" + "AB" * 32),
+        (("format",), "delta"),
+        (("uri",), ""),
+        (("uri",), "u" * 4097),
+        (("run",), "r" * 257),
+        (("metrics",), {"loss": "high"}),
+        (("id",), "v 3"),
     ],
     REWARD_REQUESTS: [
-        (("index",), -1), (("index",), 1024), (("id",), "pr/9"), (("group_id",), "has space"),
-        (("bench", "task"), ""), (("bench", "stage"), 0), (("client",), "has space"),
-        (("client",), "c" * 300), (("created_at",), -5.0),
+        (("index",), -1),
+        (("index",), 1024),
+        (("id",), "pr/9"),
+        (("group_id",), "has space"),
+        (("bench", "task"), ""),
+        (("bench", "stage"), 0),
+        (("client",), "has space"),
+        (("client",), "c" * 300),
+        (("created_at",), -5.0),
     ],
 }
 
@@ -565,12 +788,20 @@ def oversized_body(rng: random.Random, ctx: Ctx) -> bytes:
     if choice == 0:
         return rng.randbytes(MAX_BYTES + rng.randint(1, 5000))
     if choice == 1:  # exactly one byte over the limit, otherwise a fine message
-        path = rng.choice([p for p, v in leaves(raw) if isinstance(v, str) and p != ("schema",)
-                           and p[-1] not in ("id", "group_id", "candidate_id", "checksum")])
+        path = rng.choice(
+            [
+                p
+                for p, v in leaves(raw)
+                if isinstance(v, str)
+                and p != ("schema",)
+                and p[-1] not in ("id", "group_id", "candidate_id", "checksum")
+            ]
+        )
 
         def build(n: int) -> bytes:
             set_at(raw, path, "A" * n)
             return pack(raw)
+
         return sized_str(build, MAX_BYTES + 1)
     if choice == 2:
         return pack(list(range(100)) * 800)
@@ -624,8 +855,9 @@ def handler_reject(rng: random.Random, ctx: Ctx) -> Poison:
     elif ctx.base in (CODE_TO_BENCH, REWARD_REQUESTS):
         group = f"unknown-task-{n}"
         raw.update(id=f"{group}/1", group_id=group)
-        raw["bench"]["task"] = rng.choice(["no-such-task", "/etc/passwd", "../matmul",
-                                           "matmul.toml", "MATMUL"])
+        raw["bench"]["task"] = rng.choice(
+            ["no-such-task", "/etc/passwd", "../matmul", "matmul.toml", "MATMUL"]
+        )
         kind = "unknown_task"
     elif ctx.base == BENCH_RESULTS:
         group = f"no-such-group-{n}"
@@ -639,21 +871,24 @@ def handler_reject(rng: random.Random, ctx: Ctx) -> Poison:
         choice = rng.randrange(5)
         if choice == 0:
             raw["samples"][0]["completion_token_ids"]["data"] = PackedArray.of(
-                [5, 1_000_000], "<i4").data
+                [5, 1_000_000], "<i4"
+            ).data
             kind = "token_outside_vocabulary"
         elif choice == 1:
             raw["prompt_token_ids"]["data"] = PackedArray.of([1, -3, 2], "<i4").data
             kind = "negative_token_id"
         elif choice == 2:
             raw["samples"][1]["sampling_logprobs"]["data"] = PackedArray.of(
-                [math.nan, -0.5], "<f4").data
+                [math.nan, -0.5], "<f4"
+            ).data
             kind = "nan_sampling_logprobs"
         elif choice == 3:
             raw["prompt_token_ids"]["data"] = b""
             kind = "empty_prompt"
         else:
-            raw["prompt_token_ids"]["data"] = PackedArray.of([3] * (MAX_SEQUENCE_TOKENS + 10),
-                                                             "<i4").data
+            raw["prompt_token_ids"]["data"] = PackedArray.of(
+                [3] * (MAX_SEQUENCE_TOKENS + 10), "<i4"
+            ).data
             kind = "sequence_too_long"
     body = pack(raw)
     message = decode(body, ctx.cls, max_bytes=MAX_BYTES)  # valid as a message
@@ -661,14 +896,28 @@ def handler_reject(rng: random.Random, ctx: Ctx) -> Poison:
 
 
 MUTATIONS: dict[str, Mutation] = {
-    "random_bytes": random_bytes, "not_msgpack": not_msgpack, "truncated": truncated,
-    "trailing_bytes": trailing_bytes, "non_map": non_map, "bad_map_keys": bad_map_keys,
-    "invalid_utf8": invalid_utf8, "deep_nesting": deep_nesting, "ext_type": ext_type,
-    "wrong_schema": wrong_schema, "swapped_tag": swapped_tag, "bad_major": bad_major,
-    "bad_tag_type": bad_tag_type, "missing_key": missing_key, "extra_key": extra_key,
-    "wrong_type": wrong_type, "non_finite": non_finite, "out_of_bounds": out_of_bounds,
-    "bad_packed_array": bad_packed_array, "oversized_body": oversized_body,
-    "oversized_array": oversized_array, "handler_reject": handler_reject,
+    "random_bytes": random_bytes,
+    "not_msgpack": not_msgpack,
+    "truncated": truncated,
+    "trailing_bytes": trailing_bytes,
+    "non_map": non_map,
+    "bad_map_keys": bad_map_keys,
+    "invalid_utf8": invalid_utf8,
+    "deep_nesting": deep_nesting,
+    "ext_type": ext_type,
+    "wrong_schema": wrong_schema,
+    "swapped_tag": swapped_tag,
+    "bad_major": bad_major,
+    "bad_tag_type": bad_tag_type,
+    "missing_key": missing_key,
+    "extra_key": extra_key,
+    "wrong_type": wrong_type,
+    "non_finite": non_finite,
+    "out_of_bounds": out_of_bounds,
+    "bad_packed_array": bad_packed_array,
+    "oversized_body": oversized_body,
+    "oversized_array": oversized_array,
+    "handler_reject": handler_reject,
 }
 # What the reason must say, for kinds with one certain cause.
 REASON_PREFIXES: dict[str, tuple[str, ...]] = {
@@ -682,15 +931,26 @@ REASON_PREFIXES: dict[str, tuple[str, ...]] = {
 }
 
 WEIRD_HEADERS: list[dict[str, Any]] = [
-    {"x-delivery-count": "3"}, {"x-delivery-count": ["a", 1]}, {"x-delivery-count": 2**62},
-    {"x-delivery-count": -7}, {"x-delivery-count": True}, {"x-delivery-count": {"n": 1}},
-    {"x-delivery-count": None}, {"x-delivery-count": Decimal("2.5")},
-    {"x-delivery-count": b"\x02"}, {"x-delivery-count": 2}, {"x-delivery-count": 999_999_999},
+    {"x-delivery-count": "3"},
+    {"x-delivery-count": ["a", 1]},
+    {"x-delivery-count": 2**62},
+    {"x-delivery-count": -7},
+    {"x-delivery-count": True},
+    {"x-delivery-count": {"n": 1}},
+    {"x-delivery-count": None},
+    {"x-delivery-count": Decimal("2.5")},
+    {"x-delivery-count": b"\x02"},
+    {"x-delivery-count": 2},
+    {"x-delivery-count": 999_999_999},
     {"x-hpcrl-reason": "forged reason", "x-hpcrl-source-queue": "elsewhere"},
-    {"x-death": "not a list"}, {"x-death": [{"count": "x"}]},
+    {"x-death": "not a list"},
+    {"x-death": [{"count": "x"}]},
     {"\u043a\u043b\u044e\u0447": "\u0437\u043d\u0430\u0447\u0435\u043d\u0438\u0435"},
-    {"k" * 255: "v" * 5000}, {"nested": {"a": [1, {"b": None}], "c": {"d": {"e": []}}}},
-    {"when": datetime(1970, 1, 1)}, {"bin": bytes(range(256))}, {"": "empty name"},
+    {"k" * 255: "v" * 5000},
+    {"nested": {"a": [1, {"b": None}], "c": {"d": {"e": []}}}},
+    {"when": datetime(1970, 1, 1)},
+    {"bin": bytes(range(256))},
+    {"": "empty name"},
 ]
 DECODE_ONLY_HEADERS = ("x-death",)  # the broker itself reads these when it dead-letters
 
@@ -704,11 +964,13 @@ def header_table(entries: list[tuple[bytes, bytes]]) -> bytes:
 def float_table(rng: random.Random) -> bytes:
     """Double and float header values, which pika reads as truncated integers and cannot write
     (finite ones: RabbitMQ closes the publisher's channel on a NaN or infinite header value)."""
-    return header_table([
-        (b"x-delivery-count", b"d" + struct.pack(">d", rng.choice([1.0, 2.5, -3.75]))),
-        (b"weight", b"f" + struct.pack(">f", rng.choice([3.0, -0.5, 1e9]))),
-        (b"ok", b"S" + struct.pack(">I", 3) + b"yes"),
-    ])
+    return header_table(
+        [
+            (b"x-delivery-count", b"d" + struct.pack(">d", rng.choice([1.0, 2.5, -3.75]))),
+            (b"weight", b"f" + struct.pack(">f", rng.choice([3.0, -0.5, 1e9]))),
+            (b"ok", b"S" + struct.pack(">I", 3) + b"yes"),
+        ]
+    )
 
 
 class RawHeaderProperties(pika.BasicProperties):
@@ -738,9 +1000,14 @@ def make_poison(rng: random.Random) -> list[Poison]:
     poison: list[Poison] = []
     for base, message in messages.items():
         count = PER_FANOUT if base == WEIGHT_UPDATES else PER_WORK_QUEUE
-        ctx = Ctx(base, message, msgpack.unpackb(encoded[base], raw=False), encoded[base],
-                  [body for b, body in encoded.items() if b != base],
-                  [m.schema_tag() for b, m in messages.items() if b != base])
+        ctx = Ctx(
+            base,
+            message,
+            msgpack.unpackb(encoded[base], raw=False),
+            encoded[base],
+            [body for b, body in encoded.items() if b != base],
+            [m.schema_tag() for b, m in messages.items() if b != base],
+        )
         kinds = [k for k in MUTATIONS if not (k == "handler_reject" and base == WEIGHT_UPDATES)]
         for index in range(count):
             kind = kinds[index % len(kinds)]
@@ -770,8 +1037,9 @@ def check_is_poison(item: Poison) -> None:
     except MessageError as exc:
         assert exc.reason
         return
-    raise AssertionError(f"{item.kind} poison on {item.base} decodes as a valid message: "
-                         f"{message!r:.300}")
+    raise AssertionError(
+        f"{item.kind} poison on {item.base} decodes as a valid message: {message!r:.300}"
+    )
 
 
 # --- the fleet -------------------------------------------------------------------------------
@@ -795,10 +1063,19 @@ def sha(body: bytes) -> str:
     return hashlib.sha256(body).hexdigest()
 
 
-REASON_KINDS = ("oversized message", "not valid msgpack", "not one msgpack object",
-                "message must be a msgpack map", "missing field 'schema'",
-                "field 'schema' must be", "unknown schema name", "unsupported major version",
-                "unexpected schema", "rejected by handler", "handler failed")
+REASON_KINDS = (
+    "oversized message",
+    "not valid msgpack",
+    "not one msgpack object",
+    "message must be a msgpack map",
+    "missing field 'schema'",
+    "field 'schema' must be",
+    "unknown schema name",
+    "unsupported major version",
+    "unexpected schema",
+    "rejected by handler",
+    "handler failed",
+)
 
 
 def reason_category(reason: str) -> str:
@@ -1169,8 +1446,7 @@ def test_poison_at_volume_is_dead_lettered_and_the_fleet_keeps_serving(
     print("timings: " + ", ".join(f"{k} {v:.1f} s" for k, v in timings.items()))
 
 
-def test_headers_pika_cannot_carry_are_dead_lettered_with_a_reason(broker_settings,
-                                                                     raw_channel):
+def test_headers_pika_cannot_carry_are_dead_lettered_with_a_reason(broker_settings, raw_channel):
     """Header values that RabbitMQ takes but pika cannot carry, on bodies that are poison
     anyway: a double beyond the int64 range (pika reads floats as integers, and cannot write
     that one back into the dead letter's headers) and a timestamp beyond datetime's range
@@ -1179,8 +1455,7 @@ def test_headers_pika_cannot_carry_are_dead_lettered_with_a_reason(broker_settin
     topology = Topology(broker_settings.namespace, broker_settings.delivery_limit)
     consumer = Consumer(broker_settings, "poison-headers")
     handled: list[str] = []
-    consumer.subscribe(CODE_TO_BENCH, lambda message, _delivery: handled.append(message.id)
-                       or [])
+    consumer.subscribe(CODE_TO_BENCH, lambda message, _delivery: handled.append(message.id) or [])
     valid = valid_messages()[CODE_TO_BENCH]
     tables = {
         "huge double": header_table([(b"x-delivery-count", b"d" + struct.pack(">d", 1e30))]),
@@ -1191,17 +1466,29 @@ def test_headers_pika_cannot_carry_are_dead_lettered_with_a_reason(broker_settin
     running = RunningConsumer(consumer)
     with running:
         for name, table in tables.items():
-            raw_channel.basic_publish(exchange, queue, name.encode(),
-                                      properties=RawHeaderProperties(table, message_id=name),
-                                      mandatory=True)
+            raw_channel.basic_publish(
+                exchange,
+                queue,
+                name.encode(),
+                properties=RawHeaderProperties(table, message_id=name),
+                mandatory=True,
+            )
         raw_channel.basic_publish(exchange, queue, encode(valid), mandatory=True)
         dlq = topology.dlq(CODE_TO_BENCH)
-        wait_for(lambda: handled == [valid.id] and raw_channel.queue_declare(
-            dlq, passive=True).method.message_count == len(tables), 30,
+        wait_for(
+            lambda: (
+                handled == [valid.id]
+                and raw_channel.queue_declare(dlq, passive=True).method.message_count == len(tables)
+            ),
+            30,
             "the valid message handled and every poison message dead-lettered",
-            lambda: {"handled": handled, "connections": consumer.connections,
-                     "alive": running.thread.is_alive(),
-                     "dlq": raw_channel.queue_declare(dlq, passive=True).method.message_count})
+            lambda: {
+                "handled": handled,
+                "connections": consumer.connections,
+                "alive": running.thread.is_alive(),
+                "dlq": raw_channel.queue_declare(dlq, passive=True).method.message_count,
+            },
+        )
         reasons = {}
         for _ in tables:
             method, properties, body = raw_channel.basic_get(dlq, auto_ack=True)

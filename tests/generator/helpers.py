@@ -42,12 +42,15 @@ void matmul_optimized(double *A, double *B, double *C, int M, int N, int K) {
 # several of vLLM's prefix-cache blocks (431 tokens with the tiny models' tokenizer).
 LONG_PROMPT = [
     ChatMessage(role="system", content="You are an expert HPC programmer."),
-    ChatMessage(role="user", content=(
-        "Write a faster matrix multiplication kernel in C. Use register blocking.\n"
-        "Improve the program below; keep its signature and its results.\n\n"
-        f"```c\n{PARENT_PROGRAM}```\n"
-        "It assumes N is a multiple of 8 and runs at 41.3 GFLOP/s for M = N = K = 1024.\n"
-    )),
+    ChatMessage(
+        role="user",
+        content=(
+            "Write a faster matrix multiplication kernel in C. Use register blocking.\n"
+            "Improve the program below; keep its signature and its results.\n\n"
+            f"```c\n{PARENT_PROGRAM}```\n"
+            "It assumes N is a multiple of 8 and runs at 41.3 GFLOP/s for M = N = K = 1024.\n"
+        ),
+    ),
 ]
 
 
@@ -94,8 +97,9 @@ def save_lora_adapter(base: Path, out: Path, seed: int) -> Path:
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
-                        init_lora_weights=False)
+    config = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False
+    )
     get_peft_model(model, config).save_pretrained(out)
     return out
 
@@ -106,7 +110,8 @@ def assert_same_samples(got: Sequence[Sample], want: Sequence[Sample], tol: floa
     assert got_ids == want_ids, f"token ids {got_ids} != {want_ids}"
     for mine, theirs in zip(got, want, strict=True):
         assert mine.logprobs == pytest.approx(theirs.logprobs, abs=tol), (
-            f"log-probs {mine.logprobs} != {theirs.logprobs}")
+            f"log-probs {mine.logprobs} != {theirs.logprobs}"
+        )
 
 
 def tokens(candidate: Candidate) -> list[int]:

@@ -16,8 +16,9 @@ from hpcrl_generator.prompt import render_prompt
 
 from .helpers import PROMPT
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
-                                reason="needs a CUDA GPU (none visible on this machine)")
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible on this machine)"
+)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 
@@ -32,8 +33,11 @@ def test_gpu_sampling_logprobs_match_a_forward_pass(tiny_models):
         tokens = torch.tensor([ids + sample.token_ids], device="cuda")
         with torch.no_grad():
             logits = sampler.model(tokens).logits[0, len(ids) - 1 : -1].float()
-        expected = torch.log_softmax(logits, dim=-1).gather(
-            -1, torch.tensor(sample.token_ids, device="cuda")[:, None]).squeeze(-1)
+        expected = (
+            torch.log_softmax(logits, dim=-1)
+            .gather(-1, torch.tensor(sample.token_ids, device="cuda")[:, None])
+            .squeeze(-1)
+        )
         assert sample.logprobs == pytest.approx(expected.tolist(), abs=1e-4)
 
 

@@ -93,8 +93,10 @@ def test_a_tokenizer_without_a_chat_template_is_refused(tiny_models):
 
 def test_candidates_carry_rollout_data_with_stable_ids_and_packed_dtypes():
     req = request("grp-1", group_size=2)
-    samples = [Sample([5, 6, 2], [-0.5, -1.25, -0.125], "stop", "abc"),
-               Sample([7], [-2.0], "length", "d")]
+    samples = [
+        Sample([5, 6, 2], [-0.5, -1.25, -0.125], "stop", "abc"),
+        Sample([7], [-2.0], "length", "d"),
+    ]
     out = build_candidates(req, [1, 2, 3], samples, policy_version=4, generator="gen-a")
     assert [c.id for c in out] == [candidate_id("grp-1", 0), candidate_id("grp-1", 1)]
     first = decode(encode(out[0]))  # survives the wire
@@ -200,8 +202,10 @@ def test_an_announcement_is_resolved_only_through_this_replicas_store(tiny_model
 
 def test_config_defaults_env_overrides_and_a_missing_model(tmp_path):
     path = tmp_path / "exp.toml"
-    path.write_text('[generator]\nmodel_path = "/models/qwen"\nbackend = "transformers"\n'
-                    '[learner]\nmodel_path = "/models/qwen"\nlr = 1e-6\n')
+    path.write_text(
+        '[generator]\nmodel_path = "/models/qwen"\nbackend = "transformers"\n'
+        '[learner]\nmodel_path = "/models/qwen"\nlr = 1e-6\n'
+    )
     config = load_config(GeneratorConfig, path, env={"HPCRL__GENERATOR__MAX_MODEL_LEN": "2048"})
     section = config.generator
     assert section.metrics_port == 9101 and section.backend == "transformers"

@@ -24,15 +24,24 @@ from .loop import run_weight_loop
 
 def greedy_tokens(model_dir) -> list[int]:
     fresh = TransformersSampler(model_dir)
-    generator = Generator(fresh, GeneratorSection(model_path=model_dir, backend="transformers"),
-                          Topology("x"), replica="ref")
+    generator = Generator(
+        fresh,
+        GeneratorSection(model_path=model_dir, backend="transformers"),
+        Topology("x"),
+        replica="ref",
+    )
     (candidate, *_) = [p.message for p in generator.on_request(request("ref"), None)]
     return tokens(candidate)
 
 
 def make(models, store_root=None, **overrides) -> Generator:
-    section = GeneratorSection(model_path=models["v0"], checkpoint_dir=store_root,
-                               backend="transformers", version_poll_s=0.1, **overrides)
+    section = GeneratorSection(
+        model_path=models["v0"],
+        checkpoint_dir=store_root,
+        backend="transformers",
+        version_poll_s=0.1,
+        **overrides,
+    )
     sampler = TransformersSampler(models["v0"], max_model_len=section.max_model_len)
     return Generator(sampler, section, Topology("t"), replica="r1")
 
@@ -40,8 +49,14 @@ def make(models, store_root=None, **overrides) -> Generator:
 @pytest.mark.broker
 @pytest.mark.slow
 def test_weight_loop_over_rabbitmq(tiny_models, broker_settings, raw_channel, tmp_path):
-    run_weight_loop(TransformersSampler(tiny_models["v0"]), tiny_models, broker_settings,
-                    raw_channel, tmp_path / "store", greedy_tokens(tiny_models["v1"]))
+    run_weight_loop(
+        TransformersSampler(tiny_models["v0"]),
+        tiny_models,
+        broker_settings,
+        raw_channel,
+        tmp_path / "store",
+        greedy_tokens(tiny_models["v1"]),
+    )
 
 
 def test_a_late_replica_starts_from_the_newest_valid_version(tiny_models, tmp_path):
@@ -174,10 +189,12 @@ def test_requests_waiting_for_the_engine_are_sampled_together(tiny_models, tmp_p
 
 
 def test_a_request_whose_floor_is_not_met_does_not_join_a_call(tiny_models, tmp_path):
-    generator = make(tiny_models, tmp_path, max_batch_groups=4, poll_manifest=False,
-                     version_wait_s=0.5)
+    generator = make(
+        tiny_models, tmp_path, max_batch_groups=4, poll_manifest=False, version_wait_s=0.5
+    )
     calls, outcomes = queue_behind_the_engine(
-        generator, [request("now"), request("later", floor=1)])
+        generator, [request("now"), request("later", floor=1)]
+    )
     assert calls == [1]
     assert outcomes["now"][0].rollout.policy_version == 0
     assert isinstance(outcomes["later"], VersionNotReady)
@@ -187,7 +204,8 @@ def test_one_bad_request_in_a_call_is_rejected_alone(tiny_models):
     generator = make(tiny_models, max_model_len=80, max_batch_groups=4)
     long = [ChatMessage(role="user", content="register blocking " * 40)]
     calls, outcomes = queue_behind_the_engine(
-        generator, [request("long", prompt=long), request("short")])
+        generator, [request("long", prompt=long), request("short")]
+    )
     assert calls == [1]
     assert isinstance(outcomes["long"], Reject)
     assert len(outcomes["short"]) == 2

@@ -90,8 +90,15 @@ def test_a_lora_version_matches_the_merged_model(tiny_models, tmp_path):
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(tiny_models["v0"], dtype=torch.float32)
-    peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj",
-                                                 "v_proj", "down_proj"], init_lora_weights=False))
+    peft_model = get_peft_model(
+        base,
+        LoraConfig(
+            r=4,
+            lora_alpha=8,
+            target_modules=["q_proj", "v_proj", "down_proj"],
+            init_lora_weights=False,
+        ),
+    )
     peft_model.save_pretrained(tmp_path / "adapter")
     merged = peft_model.merge_and_unload()
 

@@ -44,8 +44,14 @@ MAX_MODEL_LEN = 1024  # LONG_PROMPT spans several prefix-cache blocks, plus a co
 def start_engine(model: Path, **lora: bool | int) -> VLLMSampler:
     from hpcrl_generator.backends.vllm import VLLMSampler
 
-    return VLLMSampler(model, dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=8,
-                       kv_cache_space_gib=1, **lora)
+    return VLLMSampler(
+        model,
+        dtype="float32",
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=8,
+        kv_cache_space_gib=1,
+        **lora,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -86,28 +92,35 @@ def test_sampled_logprobs_are_the_raw_distributions(engine, reference):
 def test_groups_sampled_in_one_call_are_what_each_gets_alone(engine):
     """Batching across groups changes neither a group's samples nor their log-probs."""
     short, long = (render_prompt(engine.tokenizer, p) for p in (PROMPT, LONG_PROMPT))
-    jobs = [GroupJob(short, 3, GREEDY), GroupJob(long, 4, SAMPLED),
-            GroupJob(short, 2, SAMPLED.model_copy(update={"seed": 9, "max_tokens": 6}))]
+    jobs = [
+        GroupJob(short, 3, GREEDY),
+        GroupJob(long, 4, SAMPLED),
+        GroupJob(short, 2, SAMPLED.model_copy(update={"seed": 9, "max_tokens": 6})),
+    ]
     together = engine.generate_groups(jobs)
     assert [len(group) for group in together] == [3, 4, 2]
     assert all(len(s.token_ids) <= 6 for s in together[2])
     for job, group in zip(jobs, together, strict=True):
-        assert_same_samples(group, engine.generate(job.prompt_token_ids, job.n, job.sampling),
-                            tol=1e-3)
+        assert_same_samples(
+            group, engine.generate(job.prompt_token_ids, job.n, job.sampling), tol=1e-3
+        )
 
 
 def test_seeded_groups_longer_than_a_default_step_budget_are_sampled_together(engine):
     """Seeded groups whose prompts overflow vLLM's default step budget (4,096 tokens on CPU):
     a prompt prefilled in chunks rewinds its request's generator, which a CPU generator
     cannot do, and the engine died. The CPU budget holds every sequence's whole context."""
-    ids = render_prompt(engine.tokenizer, [LONG_PROMPT[0], LONG_PROMPT[1].model_copy(
-        update={"content": LONG_PROMPT[1].content * 2})])
+    ids = render_prompt(
+        engine.tokenizer,
+        [LONG_PROMPT[0], LONG_PROMPT[1].model_copy(update={"content": LONG_PROMPT[1].content * 2})],
+    )
     jobs = [GroupJob(ids, 4, SAMPLED.model_copy(update={"seed": seed})) for seed in (1, 2)]
     assert sum(job.n for job in jobs) * len(ids) > 4096 and len(ids) + 10 <= MAX_MODEL_LEN
     together = engine.generate_groups(jobs)
     for job, group in zip(jobs, together, strict=True):
-        assert_same_samples(group, engine.generate(job.prompt_token_ids, job.n, job.sampling),
-                            tol=1e-3)
+        assert_same_samples(
+            group, engine.generate(job.prompt_token_ids, job.n, job.sampling), tol=1e-3
+        )
 
 
 def test_hot_reload_equals_a_fresh_load_and_keeps_tied_embeddings_tied(
@@ -133,8 +146,9 @@ def test_a_checkpoint_of_another_shape_is_refused_and_the_engine_lives(
 ):
     store = CheckpointStore(tmp_path)
     info = commit_version(store, tiny_models["wide"], 1)
-    section = GeneratorSection(model_path=tiny_models["v0"], checkpoint_dir=tmp_path,
-                               poll_manifest=False)
+    section = GeneratorSection(
+        model_path=tiny_models["v0"], checkpoint_dir=tmp_path, poll_manifest=False
+    )
     generator = Generator(engine, section, Topology("t"), replica="r")
     update: WeightUpdate = info.weight_update(store.root, run=f"exp/{store.run_id}")
     generator.on_weight_update(update, None)
@@ -152,7 +166,8 @@ def long_prompt_ids(engine: VLLMSampler) -> list[int]:
     ids = render_prompt(engine.tokenizer, LONG_PROMPT)
     assert cache.enable_prefix_caching
     assert len(ids) // cache.block_size >= 3 and len(ids) % cache.block_size, (
-        f"{len(ids)} prompt tokens, blocks of {cache.block_size}")
+        f"{len(ids)} prompt tokens, blocks of {cache.block_size}"
+    )
     return ids
 
 
@@ -161,11 +176,20 @@ def sampled_past_the_cache(engine: VLLMSampler, ids: list[int], n: int) -> list[
     so it is computed from the loaded weights alone, as a freshly started engine would."""
     from vllm import SamplingParams as VLLMSamplingParams
 
-    params = VLLMSamplingParams(n=n, temperature=SAMPLED.temperature, top_p=SAMPLED.top_p,
-                                max_tokens=SAMPLED.max_tokens, seed=SAMPLED.seed, logprobs=0)
+    params = VLLMSamplingParams(
+        n=n,
+        temperature=SAMPLED.temperature,
+        top_p=SAMPLED.top_p,
+        max_tokens=SAMPLED.max_tokens,
+        seed=SAMPLED.seed,
+        logprobs=0,
+    )
     (output,) = engine.llm.generate(
-        [{"prompt_token_ids": ids, "cache_salt": uuid.uuid4().hex}], params, use_tqdm=False,
-        lora_request=engine._lora)
+        [{"prompt_token_ids": ids, "cache_salt": uuid.uuid4().hex}],
+        params,
+        use_tqdm=False,
+        lora_request=engine._lora,
+    )
     return [list(completion.token_ids) for completion in output.outputs]
 
 
@@ -179,7 +203,8 @@ def assert_equals_a_fresh_load(
     assert [s.token_ids for s in sampled] == sampled_past_the_cache(engine, ids, 3)
     for sample in sampled:
         assert sample.logprobs == pytest.approx(
-            teacher_forced_logprobs(fresh.model, ids, sample.token_ids), abs=1e-4)
+            teacher_forced_logprobs(fresh.model, ids, sample.token_ids), abs=1e-4
+        )
 
 
 def test_a_reload_never_reuses_the_old_versions_prefix_cache(engine, reference, tiny_models):
@@ -223,14 +248,25 @@ def rollout_batch(group: list[Candidate]) -> RolloutBatch:
     for candidate in group:
         rollout = candidate.rollout
         assert rollout is not None
-        samples.append(RolloutSample(
-            candidate_id=candidate.id, completion_token_ids=rollout.completion_token_ids,
-            sampling_logprobs=rollout.sampling_logprobs, policy_version=rollout.policy_version,
-            reward=float(candidate.index), status="success"))
+        samples.append(
+            RolloutSample(
+                candidate_id=candidate.id,
+                completion_token_ids=rollout.completion_token_ids,
+                sampling_logprobs=rollout.sampling_logprobs,
+                policy_version=rollout.policy_version,
+                reward=float(candidate.index),
+                status="success",
+            )
+        )
     assert group[0].rollout is not None
-    return RolloutBatch(id=group[0].group_id, experiment="test", iteration=0,
-                        prompt_token_ids=group[0].rollout.prompt_token_ids, samples=samples,
-                        reward_mode="raw")
+    return RolloutBatch(
+        id=group[0].group_id,
+        experiment="test",
+        iteration=0,
+        prompt_token_ids=group[0].rollout.prompt_token_ids,
+        samples=samples,
+        reward_mode="raw",
+    )
 
 
 def by_group(candidates: list[Candidate]) -> list[list[Candidate]]:
@@ -240,8 +276,9 @@ def by_group(candidates: list[Candidate]) -> list[list[Candidate]]:
     return list(groups.values())
 
 
-def learner_view(candidates: list[Candidate], policy: Path, autocast: str = "off"
-                 ) -> tuple[float, np.ndarray]:
+def learner_view(
+    candidates: list[Candidate], policy: Path, autocast: str = "off"
+) -> tuple[float, np.ndarray]:
     """What the learner makes of ``candidates`` on ``policy``: its step metric ``sampler_kl``
     (learning rate 0, so the step changes nothing) and its log-probs minus the sampler's.
     ``autocast`` off by default: the sampler computes in float32, so the two must agree to
@@ -251,12 +288,21 @@ def learner_view(candidates: list[Candidate], policy: Path, autocast: str = "off
     from hpcrl_learner.batches import prepare_group
     from hpcrl_learner.config import LearnerSettings
 
-    settings = LearnerSettings(model_path=policy, device="cpu", learning_rate=0.0,
-                               autocast=autocast)
+    settings = LearnerSettings(
+        model_path=policy, device="cpu", learning_rate=0.0, autocast=autocast
+    )
     trainer = TorchTrainer(settings)
-    sequences = [seq for group in by_group(candidates) for seq in prepare_group(
-        rollout_batch(group), 1, adv_eps=settings.adv_eps, vocab_size=trainer.vocab_size,
-        max_sequence_tokens=settings.max_sequence_tokens).sequences]
+    sequences = [
+        seq
+        for group in by_group(candidates)
+        for seq in prepare_group(
+            rollout_batch(group),
+            1,
+            adv_eps=settings.adv_eps,
+            vocab_size=trainer.vocab_size,
+            max_sequence_tokens=settings.max_sequence_tokens,
+        ).sequences
+    ]
     sampler_kl = trainer.step(sequences).sampler_kl
     trainer_logprobs = np.concatenate(trainer.logprobs(sequences))
     return sampler_kl, trainer_logprobs - np.concatenate([s.sampling_logprobs for s in sequences])
@@ -268,8 +314,15 @@ def test_weight_loop_over_rabbitmq_and_the_learner_agrees_with_the_sampler(
 ):
     ids = long_prompt_ids(engine)  # g0 caches it under v0; g1 to g3 are sampled from v1
     want = reference["v1"].generate(ids, 1, GREEDY)[0].token_ids
-    got = run_weight_loop(engine, tiny_models, broker_settings, raw_channel,
-                          tmp_path / "store", want, prompt=LONG_PROMPT)
+    got = run_weight_loop(
+        engine,
+        tiny_models,
+        broker_settings,
+        raw_channel,
+        tmp_path / "store",
+        want,
+        prompt=LONG_PROMPT,
+    )
     after_v1 = [c for c in got.values() if c.group_id != "g0"]
     sampler_kl, delta = learner_view(after_v1, tiny_models["v1"])
     per_token_k3 = np.expm1(delta) - delta  # k3 of KL(sampler || trainer), per token

@@ -14,11 +14,19 @@ from hpcrl_learner.service import build, effective_broker
 
 
 def test_help_lists_serve():
-    out = subprocess.run([sys.executable, "-m", "hpcrl_learner.cli", "--help"],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "hpcrl_learner.cli", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert "serve" in out and "bootstrap" not in out
-    serve = subprocess.run([sys.executable, "-m", "hpcrl_learner.cli", "serve", "--help"],
-                           capture_output=True, text=True, check=True).stdout
+    serve = subprocess.run(
+        [sys.executable, "-m", "hpcrl_learner.cli", "serve", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert "--config" in serve
 
 
@@ -37,16 +45,18 @@ def test_config_keys_are_checked_and_env_overrides(tmp_path):
 
 
 def test_prefetch_is_raised_to_cover_a_step():
-    config = LearnerConfig(broker=BrokerSettings(prefetch=2),
-                           learner=LearnerSettings(groups_per_step=16))
+    config = LearnerConfig(
+        broker=BrokerSettings(prefetch=2), learner=LearnerSettings(groups_per_step=16)
+    )
     assert effective_broker(config).broker.prefetch == 16
     roomy = LearnerConfig(broker=BrokerSettings(prefetch=32))
     assert effective_broker(roomy).broker.prefetch == 32
 
 
 def test_swift_backend_refuses_with_the_reason(tiny_model, tmp_path):
-    config = LearnerConfig(learner=LearnerSettings(
-        backend="swift", model_path=tiny_model, checkpoint_dir=tmp_path))
+    config = LearnerConfig(
+        learner=LearnerSettings(backend="swift", model_path=tiny_model, checkpoint_dir=tmp_path)
+    )
     with pytest.raises(SwiftUnavailable, match="cannot start on this host"):
         build(config)
     # this CPU-only development venv has neither ms-swift nor a GPU, and says so

@@ -58,8 +58,9 @@ def test_empty_group_and_bad_eps_are_rejected():
 
 def one_token(ratio: float, advantage: float, settings: LossSettings):
     """Loss and d loss / d logp for a single completion token with the given ratio."""
-    logp = torch.tensor([[math.log(ratio) + math.log(0.25)]], dtype=torch.float64,
-                        requires_grad=True)
+    logp = torch.tensor(
+        [[math.log(ratio) + math.log(0.25)]], dtype=torch.float64, requires_grad=True
+    )
     sampling = torch.tensor([[math.log(0.25)]], dtype=torch.float64)
     out = grpo_loss(logp, sampling, torch.tensor([advantage]), torch.ones(1, 1), settings)
     out.loss.backward()
@@ -146,8 +147,10 @@ def test_normalizer_makes_micro_batches_add_up():
     for aggregation, norm in (("token", float(mask.sum())), ("sequence", 4.0)):
         settings = LossSettings(aggregation=aggregation)
         whole = grpo_loss(logp, sampling, adv, mask, settings)
-        halves = [grpo_loss(logp[s], sampling[s], adv[s], mask[s], settings, normalizer=norm)
-                  for s in (slice(0, 2), slice(2, 4))]
+        halves = [
+            grpo_loss(logp[s], sampling[s], adv[s], mask[s], settings, normalizer=norm)
+            for s in (slice(0, 2), slice(2, 4))
+        ]
         summed = float((halves[0].loss + halves[1].loss).detach())
         assert summed == pytest.approx(float(whole.loss.detach()))
         stats = LossStats().add(halves[0].stats).add(halves[1].stats)
@@ -156,11 +159,11 @@ def test_normalizer_makes_micro_batches_add_up():
 
 def test_huge_sampler_mismatch_is_masked_not_exploded():
     # token 0 agrees with the sampler; token 1's log-ratio is 1000 (a broken or stale sample)
-    logp = torch.tensor([[math.log(0.5), math.log(0.5)]], dtype=torch.float64,
-                        requires_grad=True)
+    logp = torch.tensor([[math.log(0.5), math.log(0.5)]], dtype=torch.float64, requires_grad=True)
     sampling = torch.tensor([[math.log(0.5), math.log(0.5) - 1000.0]], dtype=torch.float64)
-    out = grpo_loss(logp, sampling, torch.tensor([-1.0]), torch.ones(1, 2),
-                    LossSettings(max_log_ratio=2.0))
+    out = grpo_loss(
+        logp, sampling, torch.tensor([-1.0]), torch.ones(1, 2), LossSettings(max_log_ratio=2.0)
+    )
     out.loss.backward()
     # only token 0 counts: -(1 * -1) / 2 tokens
     assert float(out.loss.detach()) == pytest.approx(0.5)

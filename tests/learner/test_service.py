@@ -73,8 +73,10 @@ def queue_depth(channel, settings: BrokerSettings) -> int:
 
 def base_logprobs(model: Path) -> dict[str, np.ndarray]:
     trainer = TorchTrainer(LearnerSettings(model_path=model))
-    seqs = [TrainSequence(np.array(PROMPT), np.array(ids), np.zeros(len(ids), np.float32), 0.0)
-            for ids in (GOOD, BAD)]
+    seqs = [
+        TrainSequence(np.array(PROMPT), np.array(ids), np.zeros(len(ids), np.float32), 0.0)
+        for ids in (GOOD, BAD)
+    ]
     good, bad = trainer.logprobs(seqs)
     return {"good": good, "bad": bad}
 
@@ -91,8 +93,12 @@ def test_learner_learns_commits_announces_and_drops_stale(
     config = LearnerConfig(
         broker=broker_settings,
         learner=LearnerSettings(
-            model_path=tiny_model, checkpoint_dir=store_dir, groups_per_step=2,
-            learning_rate=3e-3, max_staleness=1, metrics_port=0,
+            model_path=tiny_model,
+            checkpoint_dir=store_dir,
+            groups_per_step=2,
+            learning_rate=3e-3,
+            max_staleness=1,
+            metrics_port=0,
         ),
     )
     updates_queue = listen_to_weight_updates(raw_channel, broker_settings)
@@ -105,10 +111,14 @@ def test_learner_learns_commits_announces_and_drops_stale(
         wait_for(lambda: len(store.versions()) == 2, 180, "two committed versions")
         # version 2 now: a group sampled by version 0 is 2 behind, max_staleness 1: dropped.
         # g0 again is a redelivery of a trained batch: acked, not trained.
-        publish(broker_settings, good_bad_batch("old", lp, policy_version=0),
-                good_bad_batch("g0", lp))
-        wait_for(lambda: metric("hpcrl_learner_stale_groups_dropped_total") > dropped_before,
-                 60, "the stale group to be dropped")
+        publish(
+            broker_settings, good_bad_batch("old", lp, policy_version=0), good_bad_batch("g0", lp)
+        )
+        wait_for(
+            lambda: metric("hpcrl_learner_stale_groups_dropped_total") > dropped_before,
+            60,
+            "the stale group to be dropped",
+        )
         wait_for(lambda: queue_depth(raw_channel, broker_settings) == 0, 60, "an empty queue")
         time.sleep(1.0)
     assert queue_depth(raw_channel, broker_settings) == 0  # everything acked, nothing pending
@@ -134,22 +144,33 @@ def test_learner_learns_commits_announces_and_drops_stale(
     assert updates[-1].format == "full" and updates[-1].checksum == versions[1].checksum
     # the committed version, loaded as a generator would, prefers the rewarded completion
     trained = TorchTrainer(LearnerSettings(model_path=store.path_of(versions[-1])))
-    seqs = [TrainSequence(np.array(PROMPT), np.array(ids), np.zeros(len(ids), np.float32), 0.0)
-            for ids in (GOOD, BAD)]
+    seqs = [
+        TrainSequence(np.array(PROMPT), np.array(ids), np.zeros(len(ids), np.float32), 0.0)
+        for ids in (GOOD, BAD)
+    ]
     good, bad = (float(x.sum()) for x in trained.logprobs(seqs))
     assert good > float(lp["good"].sum()) + 0.3
     assert bad < float(lp["bad"].sum()) - 0.3
 
 
 @pytest.mark.parametrize("on_arrival", [True, False], ids=["on arrival", "at the step"])
-def test_a_group_is_trained_as_it_arrives_when_asked(broker_settings, tiny_model, tmp_path,
-                                                      on_arrival):
+def test_a_group_is_trained_as_it_arrives_when_asked(
+    broker_settings, tiny_model, tmp_path, on_arrival
+):
     """With train_on_arrival the first group's passes run while the step waits for its
     second group; either way the step trains both and commits once."""
     store_dir = tmp_path / "store"
-    config = LearnerConfig(broker=broker_settings, learner=LearnerSettings(
-        model_path=tiny_model, checkpoint_dir=store_dir, groups_per_step=2,
-        learning_rate=1e-3, metrics_port=0, train_on_arrival=on_arrival))
+    config = LearnerConfig(
+        broker=broker_settings,
+        learner=LearnerSettings(
+            model_path=tiny_model,
+            checkpoint_dir=store_dir,
+            groups_per_step=2,
+            learning_rate=1e-3,
+            metrics_port=0,
+            train_on_arrival=on_arrival,
+        ),
+    )
     lp = base_logprobs(tiny_model)
     consumer, learner = build(config)
     with RunningConsumer(consumer):
@@ -167,15 +188,29 @@ def test_a_group_is_trained_as_it_arrives_when_asked(broker_settings, tiny_model
 
 
 @pytest.mark.parametrize("skip", [False, True], ids=["trained", "skipped"])
-def test_zero_variance_groups_are_counted_and_skipped_when_asked(broker_settings, tiny_model,
-                                                                  tmp_path, skip):
+def test_zero_variance_groups_are_counted_and_skipped_when_asked(
+    broker_settings, tiny_model, tmp_path, skip
+):
     store_dir = tmp_path / "store"
-    config = LearnerConfig(broker=broker_settings, learner=LearnerSettings(
-        model_path=tiny_model, checkpoint_dir=store_dir, groups_per_step=2, beta=0.01,
-        learning_rate=1e-3, metrics_port=0, skip_zero_variance_groups=skip))
+    config = LearnerConfig(
+        broker=broker_settings,
+        learner=LearnerSettings(
+            model_path=tiny_model,
+            checkpoint_dir=store_dir,
+            groups_per_step=2,
+            beta=0.01,
+            learning_rate=1e-3,
+            metrics_port=0,
+            skip_zero_variance_groups=skip,
+        ),
+    )
     lp = base_logprobs(tiny_model)
-    flat = rollout_batch("flat", [GOOD, BAD, GOOD, BAD], [-40.0] * 4,
-                         logprobs=[lp["good"], lp["bad"], lp["good"], lp["bad"]])
+    flat = rollout_batch(
+        "flat",
+        [GOOD, BAD, GOOD, BAD],
+        [-40.0] * 4,
+        logprobs=[lp["good"], lp["bad"], lp["good"], lp["bad"]],
+    )
     consumer, learner = build(config)
     with RunningConsumer(consumer):
         publish(broker_settings, flat)
@@ -216,8 +251,9 @@ metrics_port = 0
     return path
 
 
-def start_learner(config: Path, log: Path, hang: str | None = None,
-                  marker: Path | None = None) -> subprocess.Popen:
+def start_learner(
+    config: Path, log: Path, hang: str | None = None, marker: Path | None = None
+) -> subprocess.Popen:
     """The real learner CLI in its own process; with ``hang``, one that stops dead at that
     point and touches ``marker`` (tests/learner/hanging_learner.py)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("HPCRL")}
@@ -226,7 +262,9 @@ def start_learner(config: Path, log: Path, hang: str | None = None,
         launcher = [str(HANGING_LEARNER), hang, str(marker)]
     return subprocess.Popen(
         [sys.executable, *launcher, "serve", "--config", str(config)],
-        env=env, stdout=subprocess.DEVNULL, stderr=log.open("ab"),
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=log.open("ab"),
     )
 
 
@@ -255,8 +293,9 @@ def test_kill_9_loses_no_batch_and_trains_none_twice(
     publish(broker_settings, good_bad_batch("b3", lp), good_bad_batch("b4", lp))
     second = start_learner(config, log)
     try:
-        wait_for(lambda: len(store.versions()) >= 2, 180, "two versions after restart",
-                 tail_of(log))
+        wait_for(
+            lambda: len(store.versions()) >= 2, 180, "two versions after restart", tail_of(log)
+        )
         wait_for(lambda: queue_depth(raw_channel, broker_settings) == 0, 60, "an empty queue")
         time.sleep(1.0)
     finally:
@@ -310,8 +349,12 @@ def test_a_skipped_step_consumes_no_batch(broker_settings, raw_channel, tiny_mod
     were lost without an error. Now they are retried, then dead-lettered with the reason."""
     topology = Topology(broker_settings.namespace, broker_settings.delivery_limit)
     store_dir = tmp_path / "store"
-    config = LearnerConfig(broker=broker_settings, learner=LearnerSettings(
-        model_path=tiny_model, checkpoint_dir=store_dir, groups_per_step=2, metrics_port=0))
+    config = LearnerConfig(
+        broker=broker_settings,
+        learner=LearnerSettings(
+            model_path=tiny_model, checkpoint_dir=store_dir, groups_per_step=2, metrics_port=0
+        ),
+    )
     lp = base_logprobs(tiny_model)
     publish(broker_settings, good_bad_batch("s0", lp), good_bad_batch("s1", lp))
     skipped_before = metric("hpcrl_learner_skipped_updates_total")
@@ -322,22 +365,31 @@ def test_a_skipped_step_consumes_no_batch(broker_settings, raw_channel, tiny_mod
         wait_for(lambda: queue_depth(raw_channel, broker_settings) == 0, 60, "an empty queue")
     assert metric("hpcrl_learner_skipped_updates_total") == skipped_before + 1
     assert store.versions()[0].metrics["groups_trained"] == 2.0  # both groups, trained once
-    assert raw_channel.queue_declare(topology.dlq(ROLLOUT_BATCHES),
-                                     passive=True).method.message_count == 0
+    assert (
+        raw_channel.queue_declare(topology.dlq(ROLLOUT_BATCHES), passive=True).method.message_count
+        == 0
+    )
 
     # A step that can never be taken: the groups end in the DLQ with the reason, no version.
     publish(broker_settings, good_bad_batch("n0", lp), good_bad_batch("n1", lp))
     consumer, learner = build(config, backend_factory=skipping_factory(100))
     with RunningConsumer(consumer):
-        wait_for(lambda: raw_channel.queue_declare(topology.dlq(ROLLOUT_BATCHES), passive=True)
-                 .method.message_count == 2, 120, "both groups dead-lettered")
+        wait_for(
+            lambda: (
+                raw_channel.queue_declare(
+                    topology.dlq(ROLLOUT_BATCHES), passive=True
+                ).method.message_count
+                == 2
+            ),
+            120,
+            "both groups dead-lettered",
+        )
     assert len(store.versions()) == 1 and learner.failed is None
     _method, props, _body = raw_channel.basic_get(topology.dlq(ROLLOUT_BATCHES), auto_ack=True)
     assert "update skipped: non-finite gradients" in props.headers["x-hpcrl-reason"]
 
 
-def test_absurd_rewards_never_reach_training(broker_settings, raw_channel, tiny_model,
-                                             tmp_path):
+def test_absurd_rewards_never_reach_training(broker_settings, raw_channel, tiny_model, tmp_path):
     """A reward of 1e200 made advantages NaN: it is refused at the boundary (dead-lettered),
     and the valid groups around it are trained; a reward within the contract but beyond the
     learner's bound is refused by the learner and counted as dropped."""
@@ -354,12 +406,21 @@ def test_absurd_rewards_never_reach_training(broker_settings, raw_channel, tiny_
     too_big["samples"][0]["reward"] = 5e5
     topology.declare(raw_channel)
     for raw in (absurd, too_big):
-        raw_channel.basic_publish(topology.work_exchange(ROLLOUT_BATCHES),
-                                  topology.name(ROLLOUT_BATCHES), msgpack.packb(raw))
+        raw_channel.basic_publish(
+            topology.work_exchange(ROLLOUT_BATCHES),
+            topology.name(ROLLOUT_BATCHES),
+            msgpack.packb(raw),
+        )
     publish(broker_settings, good_bad_batch("v0", lp), good_bad_batch("v1", lp))
-    config = LearnerConfig(broker=broker_settings, learner=LearnerSettings(
-        model_path=tiny_model, checkpoint_dir=tmp_path / "store", groups_per_step=2,
-        metrics_port=0))
+    config = LearnerConfig(
+        broker=broker_settings,
+        learner=LearnerSettings(
+            model_path=tiny_model,
+            checkpoint_dir=tmp_path / "store",
+            groups_per_step=2,
+            metrics_port=0,
+        ),
+    )
     consumer, _learner = build(config)
     store = CheckpointStore(tmp_path / "store")
     with RunningConsumer(consumer):
@@ -374,17 +435,23 @@ def test_absurd_rewards_never_reach_training(broker_settings, raw_channel, tiny_
     assert len(reasons) == 2 and all("reward" in reason for reason in reasons), reasons
 
 
-def test_a_second_learner_on_the_same_store_refuses_to_start(broker_settings, tiny_model,
-                                                            tmp_path):
+def test_a_second_learner_on_the_same_store_refuses_to_start(broker_settings, tiny_model, tmp_path):
     """Two learners on one store would each commit "the next version" and announce weights
     the other never trained."""
     config = write_config(tmp_path / "exp.toml", broker_settings, tiny_model, tmp_path / "store")
     first_log, second_log = tmp_path / "first.log", tmp_path / "second.log"
     first = start_learner(config, first_log)
     try:
-        wait_for(lambda: "learner ready" in first_log.read_text(errors="replace")
-                 if first_log.exists() else False, 120, "the first learner",
-                 tail_of(first_log))
+        wait_for(
+            lambda: (
+                "learner ready" in first_log.read_text(errors="replace")
+                if first_log.exists()
+                else False
+            ),
+            120,
+            "the first learner",
+            tail_of(first_log),
+        )
         second = start_learner(config, second_log)
         assert second.wait(120) == 2
         assert "another learner is writing the checkpoint store" in second_log.read_text()
@@ -394,8 +461,9 @@ def test_a_second_learner_on_the_same_store_refuses_to_start(broker_settings, ti
         first.wait(30)
 
 
-def test_only_tokens_of_the_judged_text_within_bounds_are_trained(broker_settings, raw_channel,
-                                                                   tiny_model, tmp_path):
+def test_only_tokens_of_the_judged_text_within_bounds_are_trained(
+    broker_settings, raw_channel, tiny_model, tmp_path
+):
     """Issue 28, generator and scheduler roles: the text of a good completion judged with
     token ids [66] * 40; a batch of 8 x 8,003-token sequences; rewards of 1e6; a sample
     without the judged text's hash. Each is dead-lettered with its reason; the valid groups
@@ -405,25 +473,50 @@ def test_only_tokens_of_the_judged_text_within_bounds_are_trained(broker_setting
     topology = Topology(broker_settings.namespace, broker_settings.delivery_limit)
     lp = base_logprobs(tiny_model)
     swapped = good_bad_batch("swapped", lp)
-    swapped = swapped.model_copy(update={"samples": [
-        swapped.samples[0].model_copy(update={
-            "completion_token_ids": rollout_batch("x", [[66] * 40], [1.0]).samples[0]
-            .completion_token_ids,
-            "sampling_logprobs": rollout_batch("x", [[66] * 40], [1.0]).samples[0]
-            .sampling_logprobs,
-            "completion_sha256": judged_hash(GOOD)}),
-        *swapped.samples[1:]]})
-    long = rollout_batch("long", [[30 + i] * 8003 for i in range(8)],
-                         [100.0, -40.0] * 4)
+    swapped = swapped.model_copy(
+        update={
+            "samples": [
+                swapped.samples[0].model_copy(
+                    update={
+                        "completion_token_ids": rollout_batch("x", [[66] * 40], [1.0])
+                        .samples[0]
+                        .completion_token_ids,
+                        "sampling_logprobs": rollout_batch("x", [[66] * 40], [1.0])
+                        .samples[0]
+                        .sampling_logprobs,
+                        "completion_sha256": judged_hash(GOOD),
+                    }
+                ),
+                *swapped.samples[1:],
+            ]
+        }
+    )
+    long = rollout_batch("long", [[30 + i] * 8003 for i in range(8)], [100.0, -40.0] * 4)
     huge = rollout_batch("huge", [GOOD, BAD], [1e6, 0.5])
     unhashed = good_bad_batch("unhashed", lp)
-    unhashed = unhashed.model_copy(update={"samples": [
-        s.model_copy(update={"completion_sha256": None}) for s in unhashed.samples]})
-    publish(broker_settings, swapped, long, huge, unhashed,
-            good_bad_batch("ok0", lp), good_bad_batch("ok1", lp))
-    config = LearnerConfig(broker=broker_settings, learner=LearnerSettings(
-        model_path=tiny_model, checkpoint_dir=tmp_path / "store", groups_per_step=2,
-        metrics_port=0))
+    unhashed = unhashed.model_copy(
+        update={
+            "samples": [s.model_copy(update={"completion_sha256": None}) for s in unhashed.samples]
+        }
+    )
+    publish(
+        broker_settings,
+        swapped,
+        long,
+        huge,
+        unhashed,
+        good_bad_batch("ok0", lp),
+        good_bad_batch("ok1", lp),
+    )
+    config = LearnerConfig(
+        broker=broker_settings,
+        learner=LearnerSettings(
+            model_path=tiny_model,
+            checkpoint_dir=tmp_path / "store",
+            groups_per_step=2,
+            metrics_port=0,
+        ),
+    )
     consumer, learner = build(config)
     store = CheckpointStore(tmp_path / "store")
     with RunningConsumer(consumer):
@@ -431,8 +524,7 @@ def test_only_tokens_of_the_judged_text_within_bounds_are_trained(broker_setting
     assert learner.failed is None and store.versions()[0].metrics["groups_trained"] == 2.0
     reasons = {}
     for _ in range(4):
-        method, props, _body = raw_channel.basic_get(topology.dlq(ROLLOUT_BATCHES),
-                                                    auto_ack=True)
+        method, props, _body = raw_channel.basic_get(topology.dlq(ROLLOUT_BATCHES), auto_ack=True)
         assert method is not None, reasons
         reasons[props.message_id] = props.headers["x-hpcrl-reason"]
     assert "swapped/0: its 40 token ids decode to a text" in reasons["swapped"]

@@ -276,15 +276,24 @@ IMPORTS = textwrap.dedent("""
 """)
 
 
-def run_in_swift_env(tmp_path: Path, model: Path, *parts: str, args: tuple[str, ...] = ()
-                     ) -> dict:
+def run_in_swift_env(tmp_path: Path, model: Path, *parts: str, args: tuple[str, ...] = ()) -> dict:
     script = "\n".join([PRELUDE, *parts])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(ROOT / "services" / "learner" / "src"), str(ROOT / "libs" / "common" / "src")]),
-        "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    done = subprocess.run([str(SWIFT_PY), "-c", script, str(tmp_path), str(model), *args],
-                          env=env,
-                          capture_output=True, text=True, timeout=600, check=False)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            [str(ROOT / "services" / "learner" / "src"), str(ROOT / "libs" / "common" / "src")]
+        ),
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    done = subprocess.run(
+        [str(SWIFT_PY), "-c", script, str(tmp_path), str(model), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -350,9 +359,11 @@ def test_megatron_worker_and_arguments_match_ms_swift(tiny_model, tmp_path):
     out = run_in_swift_env(tmp_path, tiny_model, IMPORTS)
     assert out["unknown"] == []  # every argument we pass is one ms-swift 4.6.0 defines
     assert out["subclass"]
-    assert out["decorated"] == {"train_step": "DispatchMode.DP",
-                                "save_hf_version": "DispatchMode.BROADCAST",
-                                "save_training_state": "DispatchMode.BROADCAST"}
+    assert out["decorated"] == {
+        "train_step": "DispatchMode.DP",
+        "save_hf_version": "DispatchMode.BROADCAST",
+        "save_training_state": "DispatchMode.BROADCAST",
+    }
     assert out["full"]["tuner_type"] == "full" and out["full"]["beta"] == 0.04
     assert out["lora"]["tuner_type"] == "lora" and out["lora"]["lora_rank"] == 16
     assert out["lora"]["tensor_model_parallel_size"] == 2 and out["lora"]["bf16"] is True
@@ -368,11 +379,21 @@ def test_gpu_route_trains_a_step(tiny_model, tmp_path):
 
     from .conftest import good_bad_batch
 
-    settings = LearnerSettings(backend="swift", model_path=tiny_model, checkpoint_dir=tmp_path,
-                               learning_rate=1e-3, micro_batch_size=2)
+    settings = LearnerSettings(
+        backend="swift",
+        model_path=tiny_model,
+        checkpoint_dir=tmp_path,
+        learning_rate=1e-3,
+        micro_batch_size=2,
+    )
     trainer = swift_backend(settings, None, None, 0)
-    group = prepare_group(good_bad_batch("gpu"), 0, adv_eps=1e-4, vocab_size=trainer.vocab_size,
-                          max_sequence_tokens=4096)
+    group = prepare_group(
+        good_bad_batch("gpu"),
+        0,
+        adv_eps=1e-4,
+        vocab_size=trainer.vocab_size,
+        max_sequence_tokens=4096,
+    )
     metrics = trainer.step(group.sequences)
     assert metrics.tokens == 18 and metrics.grad_norm > 0
     trainer.save_version(tmp_path / "v1")

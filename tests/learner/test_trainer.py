@@ -25,15 +25,19 @@ def total_logprob(trainer: TorchTrainer, ids) -> float:
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_rewards_move_log_probs_of_the_favoured_completion(tiny_model, lora):
-    settings = LearnerSettings(model_path=tiny_model, learning_rate=2e-3 if not lora else 2e-2,
-                               lora={"enabled": lora, "r": 8, "alpha": 16})
+    settings = LearnerSettings(
+        model_path=tiny_model,
+        learning_rate=2e-3 if not lora else 2e-2,
+        lora={"enabled": lora, "r": 8, "alpha": 16},
+    )
     trainer = TorchTrainer(settings, seed=1)
     good0, bad0 = total_logprob(trainer, GOOD), total_logprob(trainer, BAD)
     for step in range(4):
         lp = trainer.logprobs(sequences_of([GOOD, BAD]))
         batch = good_bad_batch(f"g{step}", {"good": lp[0], "bad": lp[1]})
-        group = prepare_group(batch, 0, adv_eps=1e-4, vocab_size=trainer.vocab_size,
-                              max_sequence_tokens=64)
+        group = prepare_group(
+            batch, 0, adv_eps=1e-4, vocab_size=trainer.vocab_size, max_sequence_tokens=64
+        )
         metrics = trainer.step(group.sequences)
         assert np.isfinite(metrics.loss) and metrics.grad_norm > 0
         # on-policy sampling log-probs: the trainer agrees with the "sampler"
@@ -47,10 +51,14 @@ def test_sampler_kl_of_fresh_samples_is_measured_apart_from_stale_ones(tiny_mode
     trainer = TorchTrainer(LearnerSettings(model_path=tiny_model, learning_rate=0.0))
     own = trainer.logprobs(sequences_of([GOOD, BAD]))
     # Fresh: the trainer's own log-probs. Stale: another version's (shifted by 0.3 per token).
-    fresh = [TrainSequence(np.array(PROMPT), np.array(ids), lp, adv)
-             for ids, lp, adv in ((GOOD, own[0], 1.0), (BAD, own[1], -1.0))]
-    stale = [TrainSequence(np.array(PROMPT), np.array(ids), lp - 0.3, adv, fresh=False)
-             for ids, lp, adv in ((GOOD, own[0], 1.0), (BAD, own[1], -1.0))]
+    fresh = [
+        TrainSequence(np.array(PROMPT), np.array(ids), lp, adv)
+        for ids, lp, adv in ((GOOD, own[0], 1.0), (BAD, own[1], -1.0))
+    ]
+    stale = [
+        TrainSequence(np.array(PROMPT), np.array(ids), lp - 0.3, adv, fresh=False)
+        for ids, lp, adv in ((GOOD, own[0], 1.0), (BAD, own[1], -1.0))
+    ]
     metrics = trainer.step([stale[0], fresh[0], stale[1], fresh[1]])
     assert metrics.sampler_kl_fresh < 1e-6
     assert metrics.sampler_kl > 1e-2  # k3 of a 0.3 log-ratio is ~0.04, on half the tokens
@@ -62,10 +70,14 @@ def test_beta_controls_the_reference_model(tiny_model):
     assert no_ref.reference is None
     full_ref = TorchTrainer(LearnerSettings(model_path=tiny_model, beta=0.05, learning_rate=1e-2))
     assert full_ref.reference is not None
-    seqs = [TrainSequence(np.array(PROMPT), np.array(GOOD),
-                          full_ref.logprobs(sequences_of([GOOD]))[0], 1.0),
-            TrainSequence(np.array(PROMPT), np.array(BAD),
-                          full_ref.logprobs(sequences_of([BAD]))[0], -1.0)]
+    seqs = [
+        TrainSequence(
+            np.array(PROMPT), np.array(GOOD), full_ref.logprobs(sequences_of([GOOD]))[0], 1.0
+        ),
+        TrainSequence(
+            np.array(PROMPT), np.array(BAD), full_ref.logprobs(sequences_of([BAD]))[0], -1.0
+        ),
+    ]
     first = full_ref.step(seqs)
     assert first.kl == pytest.approx(0.0, abs=1e-6)  # policy == reference before any step
     second = full_ref.step(seqs)
@@ -75,8 +87,10 @@ def test_beta_controls_the_reference_model(tiny_model):
 def test_saved_version_loads_alone_and_resume_restores_the_optimizer(tiny_model, tmp_path):
     settings = LearnerSettings(model_path=tiny_model, learning_rate=1e-3)
     trainer = TorchTrainer(settings)
-    seqs = [TrainSequence(np.array(PROMPT), np.array(GOOD), np.full(5, -5.0, np.float32), 1.0),
-            TrainSequence(np.array(PROMPT), np.array(BAD), np.full(4, -5.0, np.float32), -1.0)]
+    seqs = [
+        TrainSequence(np.array(PROMPT), np.array(GOOD), np.full(5, -5.0, np.float32), 1.0),
+        TrainSequence(np.array(PROMPT), np.array(BAD), np.full(4, -5.0, np.float32), -1.0),
+    ]
     trainer.step(seqs)
     version = tmp_path / "v1"
     version.mkdir()
@@ -87,8 +101,9 @@ def test_saved_version_loads_alone_and_resume_restores_the_optimizer(tiny_model,
     state_store.write(LearnerState(1, 1, ["a"]), trainer.save_optimizer)
     state, state_dir = state_store.load(1)
     reloaded = AutoModelForCausalLM.from_pretrained(str(version))
-    for (name, a), b in zip(trainer.model.state_dict().items(),
-                            reloaded.state_dict().values(), strict=True):
+    for (name, a), b in zip(
+        trainer.model.state_dict().items(), reloaded.state_dict().values(), strict=True
+    ):
         assert torch.equal(a.cpu(), b), name
     resumed = TorchTrainer(settings, resume_from=version, optimizer_dir=state_dir)
     assert state.trained_ids == ["a"]
@@ -111,9 +126,10 @@ def test_lora_version_is_an_adapter_of_the_base(tiny_model, tmp_path):
 
 
 def test_collate_right_pads_to_a_multiple_of_64_and_lists_completion_targets():
-    seqs = [TrainSequence(np.array([1, 2]), np.array([3]), np.array([-0.5], np.float32), 1.0),
-            TrainSequence(np.array([4]), np.array([5, 6, 7]), np.array([-1, -2, -3], np.float32),
-                          -1.0)]
+    seqs = [
+        TrainSequence(np.array([1, 2]), np.array([3]), np.array([-0.5], np.float32), 1.0),
+        TrainSequence(np.array([4]), np.array([5, 6, 7]), np.array([-1, -2, -3], np.float32), -1.0),
+    ]
     batch = collate(seqs)
     assert batch.input_ids.shape == (2, 64)
     assert batch.input_ids[:, :4].tolist() == [[1, 2, 3, 0], [4, 5, 6, 7]]
@@ -141,8 +157,9 @@ def test_micro_batches_sort_by_length_within_a_token_budget():
 def test_padding_and_batch_mates_do_not_change_log_probs(tiny_model, autocast):
     trainer = TorchTrainer(LearnerSettings(model_path=tiny_model, autocast=autocast))
     short = TrainSequence(np.array(PROMPT), np.array(BAD), np.zeros(4, np.float32), 0.0)
-    long = TrainSequence(np.array([*PROMPT, 9, 9, 9] * 20), np.array(GOOD),
-                         np.zeros(5, np.float32), 0)
+    long = TrainSequence(
+        np.array([*PROMPT, 9, 9, 9] * 20), np.array(GOOD), np.zeros(5, np.float32), 0
+    )
     alone = trainer.logprobs([short])[0]
     batch = collate([short, long])
     assert batch.input_ids.shape[1] == 192
@@ -154,24 +171,46 @@ def test_padding_and_batch_mates_do_not_change_log_probs(tiny_model, autocast):
 
 def test_bad_batches_are_refused():
     with pytest.raises(BadBatch, match="vocabulary"):
-        prepare_group(rollout_batch("x", [[1, 300]], [1.0]), 0, adv_eps=1e-4, vocab_size=256,
-                      max_sequence_tokens=64)
+        prepare_group(
+            rollout_batch("x", [[1, 300]], [1.0]),
+            0,
+            adv_eps=1e-4,
+            vocab_size=256,
+            max_sequence_tokens=64,
+        )
     with pytest.raises(BadBatch, match="max_sequence_tokens"):
-        prepare_group(rollout_batch("x", [[1] * 70], [1.0]), 0, adv_eps=1e-4, vocab_size=256,
-                      max_sequence_tokens=64)
+        prepare_group(
+            rollout_batch("x", [[1] * 70], [1.0]),
+            0,
+            adv_eps=1e-4,
+            vocab_size=256,
+            max_sequence_tokens=64,
+        )
     with pytest.raises(BadBatch, match="empty prompt"):
-        prepare_group(rollout_batch("x", [[1]], [1.0], prompt=[]), 0, adv_eps=1e-4,
-                      vocab_size=256, max_sequence_tokens=64)
-    group = prepare_group(rollout_batch("x", [[1], [2]], [3.0, 1.0], policy_version=[2, 5]), 6,
-                          adv_eps=0.0, vocab_size=256, max_sequence_tokens=64)
+        prepare_group(
+            rollout_batch("x", [[1]], [1.0], prompt=[]),
+            0,
+            adv_eps=1e-4,
+            vocab_size=256,
+            max_sequence_tokens=64,
+        )
+    group = prepare_group(
+        rollout_batch("x", [[1], [2]], [3.0, 1.0], policy_version=[2, 5]),
+        6,
+        adv_eps=0.0,
+        vocab_size=256,
+        max_sequence_tokens=64,
+    )
     assert group.staleness == 4 and group.advantages == [1.0, -1.0]
 
 
 def test_lora_resume_restores_adapter_and_optimizer(tiny_model, tmp_path):
     settings = LearnerSettings(model_path=tiny_model, learning_rate=1e-2, lora={"enabled": True})
     trainer = TorchTrainer(settings)
-    seqs = [TrainSequence(np.array(PROMPT), np.array(GOOD), np.full(5, -5.0, np.float32), 1.0),
-            TrainSequence(np.array(PROMPT), np.array(BAD), np.full(4, -5.0, np.float32), -1.0)]
+    seqs = [
+        TrainSequence(np.array(PROMPT), np.array(GOOD), np.full(5, -5.0, np.float32), 1.0),
+        TrainSequence(np.array(PROMPT), np.array(BAD), np.full(4, -5.0, np.float32), -1.0),
+    ]
     trainer.step(seqs)
     (tmp_path / "v1").mkdir()
     trainer.save_version(tmp_path / "v1")
@@ -189,8 +228,10 @@ def test_non_finite_gradient_skips_the_update(tiny_model):
     with torch.no_grad():
         trainer.model.get_output_embeddings().weight[GOOD[0], 0] = float("nan")
     before = trainer.model.get_input_embeddings().weight.detach().clone()
-    seqs = [TrainSequence(np.array(PROMPT), np.array(GOOD), np.full(5, -5.0, np.float32), 1.0),
-            TrainSequence(np.array(PROMPT), np.array(BAD), np.full(4, -5.0, np.float32), -1.0)]
+    seqs = [
+        TrainSequence(np.array(PROMPT), np.array(GOOD), np.full(5, -5.0, np.float32), 1.0),
+        TrainSequence(np.array(PROMPT), np.array(BAD), np.full(4, -5.0, np.float32), -1.0),
+    ]
     metrics = trainer.step(seqs)
     assert metrics.skipped and metrics.grad_norm == -1.0
     assert torch.equal(trainer.model.get_input_embeddings().weight, before)
@@ -200,8 +241,9 @@ def test_non_finite_gradient_skips_the_update(tiny_model):
 def test_a_group_is_fresh_only_when_sampled_by_the_current_version():
     def sequences(sampled_by: int, current: int) -> list[TrainSequence]:
         batch = good_bad_batch("g", policy_version=sampled_by)
-        return prepare_group(batch, current, adv_eps=1e-4, vocab_size=10_000,
-                             max_sequence_tokens=64).sequences
+        return prepare_group(
+            batch, current, adv_eps=1e-4, vocab_size=10_000, max_sequence_tokens=64
+        ).sequences
 
     assert all(s.fresh for s in sequences(3, 3))
     assert not any(s.fresh for s in sequences(2, 3))
@@ -216,9 +258,15 @@ def demo_sized_step(vocab_size: int, seed: int = 0) -> list[list[TrainSequence]]
         group = []
         for _ in range(8):
             ids = rng.integers(3, vocab_size, size=int(rng.integers(3, 61)))
-            group.append(TrainSequence(
-                np.array(PROMPT), ids, rng.normal(-3.0, 0.5, len(ids)).astype(np.float32),
-                float(rng.normal()), fresh=group_index < 2))
+            group.append(
+                TrainSequence(
+                    np.array(PROMPT),
+                    ids,
+                    rng.normal(-3.0, 0.5, len(ids)).astype(np.float32),
+                    float(rng.normal()),
+                    fresh=group_index < 2,
+                )
+            )
         groups.append(group)
     return groups
 
@@ -227,17 +275,31 @@ def trained_params(trainer: TorchTrainer) -> list[torch.Tensor]:
     return [p.detach().clone() for p in trainer.params]
 
 
-def assert_same_update(a: TorchTrainer, b: TorchTrainer, a_metrics: dict, b_metrics: dict,
-                       ) -> None:
+def assert_same_update(
+    a: TorchTrainer,
+    b: TorchTrainer,
+    a_metrics: dict,
+    b_metrics: dict,
+) -> None:
     # AdamW's first update is about lr * sign(gradient): float rounding flips elements whose
     # gradient is ~0, so parameters agree to 1% of lr; the gradient's scale (which AdamW
     # hides) is checked through its norm.
     for x, y in zip(trained_params(a), trained_params(b), strict=True):
         torch.testing.assert_close(x, y, rtol=0, atol=a.settings.learning_rate * 1e-2)
-    for key in ("loss", "tokens", "sequences", "kl", "sampler_kl", "clip_fraction",
-                "sampler_kl_fresh", "grad_norm", "entropy"):
-        assert getattr(b_metrics, key) == pytest.approx(getattr(a_metrics, key), rel=1e-4,
-                                                      nan_ok=True), key
+    for key in (
+        "loss",
+        "tokens",
+        "sequences",
+        "kl",
+        "sampler_kl",
+        "clip_fraction",
+        "sampler_kl_fresh",
+        "grad_norm",
+        "entropy",
+    ):
+        assert getattr(b_metrics, key) == pytest.approx(
+            getattr(a_metrics, key), rel=1e-4, nan_ok=True
+        ), key
 
 
 def stepped_at_once(tiny_model, data_seed: int, **changes):
@@ -245,8 +307,9 @@ def stepped_at_once(tiny_model, data_seed: int, **changes):
     first trainer's step over them all at once: the update the second must match."""
     # float32 (autocast off): the check is of the bookkeeping, to float rounding; bf16 is
     # compared with float32 in test_bf16_autocast_gives_the_float32_gradient.
-    settings = LearnerSettings(model_path=tiny_model, learning_rate=1e-3, micro_batch_size=4,
-                               autocast="off", **changes)
+    settings = LearnerSettings(
+        model_path=tiny_model, learning_rate=1e-3, micro_batch_size=4, autocast="off", **changes
+    )
     at_once, early = TorchTrainer(settings, seed=3), TorchTrainer(settings, seed=3)
     groups = demo_sized_step(at_once.vocab_size, seed=data_seed)
     every = [s for group in groups for s in group]
@@ -256,7 +319,8 @@ def stepped_at_once(tiny_model, data_seed: int, **changes):
 @pytest.mark.parametrize("aggregation", ["token", "sequence"])
 def test_groups_trained_as_they_arrive_make_the_same_update(tiny_model, aggregation):
     at_once, early, groups, every, expected = stepped_at_once(
-        tiny_model, 0, beta=0.01, aggregation=aggregation, groups_per_step=4)
+        tiny_model, 0, beta=0.01, aggregation=aggregation, groups_per_step=4
+    )
     for group in groups[:3]:
         early.accumulate(group)
     got = early.step(every)
@@ -281,17 +345,19 @@ def test_a_failed_accumulation_forgets_the_partial_gradient(tiny_model):
     # Two micro-batches (by length): the first's backward runs, the second has token ids
     # out of range.
     too_long = np.full(70, 10**6)
-    broken = groups[1][:4] + [dataclasses.replace(s, completion_ids=too_long,
-                                                  sampling_logprobs=np.zeros(70, np.float32))
-                              for s in groups[1][4:]]
+    broken = groups[1][:4] + [
+        dataclasses.replace(s, completion_ids=too_long, sampling_logprobs=np.zeros(70, np.float32))
+        for s in groups[1][4:]
+    ]
     with pytest.raises(IndexError):
         early.accumulate(broken)
     early.accumulate(groups[2])
     assert_same_update(at_once, early, expected, early.step(every))
 
 
-def unpadded_gradient(trainer: TorchTrainer, sequences: list[TrainSequence]
-                      ) -> tuple[torch.Tensor, float]:
+def unpadded_gradient(
+    trainer: TorchTrainer, sequences: list[TrainSequence]
+) -> tuple[torch.Tensor, float]:
     """The step's gradient (flattened) and loss, each sequence alone in float32, with no
     padding and the whole output layer (``model(...)``): the textbook computation."""
     model = trainer.model
@@ -302,18 +368,26 @@ def unpadded_gradient(trainer: TorchTrainer, sequences: list[TrainSequence]
     for seq in sequences:
         ids = torch.from_numpy(np.concatenate([seq.prompt_ids, seq.completion_ids]))[None]
         p, c = len(seq.prompt_ids), len(seq.completion_ids)
-        logits = model(input_ids=ids, use_cache=False).logits[:, p - 1:p - 1 + c]
-        logp = torch.log_softmax(logits.float(), -1).gather(
-            -1, ids[:, p:, None]).squeeze(-1)
+        logits = model(input_ids=ids, use_cache=False).logits[:, p - 1 : p - 1 + c]
+        logp = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, p:, None]).squeeze(-1)
         ref = None
         if settings.beta > 0:
             with torch.no_grad():
                 ref_logits = trainer.reference(input_ids=ids, use_cache=False).logits
-                ref = torch.log_softmax(ref_logits[:, p - 1:p - 1 + c].float(), -1).gather(
-                    -1, ids[:, p:, None]).squeeze(-1)
-        out = grpo_loss(logp, torch.from_numpy(seq.sampling_logprobs)[None],
-                        torch.tensor([seq.advantage]), torch.ones(1, c), settings,
-                        ref_logp=ref, normalizer=normalizer)
+                ref = (
+                    torch.log_softmax(ref_logits[:, p - 1 : p - 1 + c].float(), -1)
+                    .gather(-1, ids[:, p:, None])
+                    .squeeze(-1)
+                )
+        out = grpo_loss(
+            logp,
+            torch.from_numpy(seq.sampling_logprobs)[None],
+            torch.tensor([seq.advantage]),
+            torch.ones(1, c),
+            settings,
+            ref_logp=ref,
+            normalizer=normalizer,
+        )
         out.loss.backward()
         loss_sum += float(out.loss.detach())
     grad = torch.cat([p.grad.flatten() for p in trainer.params])
@@ -321,12 +395,14 @@ def unpadded_gradient(trainer: TorchTrainer, sequences: list[TrainSequence]
     return grad, loss_sum
 
 
-def trainer_gradient(trainer: TorchTrainer, sequences: list[TrainSequence]
-                     ) -> tuple[torch.Tensor, float]:
+def trainer_gradient(
+    trainer: TorchTrainer, sequences: list[TrainSequence]
+) -> tuple[torch.Tensor, float]:
     trainer.optimizer.zero_grad(set_to_none=True)
     stats = LossStats()
-    trainer._backward(sequences, float(sum(len(s.completion_ids) for s in sequences)), stats,
-                      LossStats())
+    trainer._backward(
+        sequences, float(sum(len(s.completion_ids) for s in sequences)), stats, LossStats()
+    )
     grad = torch.cat([p.grad.flatten() for p in trainer.params])
     trainer.optimizer.zero_grad(set_to_none=True)
     return grad, stats.loss
@@ -348,9 +424,16 @@ def test_bf16_autocast_gives_the_float32_gradient(tiny_model):
     seqs = [s for group in groups for s in group]
     rows = {}
     for autocast in ("off", "bf16"):
-        trainer = TorchTrainer(LearnerSettings(model_path=tiny_model, beta=0.05,
-                                               micro_batch_size=5, micro_batch_tokens=256,
-                                               autocast=autocast), seed=3)
+        trainer = TorchTrainer(
+            LearnerSettings(
+                model_path=tiny_model,
+                beta=0.05,
+                micro_batch_size=5,
+                micro_batch_tokens=256,
+                autocast=autocast,
+            ),
+            seed=3,
+        )
         rows[autocast] = trainer_gradient(trainer, seqs)
     want, want_loss = unpadded_gradient(trainer, seqs)  # the last trainer: same weights
     got, loss = rows["off"]
@@ -388,9 +471,15 @@ def groups_with_long_prompts(vocab_size: int, seed: int = 0) -> list[TrainSequen
         prompt = rng.integers(3, vocab_size, size=int(rng.integers(700, 761)))
         for _ in range(6):
             ids = rng.integers(3, vocab_size, size=int(rng.integers(5, 151)))
-            sequences.append(TrainSequence(
-                prompt, ids, rng.normal(-3.0, 0.5, len(ids)).astype(np.float32),
-                float(rng.normal()), fresh=group_index != 1))
+            sequences.append(
+                TrainSequence(
+                    prompt,
+                    ids,
+                    rng.normal(-3.0, 0.5, len(ids)).astype(np.float32),
+                    float(rng.normal()),
+                    fresh=group_index != 1,
+                )
+            )
     return sequences
 
 
@@ -401,15 +490,21 @@ def test_a_shared_prompt_runs_once_and_gives_the_unshared_gradient(tiny_model, l
     for share in (False, True):
         # micro-batches of 4: each group's completions span two, whose gradients reach the
         # prompt through the same cached keys and values.
-        settings = LearnerSettings(model_path=tiny_model, beta=0.05, micro_batch_size=4,
-                                   autocast="off", share_prompt_forward=share,
-                                   lora={"enabled": lora})
+        settings = LearnerSettings(
+            model_path=tiny_model,
+            beta=0.05,
+            micro_batch_size=4,
+            autocast="off",
+            share_prompt_forward=share,
+            lora={"enabled": lora},
+        )
         trainer = TorchTrainer(settings, seed=3)
         decoder = trainer.model.get_decoder()
         tokens: list[int] = []
         forward = decoder.forward
         decoder.forward = lambda *a, _f=forward, _fed=tokens, **k: (
-            _fed.append(k["input_ids"].numel()) or _f(*a, **k))
+            _fed.append(k["input_ids"].numel()) or _f(*a, **k)
+        )
         rows[share] = trainer_gradient(trainer, seqs)
         fed[share] = sum(tokens)
     got, loss = rows[True]

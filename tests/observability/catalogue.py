@@ -25,7 +25,6 @@ DASHBOARD_DIR = GRAFANA / "dashboards"
 PROMETHEUS_CONFIG = ROOT / "deploy" / "prometheus" / "prometheus.yml"
 
 
-
 def _metric_modules() -> tuple[str, ...]:
     """Every module that defines a service's metrics: one list, kept in deploy/reference.py."""
     path = ROOT / "deploy" / "reference.py"
@@ -74,7 +73,8 @@ def exported_series() -> dict[str, Series]:
     load_metric_modules()
     names = REGISTRY._names_to_collectors  # the only place that keeps labelnames of unused vecs
     series: dict[str, Series] = {
-        name: Series(name, labels) for name, labels in PROMETHEUS_SERIES.items()}
+        name: Series(name, labels) for name, labels in PROMETHEUS_SERIES.items()
+    }
     for collector in set(names.values()):
         for family in collector.describe() if hasattr(collector, "describe") else []:
             if not family.name.startswith("hpcrl_"):
@@ -94,10 +94,18 @@ def _suffixes(kind: str) -> list[tuple[str, frozenset[str]]]:
     return {
         "counter": [("_total", none), ("_created", none)],
         "gauge": [("", none)],
-        "histogram": [("_bucket", frozenset({"le"})), ("_sum", none), ("_count", none),
-                      ("_created", none)],
-        "summary": [("", frozenset({"quantile"})), ("_sum", none), ("_count", none),
-                    ("_created", none)],
+        "histogram": [
+            ("_bucket", frozenset({"le"})),
+            ("_sum", none),
+            ("_count", none),
+            ("_created", none),
+        ],
+        "summary": [
+            ("", frozenset({"quantile"})),
+            ("_sum", none),
+            ("_count", none),
+            ("_created", none),
+        ],
         "info": [("_info", none)],
     }.get(kind, [("", none)])
 
@@ -119,9 +127,13 @@ def queries(path: Path) -> Iterator[DashboardQuery]:
     board = json.loads(path.read_text())
     for panel in board["panels"]:
         for target in panel.get("targets") or []:
-            yield DashboardQuery(path.name, panel["title"], target["expr"],
-                                 target.get("legendFormat", ""),
-                                 (target.get("datasource") or {}).get("uid"))
+            yield DashboardQuery(
+                path.name,
+                panel["title"],
+                target["expr"],
+                target.get("legendFormat", ""),
+                (target.get("datasource") or {}).get("uid"),
+            )
 
 
 def panels(path: Path) -> list[dict]:
@@ -138,8 +150,11 @@ def metric_names(expr: str) -> set[str]:
     code = GROUPING.sub("", code)
     code = re.sub(r"\{[^}]*\}", "", code)  # label matchers
     code = re.sub(r"\[[^\]]*\]", "", code)  # range selectors
-    return {word for word in IDENTIFIER.findall(code)
-            if word not in PROMQL_WORDS and not re.fullmatch(r"\d\w*", word)}
+    return {
+        word
+        for word in IDENTIFIER.findall(code)
+        if word not in PROMQL_WORDS and not re.fullmatch(r"\d\w*", word)
+    }
 
 
 def problems(expr: str, legend: str, series: dict[str, Series], jobs: set[str]) -> list[str]:
@@ -173,8 +188,9 @@ def problems(expr: str, legend: str, series: dict[str, Series], jobs: set[str]) 
 
 def load_builder() -> ModuleType:
     """deploy/grafana/build_dashboards.py, which is a script, not a package module."""
-    spec = importlib.util.spec_from_file_location("build_dashboards",
-                                                  GRAFANA / "build_dashboards.py")
+    spec = importlib.util.spec_from_file_location(
+        "build_dashboards", GRAFANA / "build_dashboards.py"
+    )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up while it executes

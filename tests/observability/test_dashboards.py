@@ -59,9 +59,13 @@ def test_the_three_dashboards_are_committed_and_up_to_date():
     assert {p.name for p in dashboard_files()} == EXPECTED_DASHBOARDS
     for name, text in rendered.items():
         assert (DASHBOARD_DIR / name).read_text() == text, (
-            f"{name} is stale: run .venv/bin/python deploy/grafana/build_dashboards.py")
-    check = subprocess.run([sys.executable, str(GRAFANA / "build_dashboards.py"), "--check"],
-                           capture_output=True, text=True)
+            f"{name} is stale: run .venv/bin/python deploy/grafana/build_dashboards.py"
+        )
+    check = subprocess.run(
+        [sys.executable, str(GRAFANA / "build_dashboards.py"), "--check"],
+        capture_output=True,
+        text=True,
+    )
     assert check.returncode == 0, check.stderr
 
 
@@ -71,8 +75,11 @@ def test_the_check_mode_notices_a_stale_dashboard(tmp_path):
     board = json.loads((tmp_path / "hpcrl-policy.json").read_text())
     board["title"] = "edited by hand"
     (tmp_path / "hpcrl-policy.json").write_text(json.dumps(board))
-    check = subprocess.run([sys.executable, str(GRAFANA / "build_dashboards.py"), "--check",
-                            "--out", str(tmp_path)], capture_output=True, text=True)
+    check = subprocess.run(
+        [sys.executable, str(GRAFANA / "build_dashboards.py"), "--check", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+    )
     assert check.returncode == 1 and "hpcrl-policy.json" in check.stderr
 
 
@@ -82,8 +89,11 @@ def test_the_catalogue_knows_every_service_and_every_series_shape(series):
     # a Counter is exposed as _total, a Histogram as _bucket/_sum/_count, an Info as _info
     assert "hpcrl_benchmarker_results_total" in series
     assert "hpcrl_benchmarker_results" not in series
-    assert {"hpcrl_scheduler_gflops_bucket", "hpcrl_scheduler_gflops_sum",
-            "hpcrl_scheduler_gflops_count"} <= set(series)
+    assert {
+        "hpcrl_scheduler_gflops_bucket",
+        "hpcrl_scheduler_gflops_sum",
+        "hpcrl_scheduler_gflops_count",
+    } <= set(series)
     assert "le" in series["hpcrl_scheduler_gflops_bucket"].labels
     assert "hpcrl_benchmarker_host_info" in series
     assert series["hpcrl_scheduler_best_gflops"].labels == {"stage", "iteration"}
@@ -92,57 +102,81 @@ def test_the_catalogue_knows_every_service_and_every_series_shape(series):
 def test_every_query_names_only_exported_metrics_labels_and_jobs(series, jobs):
     found = all_queries()
     assert len(found) > 60
-    wrong = [f"{q.dashboard} / {q.panel}: {q.expr}: {issue}"
-             for q in found for issue in problems(q.expr, q.legend, series, jobs)]
+    wrong = [
+        f"{q.dashboard} / {q.panel}: {q.expr}: {issue}"
+        for q in found
+        for issue in problems(q.expr, q.legend, series, jobs)
+    ]
     assert not wrong, "\n".join(wrong)
 
 
-@pytest.mark.parametrize(("expr", "legend", "issue"), [
-    ("hpcrl_scheduler_best_gflop", "", "unknown metric hpcrl_scheduler_best_gflop"),
-    ("hpcrl_benchmarker_results", "", "unknown metric hpcrl_benchmarker_results"),
-    ("rate(hpcrl_scheduler_gflops[1m])", "", "unknown metric hpcrl_scheduler_gflops"),
-    ('hpcrl_scheduler_best_gflops{host="a"}', "", "has no label 'host'"),
-    ("sum by (status) (hpcrl_scheduler_iteration)", "", "groups by 'status'"),
-    ("hpcrl_learner_loss", "{{stage}}", "legend names 'stage'"),
-    ('hpcrl_broker_connected{job="hpcrl-bench"}', "", "job 'hpcrl-bench'"),
-    ('"hpcrl_learner_loss"', "", "names no metric"),
-])
+@pytest.mark.parametrize(
+    ("expr", "legend", "issue"),
+    [
+        ("hpcrl_scheduler_best_gflop", "", "unknown metric hpcrl_scheduler_best_gflop"),
+        ("hpcrl_benchmarker_results", "", "unknown metric hpcrl_benchmarker_results"),
+        ("rate(hpcrl_scheduler_gflops[1m])", "", "unknown metric hpcrl_scheduler_gflops"),
+        ('hpcrl_scheduler_best_gflops{host="a"}', "", "has no label 'host'"),
+        ("sum by (status) (hpcrl_scheduler_iteration)", "", "groups by 'status'"),
+        ("hpcrl_learner_loss", "{{stage}}", "legend names 'stage'"),
+        ('hpcrl_broker_connected{job="hpcrl-bench"}', "", "job 'hpcrl-bench'"),
+        ('"hpcrl_learner_loss"', "", "names no metric"),
+    ],
+)
 def test_the_check_catches_wrong_queries(series, jobs, expr, legend, issue):
     assert any(issue in found for found in problems(expr, legend, series, jobs))
 
 
 def test_the_names_inside_a_query_are_found():
-    expr = ('sum(hpcrl_broker_published_total{routing_key=~".*code-to-bench"}) - sum by (le) '
-            '(rate(hpcrl_scheduler_gflops_bucket{job="hpcrl-scheduler"}[$__rate_interval])) '
-            "/ on (instance) group_left count(up == 1)")
-    assert metric_names(expr) == {"hpcrl_broker_published_total",
-                                  "hpcrl_scheduler_gflops_bucket", "up"}
+    expr = (
+        'sum(hpcrl_broker_published_total{routing_key=~".*code-to-bench"}) - sum by (le) '
+        '(rate(hpcrl_scheduler_gflops_bucket{job="hpcrl-scheduler"}[$__rate_interval])) '
+        "/ on (instance) group_left count(up == 1)"
+    )
+    assert metric_names(expr) == {
+        "hpcrl_broker_published_total",
+        "hpcrl_scheduler_gflops_bucket",
+        "up",
+    }
 
 
 def test_every_query_is_valid_promql(tmp_path):
     """promtool parses each expression as a recording rule, with Prometheus's own parser."""
-    rules = [{"record": f"hpcrl_dashboard_check:{index}", "expr": as_promql(q.expr)}
-             for index, q in enumerate(all_queries())]
+    rules = [
+        {"record": f"hpcrl_dashboard_check:{index}", "expr": as_promql(q.expr)}
+        for index, q in enumerate(all_queries())
+    ]
     path = tmp_path / "rules.yml"
     path.write_text(yaml.safe_dump({"groups": [{"name": "dashboards", "rules": rules}]}))
-    out = subprocess.run([promtool(), "check", "rules", str(path)],
-                         capture_output=True, text=True)
+    out = subprocess.run([promtool(), "check", "rules", str(path)], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
     assert f"{len(rules)} rules found" in out.stdout + out.stderr
 
 
 def test_the_promtool_check_rejects_bad_promql(tmp_path):
     path = tmp_path / "rules.yml"
-    path.write_text(yaml.safe_dump({"groups": [{"name": "g", "rules": [
-        {"record": "x:y", "expr": "sum by (stage (hpcrl_scheduler_best_gflops)"}]}]}))
-    out = subprocess.run([promtool(), "check", "rules", str(path)],
-                         capture_output=True, text=True)
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "groups": [
+                    {
+                        "name": "g",
+                        "rules": [
+                            {"record": "x:y", "expr": "sum by (stage (hpcrl_scheduler_best_gflops)"}
+                        ],
+                    }
+                ]
+            }
+        )
+    )
+    out = subprocess.run([promtool(), "check", "rules", str(path)], capture_output=True, text=True)
     assert out.returncode != 0
 
 
 def test_every_panel_uses_the_provisioned_datasource():
     provisioned = yaml.safe_load(
-        (GRAFANA / "provisioning" / "datasources" / "prometheus.yml").read_text())
+        (GRAFANA / "provisioning" / "datasources" / "prometheus.yml").read_text()
+    )
     uids = {source["uid"] for source in provisioned["datasources"]}
     assert uids == {"hpcrl-prometheus"}
     for path in dashboard_files():
@@ -165,24 +199,49 @@ def test_panel_ids_are_unique_and_panels_fit_the_grid():
 
 def test_the_issue_asks_for_these_panels():
     titles = {path.name: {panel["title"] for panel in panels(path)} for path in dashboard_files()}
-    assert {"Reward per iteration (mean, max)", "Best GFLOPS per stage (whole run)",
-            "Best GFLOPS per iteration", "Median GFLOPS per stage and iteration",
-            "Outcome mix by status", "Pool size per stage", "Groups in flight",
-            "Iteration"} <= titles["hpcrl-experiment.json"]
-    assert {"Results by status", "Queue depth", "Result lag", "Step durations (p95)",
-            "Sandbox kills by reason", "Hosts", "In flight per replica"
-            } <= titles["hpcrl-benchmarkers.json"]
-    assert {"Policy version", "Staleness", "Loss", "KL", "Grad norm", "Clip and mask fractions",
-            "Learning rate", "Generator tokens/s", "Reload time"} <= titles["hpcrl-policy.json"]
+    assert {
+        "Reward per iteration (mean, max)",
+        "Best GFLOPS per stage (whole run)",
+        "Best GFLOPS per iteration",
+        "Median GFLOPS per stage and iteration",
+        "Outcome mix by status",
+        "Pool size per stage",
+        "Groups in flight",
+        "Iteration",
+    } <= titles["hpcrl-experiment.json"]
+    assert {
+        "Results by status",
+        "Queue depth",
+        "Result lag",
+        "Step durations (p95)",
+        "Sandbox kills by reason",
+        "Hosts",
+        "In flight per replica",
+    } <= titles["hpcrl-benchmarkers.json"]
+    assert {
+        "Policy version",
+        "Staleness",
+        "Loss",
+        "KL",
+        "Grad norm",
+        "Clip and mask fractions",
+        "Learning rate",
+        "Generator tokens/s",
+        "Reload time",
+    } <= titles["hpcrl-policy.json"]
 
 
 def test_the_readme_lists_every_panel():
     readme = (ROOT / "deploy" / "README.md").read_text()
-    missing = [f"{path.name}: {panel['title']}" for path in dashboard_files()
-               for panel in panels(path) if panel["type"] != "row"
-               and f"| {panel['title']} |" not in readme]
-    assert not missing, "deploy/README.md lacks (run build_dashboards.py --markdown):\n" + \
-        "\n".join(missing)
+    missing = [
+        f"{path.name}: {panel['title']}"
+        for path in dashboard_files()
+        for panel in panels(path)
+        if panel["type"] != "row" and f"| {panel['title']} |" not in readme
+    ]
+    assert not missing, (
+        "deploy/README.md lacks (run build_dashboards.py --markdown):\n" + "\n".join(missing)
+    )
 
 
 def default_ports() -> dict[str, int]:
@@ -191,19 +250,27 @@ def default_ports() -> dict[str, int]:
     from hpcrl_learner.config import LearnerSettings
     from hpcrl_scheduler.config import SchedulerSection
 
-    sections = {"hpcrl-generator": GeneratorSection, "hpcrl-benchmarker": BenchmarkerSection,
-                "hpcrl-learner": LearnerSettings, "hpcrl-scheduler": SchedulerSection}
-    return {job: section.model_fields["metrics_port"].default
-            for job, section in sections.items()}
+    sections = {
+        "hpcrl-generator": GeneratorSection,
+        "hpcrl-benchmarker": BenchmarkerSection,
+        "hpcrl-learner": LearnerSettings,
+        "hpcrl-scheduler": SchedulerSection,
+    }
+    return {job: section.model_fields["metrics_port"].default for job, section in sections.items()}
 
 
 def test_the_prometheus_config_is_valid_and_scrapes_every_service_on_its_default_port():
-    out = subprocess.run([promtool(), "check", "config", "--syntax-only",
-                          str(PROMETHEUS_CONFIG)], capture_output=True, text=True)
+    out = subprocess.run(
+        [promtool(), "check", "config", "--syntax-only", str(PROMETHEUS_CONFIG)],
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     config = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
-    targets = {job["job_name"]: [t for sc in job.get("static_configs", [])
-                                 for t in sc["targets"]]
-               for job in config["scrape_configs"]}
+    targets = {
+        job["job_name"]: [t for sc in job.get("static_configs", []) for t in sc["targets"]]
+        for job in config["scrape_configs"]
+    }
     assert {job: targets[job] for job in default_ports()} == {
-        job: [f"127.0.0.1:{port}"] for job, port in default_ports().items()}
+        job: [f"127.0.0.1:{port}"] for job, port in default_ports().items()
+    }

@@ -48,11 +48,19 @@ DEADLINE_S = 150
 # generator services, or rates over a longer run).
 PANELS_WITH_DATA = {
     "hpcrl-experiment.json": {
-        "Iterations done", "Best GFLOPS so far", "Reward per iteration (mean, max)",
-        "Reward per iteration (table)", "Best GFLOPS per stage (whole run)",
-        "Best GFLOPS per iteration", "Median GFLOPS per stage and iteration",
-        "Best and median GFLOPS per stage and iteration", "Outcome counts",
-        "Pool size per stage", "Service busy fraction", "Wall / busiest service"},
+        "Iterations done",
+        "Best GFLOPS so far",
+        "Reward per iteration (mean, max)",
+        "Reward per iteration (table)",
+        "Best GFLOPS per stage (whole run)",
+        "Best GFLOPS per iteration",
+        "Median GFLOPS per stage and iteration",
+        "Best and median GFLOPS per stage and iteration",
+        "Outcome counts",
+        "Pool size per stage",
+        "Service busy fraction",
+        "Wall / busiest service",
+    },
     "hpcrl-benchmarkers.json": {"Replicas up", "In flight", "Hosts", "In flight per replica"},
 }
 
@@ -162,44 +170,73 @@ def process(cmd: list[str], log, env: dict[str, str]) -> Iterator[subprocess.Pop
 @pytest.fixture
 def run(broker_settings: BrokerSettings, tmp_path: Path) -> Iterator[Run]:
     if not PROMETHEUS.exists():
-        pytest.fail(f"{PROMETHEUS} is missing: install Debian's `prometheus` package "
-                    "(`make install` does)")
-    ports = {"hpcrl-benchmarker": free_port(), "hpcrl-scheduler": free_port(),
-             "prometheus": free_port()}
+        pytest.fail(
+            f"{PROMETHEUS} is missing: install Debian's `prometheus` package (`make install` does)"
+        )
+    ports = {
+        "hpcrl-benchmarker": free_port(),
+        "hpcrl-scheduler": free_port(),
+        "prometheus": free_port(),
+    }
     config = tmp_path / "experiment.toml"
     config.write_text(experiment_toml(broker_settings, tmp_path))
     prometheus_yml = tmp_path / "prometheus.yml"
-    prometheus_yml.write_text(yaml.safe_dump(scrape_config(
-        {job: f"127.0.0.1:{ports[job]}" for job in ("hpcrl-benchmarker", "hpcrl-scheduler")})))
-    env = {**os.environ, "HPCRL__LOGGING__FORMAT": "json",
-           "HPCRL__BROKER__NAMESPACE": broker_settings.namespace,
-           "HPCRL__BENCHMARKER__METRICS_PORT": str(ports["hpcrl-benchmarker"]),
-           "HPCRL__SCHEDULER__METRICS_PORT": str(ports["hpcrl-scheduler"])}
+    prometheus_yml.write_text(
+        yaml.safe_dump(
+            scrape_config(
+                {job: f"127.0.0.1:{ports[job]}" for job in ("hpcrl-benchmarker", "hpcrl-scheduler")}
+            )
+        )
+    )
+    env = {
+        **os.environ,
+        "HPCRL__LOGGING__FORMAT": "json",
+        "HPCRL__BROKER__NAMESPACE": broker_settings.namespace,
+        "HPCRL__BENCHMARKER__METRICS_PORT": str(ports["hpcrl-benchmarker"]),
+        "HPCRL__SCHEDULER__METRICS_PORT": str(ports["hpcrl-scheduler"]),
+    }
     bench_cmd = [str(BIN / "hpcrl-benchmarker"), "serve", "--config", str(config)]
     if not HAS_AVX512:
         bench_cmd += ["--allow-isa", "avx2"]
     logs = tmp_path / "logs.txt"
     seen: list[GenerateRequest] = []
     generator = Consumer(broker_settings, "scripted-generator")
-    generator.subscribe(GENERATE_REQUESTS, scripted_generator(
-        Topology(broker_settings.namespace, broker_settings.delivery_limit), seen))
+    generator.subscribe(
+        GENERATE_REQUESTS,
+        scripted_generator(
+            Topology(broker_settings.namespace, broker_settings.delivery_limit), seen
+        ),
+    )
     api = PrometheusApi(ports["prometheus"])
     with logs.open("w") as log, ExitStack() as stack:
-        stack.enter_context(process(
-            [str(PROMETHEUS), f"--config.file={prometheus_yml}",
-             f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-             f"--web.listen-address=127.0.0.1:{ports['prometheus']}"], log, env))
+        stack.enter_context(
+            process(
+                [
+                    str(PROMETHEUS),
+                    f"--config.file={prometheus_yml}",
+                    f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                    f"--web.listen-address=127.0.0.1:{ports['prometheus']}",
+                ],
+                log,
+                env,
+            )
+        )
         stack.enter_context(process(bench_cmd, log, env))
         stack.enter_context(RunningConsumer(generator))
-        stack.enter_context(process(
-            [str(BIN / "hpcrl-scheduler"), "serve", "--config", str(config)], log, env))
+        stack.enter_context(
+            process([str(BIN / "hpcrl-scheduler"), "serve", "--config", str(config)], log, env)
+        )
         wait_for(api.ready, 30, "Prometheus to be ready", last_logs(logs), every=0.5)
         yield Run(api, config, logs, ports)
 
 
 def scheduler_status(config: Path) -> dict:
-    out = subprocess.run([str(BIN / "hpcrl-scheduler"), "status", "--json", "--config",
-                          str(config)], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [str(BIN / "hpcrl-scheduler"), "status", "--json", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(out.stdout)
 
 
@@ -209,8 +246,13 @@ def values(result: list[dict], label: str) -> dict[str, float]:
 
 def test_prometheus_serves_the_gflops_and_reward_series_of_a_real_run(run: Run):
     done = 'hpcrl_scheduler_iterations_done{job="hpcrl-scheduler"} == 1'
-    wait_for(lambda: run.api.query(done), DEADLINE_S, "the iteration to be done and scraped",
-             last_logs(run.logs), every=0.5)
+    wait_for(
+        lambda: run.api.query(done),
+        DEADLINE_S,
+        "the iteration to be done and scraped",
+        last_logs(run.logs),
+        every=0.5,
+    )
     # a few scrapes more, so that every gauge set when the iteration closed is in the TSDB
     time.sleep(2.5)
     check_series(run)
@@ -222,19 +264,19 @@ def check_series(run: Run) -> None:
 
     targets = api.get("/api/v1/targets")["data"]["activeTargets"]
     assert {t["labels"]["job"]: t["health"] for t in targets} == {
-        "hpcrl-benchmarker": "up", "hpcrl-scheduler": "up"}
+        "hpcrl-benchmarker": "up",
+        "hpcrl-scheduler": "up",
+    }
 
     status = scheduler_status(run.config)
     assert status["iterations_done"] == 1
     truth = status["pool"]["1"]["best_gflops"]
     assert truth > 0
 
-    best = values(api.query('hpcrl_scheduler_best_gflops_overall{job="hpcrl-scheduler"}'),
-                  "stage")
+    best = values(api.query('hpcrl_scheduler_best_gflops_overall{job="hpcrl-scheduler"}'), "stage")
     assert best == {"1": pytest.approx(truth, rel=1e-9)}
     per_iteration = api.query("hpcrl_scheduler_best_gflops")
-    assert [(s["metric"]["stage"], s["metric"]["iteration"]) for s in per_iteration] == [
-        ("1", "0")]
+    assert [(s["metric"]["stage"], s["metric"]["iteration"]) for s in per_iteration] == [("1", "0")]
     assert float(per_iteration[0]["value"][1]) == pytest.approx(truth, rel=1e-9)
     # one success among the two: the median of the successes is the best
     median = api.query("hpcrl_scheduler_median_gflops")
@@ -250,8 +292,9 @@ def check_series(run: Run) -> None:
 
     outcomes = values(api.query("hpcrl_scheduler_results_total"), "status")
     assert outcomes == {"success": 1.0, "compile_error": 1.0}
-    bench_outcomes = values(api.query(
-        'hpcrl_benchmarker_results_total{job="hpcrl-benchmarker"}'), "status")
+    bench_outcomes = values(
+        api.query('hpcrl_benchmarker_results_total{job="hpcrl-benchmarker"}'), "status"
+    )
     assert bench_outcomes == {"success": 1.0, "compile_error": 1.0}
     # the benchmarker measured the same kernel the scheduler filed; the scheduler files a
     # confirmed winner at the lower of its two measurements (scheduler.confirm_winners), the

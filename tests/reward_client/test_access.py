@@ -39,12 +39,13 @@ class ClientSite:
     def __init__(self) -> None:
         tag = uuid.uuid4().hex[:8]
         self.vhost = f"hpcrl-rc-{tag}"
-        self.role_users = {**{role: f"t{tag}-{role}" for role in ROLES},
-                           "client": f"t{tag}-client"}
+        self.role_users = {**{role: f"t{tag}-{role}" for role in ROLES}, "client": f"t{tag}-client"}
         self.alice, self.bob = f"t{tag}-client.alice", f"t{tag}-client.bob"
-        self.roles = {**{user: role for role, user in self.role_users.items()
-                         if role != "client"},
-                      self.alice: "client", self.bob: "client"}
+        self.roles = {
+            **{user: role for role, user in self.role_users.items() if role != "client"},
+            self.alice: "client",
+            self.bob: "client",
+        }
         self.passwords = {user: uuid.uuid4().hex for user in self.roles}
         self.topology = Topology("exp", 3)
 
@@ -53,10 +54,17 @@ class ClientSite:
         return f"amqp://{creds}@127.0.0.1:5672/{quote(self.vhost, safe='')}"
 
     def settings(self, user: str) -> BrokerSettings:
-        return BrokerSettings(url=self.url(user), namespace="exp", delivery_limit=3,
-                              heartbeat_s=5, reconnect_initial_s=0.2, reconnect_max_s=1.0,
-                              declare_topology=False, authenticate_publishers=True,
-                              role_users=self.role_users)
+        return BrokerSettings(
+            url=self.url(user),
+            namespace="exp",
+            delivery_limit=3,
+            heartbeat_s=5,
+            reconnect_initial_s=0.2,
+            reconnect_max_s=1.0,
+            declare_topology=False,
+            authenticate_publishers=True,
+            role_users=self.role_users,
+        )
 
     def create(self) -> None:
         users = {user: (role, self.passwords[user]) for user, role in self.roles.items()}
@@ -91,7 +99,7 @@ def replica(site: ClientSite, tmp_path: Path) -> Iterator[subprocess.Popen]:
     users = "".join(f'{role} = "{user}"\n' for role, user in site.role_users.items())
     config.write_text(f"""
 [broker]
-url = "{site.url(site.role_users['benchmarker'])}"
+url = "{site.url(site.role_users["benchmarker"])}"
 namespace = "exp"
 delivery_limit = 3
 heartbeat_s = 5
@@ -103,8 +111,8 @@ authenticate_publishers = true
 [benchmarker]
 metrics_port = 0
 concurrency = 2
-work_dir = "{tmp_path / 'work'}"
-lock_path = "{tmp_path / 'timing.lock'}"
+work_dir = "{tmp_path / "work"}"
+lock_path = "{tmp_path / "timing.lock"}"
 """)
     args = [sys.executable, "-m", "hpcrl_benchmarker.cli", "serve", "--config", str(config)]
     for isa in ALLOW_ISA:
@@ -134,12 +142,19 @@ def get_one(channel, queue: str, timeout: float) -> bytes | None:
 
 def request(client: str = "", task: str = "matmul") -> RewardRequest:
     group = uuid.uuid4().hex
-    return RewardRequest(id=f"{group}/0", group_id=group, index=0, completion="no code",
-                         bench=BenchSpec(task=task, stage=6), client=client)
+    return RewardRequest(
+        id=f"{group}/0",
+        group_id=group,
+        index=0,
+        completion="no code",
+        bench=BenchSpec(task=task, stage=6),
+        client=client,
+    )
 
 
 def test_each_client_gets_only_its_own_verdicts_and_nothing_else(
-        site: ClientSite, replica: subprocess.Popen):
+    site: ClientSite, replica: subprocess.Popen
+):
     t = site.topology
     with RewardClient(site.settings(site.bob), timeout_s=120) as bob:
         assert bob.reply_queue == t.reply_queue(site.bob)
@@ -148,18 +163,26 @@ def test_each_client_gets_only_its_own_verdicts_and_nothing_else(
     # Alice names bob's queue in the request: the replica answers the broker-verified user.
     alice = site.channel(site.alice)
     forged = request(client=site.bob)
-    alice.basic_publish(t.work_exchange(REWARD_REQUESTS), t.name(REWARD_REQUESTS),
-                        encode(forged), properties=pika.BasicProperties(user_id=site.alice),
-                        mandatory=True)
+    alice.basic_publish(
+        t.work_exchange(REWARD_REQUESTS),
+        t.name(REWARD_REQUESTS),
+        encode(forged),
+        properties=pika.BasicProperties(user_id=site.alice),
+        mandatory=True,
+    )
     body = get_one(alice, t.reply_queue(site.alice), timeout=60)
     assert body is not None and decode(body, BenchResult).id == forged.id
     admin = site.channel(None)
     assert admin.queue_declare(t.reply_queue(site.bob), passive=True).method.message_count == 0
     # A request naming no task the replica knows runs nothing: dead-lettered, no verdict.
     alien = request(task="/etc/passwd")
-    alice.basic_publish(t.work_exchange(REWARD_REQUESTS), t.name(REWARD_REQUESTS),
-                        encode(alien), properties=pika.BasicProperties(user_id=site.alice),
-                        mandatory=True)
+    alice.basic_publish(
+        t.work_exchange(REWARD_REQUESTS),
+        t.name(REWARD_REQUESTS),
+        encode(alien),
+        properties=pika.BasicProperties(user_id=site.alice),
+        mandatory=True,
+    )
     body = get_one(admin, t.dlq(REWARD_REQUESTS), timeout=60)
     assert body is not None and decode(body, RewardRequest).id == alien.id
     assert get_one(alice, t.reply_queue(site.alice), timeout=1) is None
@@ -170,24 +193,34 @@ def test_each_client_gets_only_its_own_verdicts_and_nothing_else(
         "read the scheduler's results": lambda ch: ch.basic_get(t.name(BENCH_RESULTS)),
         "read the requests": lambda ch: ch.basic_get(t.name(REWARD_REQUESTS)),
         "forge a verdict": lambda ch: ch.basic_publish(
-            t.reward_verdicts_exchange, t.reply_queue(site.bob), b"x"),
+            t.reward_verdicts_exchange, t.reply_queue(site.bob), b"x"
+        ),
         "send a candidate": lambda ch: ch.basic_publish(
-            t.work_exchange(CODE_TO_BENCH), t.name(CODE_TO_BENCH), b"x"),
+            t.work_exchange(CODE_TO_BENCH), t.name(CODE_TO_BENCH), b"x"
+        ),
         "publish a result": lambda ch: ch.basic_publish(
-            t.work_exchange(BENCH_RESULTS), t.name(BENCH_RESULTS), b"x"),
+            t.work_exchange(BENCH_RESULTS), t.name(BENCH_RESULTS), b"x"
+        ),
         "bind the verdicts into her queue": lambda ch: ch.queue_bind(
-            t.reply_queue(site.alice), t.reward_verdicts_exchange,
-            routing_key=t.reply_queue(site.bob)),
+            t.reply_queue(site.alice),
+            t.reward_verdicts_exchange,
+            routing_key=t.reply_queue(site.bob),
+        ),
         "declare a queue": lambda ch: ch.queue_declare("exp.reward-verdicts.spy"),
         "delete bob's queue": lambda ch: ch.queue_delete(t.reply_queue(site.bob)),
-        "use the default exchange": lambda ch: ch.basic_publish(
-            "", t.reply_queue(site.bob), b"x"),
+        "use the default exchange": lambda ch: ch.basic_publish("", t.reply_queue(site.bob), b"x"),
     }
-    failures = [what for what, action in forbidden.items()
-                if not refused(lambda a=action: a(site.channel(site.alice)))]
+    failures = [
+        what
+        for what, action in forbidden.items()
+        if not refused(lambda a=action: a(site.channel(site.alice)))
+    ]
     assert not failures, f"a client could: {failures}"
     # A service's user is not a client: the broker refuses its request.
     generator = site.channel(site.role_users["generator"])
-    assert refused(lambda: generator.basic_publish(
-        t.work_exchange(REWARD_REQUESTS), t.name(REWARD_REQUESTS), b"x"))
+    assert refused(
+        lambda: generator.basic_publish(
+            t.work_exchange(REWARD_REQUESTS), t.name(REWARD_REQUESTS), b"x"
+        )
+    )
     assert replica.poll() is None

@@ -29,15 +29,28 @@ from tests.benchmarker.conftest import kernel
 
 
 def test_a_reward_request_round_trips_and_a_plain_candidate_still_decodes():
-    request = RewardRequest(id="b1/3", group_id="b1", index=3, completion="x",
-                            bench=BenchSpec(task="matmul", stage=2), client="alice.rank0")
+    request = RewardRequest(
+        id="b1/3",
+        group_id="b1",
+        index=3,
+        completion="x",
+        bench=BenchSpec(task="matmul", stage=2),
+        client="alice.rank0",
+    )
     assert decode(encode(request), RewardRequest) == request
-    candidate = Candidate(id="g/0", group_id="g", index=0, completion="x",
-                          bench=BenchSpec(task="matmul", stage=6))
+    candidate = Candidate(
+        id="g/0", group_id="g", index=0, completion="x", bench=BenchSpec(task="matmul", stage=6)
+    )
     assert decode(encode(candidate), Candidate).rollout is None
     with pytest.raises(ValueError, match="client"):  # a name that is no queue-name piece
-        RewardRequest(id="b/0", group_id="b", index=0, completion="", bench=request.bench,
-                      client="../bench-results")
+        RewardRequest(
+            id="b/0",
+            group_id="b",
+            index=0,
+            completion="",
+            bench=request.bench,
+            client="../bench-results",
+        )
     with pytest.raises(MessageError, match="unexpected schema"):
         decode(encode(request), Candidate)  # never mistaken for the scheduler's traffic
 
@@ -47,12 +60,22 @@ def test_the_client_role_reaches_only_its_own_queue_and_the_requests_inbox():
     rules = role_permissions(t, "client", "hpcrl-client.alice")
     assert rules.configure == "^$"
     assert re.fullmatch(rules.write, "exp.reward-requests.in")
-    for other in ("exp.code-to-bench.in", "exp.bench-results.in", "exp.reward-verdicts.in",
-                  "exp.reward-requests", "amq.default"):
+    for other in (
+        "exp.code-to-bench.in",
+        "exp.bench-results.in",
+        "exp.reward-verdicts.in",
+        "exp.reward-requests",
+        "amq.default",
+    ):
         assert not re.fullmatch(rules.write, other), other
     assert re.fullmatch(rules.read, "exp.reward-verdicts.hpcrl-client.alice")
-    for other in ("exp.reward-verdicts.hpcrl-client.bob", "exp.reward-verdicts.hpcrl-client",
-                  "exp.reward-requests", "exp.bench-results", "exp.reward-verdicts.in"):
+    for other in (
+        "exp.reward-verdicts.hpcrl-client.bob",
+        "exp.reward-verdicts.hpcrl-client",
+        "exp.reward-requests",
+        "exp.bench-results",
+        "exp.reward-verdicts.in",
+    ):
         assert not re.fullmatch(rules.read, other), other
     bench = role_permissions(t, "benchmarker")
     assert re.fullmatch(bench.read, "exp.reward-requests")
@@ -63,10 +86,14 @@ def test_the_client_role_reaches_only_its_own_queue_and_the_requests_inbox():
     assert publisher_allowed(REWARD_REQUESTS, "g", users) is not None
     assert publisher_allowed(CODE_TO_BENCH, "hpcrl-client.alice", users) is not None
     doc = definitions(t, "v", {"hpcrl-client.alice": ("client", "pw"), "b": ("benchmarker", "p")})
-    assert {"source": "exp.reward-verdicts.in", "vhost": "v",
-            "destination": "exp.reward-verdicts.hpcrl-client.alice", "destination_type": "queue",
-            "routing_key": "exp.reward-verdicts.hpcrl-client.alice",
-            "arguments": {}} in doc["bindings"]
+    assert {
+        "source": "exp.reward-verdicts.in",
+        "vhost": "v",
+        "destination": "exp.reward-verdicts.hpcrl-client.alice",
+        "destination_type": "queue",
+        "routing_key": "exp.reward-verdicts.hpcrl-client.alice",
+        "arguments": {},
+    } in doc["bindings"]
 
 
 # --- over the real broker, with a real replica ----------------------------------------------
@@ -82,18 +109,22 @@ def depth(settings: BrokerSettings, queue: str) -> int:
 
 @pytest.mark.broker
 def test_two_clients_get_their_own_verdicts_from_a_real_replica(
-        broker_settings: BrokerSettings, replica: subprocess.Popen):
+    broker_settings: BrokerSettings, replica: subprocess.Popen
+):
     alice = RewardClient(broker_settings, "alice", timeout_s=180)
     bob = RewardClient(broker_settings, "bob", timeout_s=180, max_outstanding=1)
     try:
-        ours = alice.score([
-            RewardRequestSpec(f"```c\n{kernel('naive.c')}```", "matmul", 6),
-            RewardRequestSpec("no code here"),
-            RewardRequestSpec(kernel("ikj_omp.c"), stage=1),
-        ])
+        ours = alice.score(
+            [
+                RewardRequestSpec(f"```c\n{kernel('naive.c')}```", "matmul", 6),
+                RewardRequestSpec("no code here"),
+                RewardRequestSpec(kernel("ikj_omp.c"), stage=1),
+            ]
+        )
         # Back-pressure: one outstanding at a time still gets both through.
-        theirs = asyncio.run(bob.ascore([RewardRequestSpec("nothing"),
-                                         RewardRequestSpec("nor here")]))
+        theirs = asyncio.run(
+            bob.ascore([RewardRequestSpec("nothing"), RewardRequestSpec("nor here")])
+        )
     finally:
         alice.close()
         bob.close()
@@ -111,8 +142,9 @@ def test_two_clients_get_their_own_verdicts_from_a_real_replica(
     # verl's convention, through the same path
     carol = RewardClient(broker_settings, "carol", timeout_s=120)
     try:
-        scores = compute_score_batch(["hpcrl"], ["no code"], [None], [{"stage": 3}],
-                                     reward_client=carol)
+        scores = compute_score_batch(
+            ["hpcrl"], ["no code"], [None], [{"stage": 3}], reward_client=carol
+        )
     finally:
         carol.close()
     assert scores == [{"score": -100.0, "status": "format_violation", "gflops": 0.0}]
@@ -120,8 +152,14 @@ def test_two_clients_get_their_own_verdicts_from_a_real_replica(
 
 @pytest.mark.broker
 def test_a_request_nobody_answers_times_out(broker_settings: BrokerSettings):
-    with RewardClient(broker_settings, "lonely", timeout_s=1.0, attempt_timeout_s=0.3,
-                      retries=1, max_outstanding=1) as client:
+    with RewardClient(
+        broker_settings,
+        "lonely",
+        timeout_s=1.0,
+        attempt_timeout_s=0.3,
+        retries=1,
+        max_outstanding=1,
+    ) as client:
         with pytest.raises(ValueError):
             client.submit("x", stage=9)  # invalid: refused before it takes the only slot
         future = client.submit("x")
@@ -133,7 +171,8 @@ def test_a_request_nobody_answers_times_out(broker_settings: BrokerSettings):
 
 @pytest.mark.broker
 def test_a_request_is_sent_at_once_not_at_the_io_threads_next_tick(
-        broker_settings: BrokerSettings, monkeypatch: pytest.MonkeyPatch):
+    broker_settings: BrokerSettings, monkeypatch: pytest.MonkeyPatch
+):
     """The I/O thread waits for broker events up to a tick between its rounds; a submit wakes
     it (a quarter of a fast verdict's time went there on average: bench/reward_service.py)."""
     import hpcrl_reward_client.client as client_module
@@ -153,13 +192,18 @@ def test_a_request_is_sent_at_once_not_at_the_io_threads_next_tick(
 @pytest.mark.broker
 @pytest.mark.slow
 def test_nothing_is_lost_when_a_replica_is_killed_mid_batch(
-        broker_settings: BrokerSettings, tmp_path):
+    broker_settings: BrokerSettings, tmp_path
+):
     from tests.benchmarker.test_service import start_replica, write_config
 
     first = start_replica(write_config(tmp_path / "a.toml", broker_settings, tmp_path / "a"))
     second = None
-    specs = [RewardRequestSpec(kernel("infinite.c")), RewardRequestSpec(kernel("naive.c")),
-             RewardRequestSpec("no code"), RewardRequestSpec(kernel("infinite.c"))]
+    specs = [
+        RewardRequestSpec(kernel("infinite.c")),
+        RewardRequestSpec(kernel("naive.c")),
+        RewardRequestSpec("no code"),
+        RewardRequestSpec(kernel("infinite.c")),
+    ]
     try:
         with RewardClient(broker_settings, "survivor", timeout_s=240) as client:
             futures = client.submit_many(specs)
@@ -167,8 +211,9 @@ def test_nothing_is_lost_when_a_replica_is_killed_mid_batch(
             assert first.poll() is None
             first.kill()
             first.wait()
-            second = start_replica(write_config(tmp_path / "b.toml", broker_settings,
-                                                tmp_path / "b"))
+            second = start_replica(
+                write_config(tmp_path / "b.toml", broker_settings, tmp_path / "b")
+            )
             verdicts = [future.result() for future in futures]
     finally:
         for proc in (first, second):
@@ -176,23 +221,30 @@ def test_nothing_is_lost_when_a_replica_is_killed_mid_batch(
                 proc.kill()
                 proc.wait()
     assert [v.status for v in verdicts] == ["timeout", "success", "format_violation", "timeout"]
-    assert all(v.benchmarker.endswith(f"-{second.pid}") for v in verdicts
-               if v.status == "timeout")  # in the killed replica's hands when it died
+    assert all(
+        v.benchmarker.endswith(f"-{second.pid}") for v in verdicts if v.status == "timeout"
+    )  # in the killed replica's hands when it died
 
 
 @pytest.mark.broker
 def test_a_verdict_for_a_queue_nobody_made_ends_in_the_dead_letters(
-        broker_settings: BrokerSettings, replica: subprocess.Popen):
+    broker_settings: BrokerSettings, replica: subprocess.Popen
+):
     from hpcrl_common.broker import Publish, Publisher
 
     topology = Topology(broker_settings.namespace, broker_settings.delivery_limit)
-    request = RewardRequest(id="ghostly/0", group_id="ghostly", index=0, completion="no code",
-                            bench=BenchSpec(task="matmul", stage=6), client="ghost")
+    request = RewardRequest(
+        id="ghostly/0",
+        group_id="ghostly",
+        index=0,
+        completion="no code",
+        bench=BenchSpec(task="matmul", stage=6),
+        client="ghost",
+    )
     with Publisher(broker_settings, "test-producer") as publisher:
         publisher.publish(Publish(topology.name(REWARD_REQUESTS), request))
     deadline = time.monotonic() + 90
-    while time.monotonic() < deadline and not depth(broker_settings,
-                                                    topology.dlq(REWARD_REQUESTS)):
+    while time.monotonic() < deadline and not depth(broker_settings, topology.dlq(REWARD_REQUESTS)):
         time.sleep(0.5)
     assert depth(broker_settings, topology.dlq(REWARD_REQUESTS)) == 1
     assert depth(broker_settings, topology.name(REWARD_REQUESTS)) == 0

@@ -18,7 +18,8 @@ trl = pytest.importorskip("trl")
 
 
 def test_grpo_trains_on_the_benchmarkers_verdicts(
-        broker_settings: BrokerSettings, replica: subprocess.Popen, tmp_path: Path):
+    broker_settings: BrokerSettings, replica: subprocess.Popen, tmp_path: Path
+):
     from datasets import Dataset
 
     from tests.support.models import chat_model
@@ -29,12 +30,23 @@ def test_grpo_trains_on_the_benchmarkers_verdicts(
     client = RewardClient(broker_settings, "trl-test", timeout_s=240, max_outstanding=3)
     reward = TrlReward(client, task="matmul", scale=0.5)
     config = trl.GRPOConfig(
-        output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=2,
-        max_completion_length=12, max_steps=2, learning_rate=1e-4, logging_steps=1,
-        report_to="none", use_cpu=True, bf16=False, save_strategy="no", seed=0,
-        dataloader_num_workers=0)
-    trainer = trl.GRPOTrainer(model=str(model), reward_funcs=[reward], args=config,
-                              train_dataset=dataset)
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=12,
+        max_steps=2,
+        learning_rate=1e-4,
+        logging_steps=1,
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        save_strategy="no",
+        seed=0,
+        dataloader_num_workers=0,
+    )
+    trainer = trl.GRPOTrainer(
+        model=str(model), reward_funcs=[reward], args=config, train_dataset=dataset
+    )
     try:
         trainer.train()
     finally:
@@ -43,8 +55,11 @@ def test_grpo_trains_on_the_benchmarkers_verdicts(
     assert trainer.state.global_step == 2
     # Every reward it trained on is a verdict of the replica, half the reward table's value.
     assert len(reward.verdicts) >= 2
-    logged = [entry["rewards/hpcrl_benchmarker/mean"] for entry in trainer.state.log_history
-              if "rewards/hpcrl_benchmarker/mean" in entry]
+    logged = [
+        entry["rewards/hpcrl_benchmarker/mean"]
+        for entry in trainer.state.log_history
+        if "rewards/hpcrl_benchmarker/mean" in entry
+    ]
     assert len(logged) == len(reward.verdicts)
     for verdicts, mean in zip(reward.verdicts, logged, strict=True):
         assert len(verdicts) == 4 and all(v is not None for v in verdicts)

@@ -35,12 +35,14 @@ BROKEN = f"```c\n{kernel('naive.c').replace('double s = 0.0;', 'double s = 0.0')
 
 def rollout(task: vf.Task, reply: str) -> vf.Trace:
     """The trace of a single-turn rollout that answered ``reply``."""
-    trace = vf.Trace(task=vf.TraceTask(type=type(task).__name__, data=task.data, key=task.key,
-                                       hash=task.hash),
-                     agent=vf.AgentInfo(config=vf.AgentConfig()))
+    trace = vf.Trace(
+        task=vf.TraceTask(type=type(task).__name__, data=task.data, key=task.key, hash=task.hash),
+        agent=vf.AgentInfo(config=vf.AgentConfig()),
+    )
     trace.nodes.append(vf.MessageNode(message=vf.UserMessage(content=task.data.prompt_text)))
-    trace.nodes.append(vf.MessageNode(parent=0, sampled=True,
-                                      message=vf.AssistantMessage(content=reply)))
+    trace.nodes.append(
+        vf.MessageNode(parent=0, sampled=True, message=vf.AssistantMessage(content=reply))
+    )
     return trace
 
 
@@ -62,13 +64,26 @@ def test_the_taskset_loads_by_id_as_verifiers_loads_environments():
 
 @pytest.mark.broker
 def test_verdicts_of_a_real_replica_become_verifiers_rewards(
-        broker_settings: BrokerSettings, replica: subprocess.Popen):
+    broker_settings: BrokerSettings, replica: subprocess.Popen
+):
     client = RewardClient(broker_settings, "vf-explicit", timeout_s=240)
     explicit = BenchmarkerReward(client, scale=0.5)
     ours = next(iter(KernelTaskset(KernelTasksetConfig(stages=[6]), reward=explicit)))
     # The same taskset built from its config alone, as verifiers' loader builds it.
-    configured = next(iter(vf.load_taskset(KernelTasksetConfig(stages=[6], task={
-        "broker": broker_settings.model_dump(), "client": "vf-config", "timeout_s": 240}))))
+    configured = next(
+        iter(
+            vf.load_taskset(
+                KernelTasksetConfig(
+                    stages=[6],
+                    task={
+                        "broker": broker_settings.model_dump(),
+                        "client": "vf-config",
+                        "timeout_s": 240,
+                    },
+                )
+            )
+        )
+    )
 
     # A user's own task with the reward as one of its @vf.reward hooks; row fields pick the
     # stage (ikj_omp uses OpenMP, which stage 1 forbids).
@@ -77,13 +92,20 @@ def test_verdicts_of_a_real_replica_become_verifiers_rewards(
 
     own = OwnTask(vf.WireTaskData(prompt="Write matmul", stage=1))
 
-    traces = {"ok": rollout(ours, CORRECT), "broken": rollout(ours, BROKEN),
-              "configured": rollout(configured, CORRECT),
-              "staged": rollout(own, f"```c\n{kernel('ikj_omp.c')}```")}
+    traces = {
+        "ok": rollout(ours, CORRECT),
+        "broken": rollout(ours, BROKEN),
+        "configured": rollout(configured, CORRECT),
+        "staged": rollout(own, f"```c\n{kernel('ikj_omp.c')}```"),
+    }
 
     async def score_all() -> None:
-        await asyncio.gather(ours.score(traces["ok"]), ours.score(traces["broken"]),
-                             configured.score(traces["configured"]), own.score(traces["staged"]))
+        await asyncio.gather(
+            ours.score(traces["ok"]),
+            ours.score(traces["broken"]),
+            configured.score(traces["configured"]),
+            own.score(traces["staged"]),
+        )
 
     try:
         asyncio.run(score_all())
@@ -93,8 +115,11 @@ def test_verdicts_of_a_real_replica_become_verifiers_rewards(
     assert replica.poll() is None
     info = {name: t.info.get("hpcrl_benchmarker") or t.info["fleet"] for name, t in traces.items()}
     assert {name: i["status"] for name, i in info.items()} == {
-        "ok": "success", "broken": "compile_error", "configured": "success",
-        "staged": "stage_violation"}
+        "ok": "success",
+        "broken": "compile_error",
+        "configured": "success",
+        "staged": "stage_violation",
+    }
     for name in ("ok", "configured"):
         gflops = info[name]["gflops"]
         assert gflops > 0 and info[name]["reward"] == gflops
@@ -113,7 +138,8 @@ def test_verdicts_of_a_real_replica_become_verifiers_rewards(
 
 @pytest.mark.broker
 def test_no_verdict_by_the_deadline_errs_the_rollout_or_gives_on_missing(
-        broker_settings: BrokerSettings):
+    broker_settings: BrokerSettings,
+):
     """No replica: the request waits in the queue past the client's deadline."""
     client = RewardClient(broker_settings, "vf-lonely", timeout_s=1.0)
     try:

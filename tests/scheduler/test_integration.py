@@ -64,9 +64,15 @@ def scripted_generator(topology: Topology, seen: list[GenerateRequest]):
                 sampling_logprobs=PackedArray.of(np.full(len(tokens), -0.25), "<f4"),
                 policy_version=request.min_policy_version,
             )
-            candidate = Candidate(id=candidate_id(request.id, index), group_id=request.id,
-                                  index=index, completion=text, bench=request.bench,
-                                  rollout=rollout, generator="scripted")
+            candidate = Candidate(
+                id=candidate_id(request.id, index),
+                group_id=request.id,
+                index=index,
+                completion=text,
+                bench=request.bench,
+                rollout=rollout,
+                generator="scripted",
+            )
             outputs.append(Publish(topology.name(CODE_TO_BENCH), candidate))
         return outputs
 
@@ -84,8 +90,9 @@ class Run:
     killed_at: dict | None = None
 
 
-def write_config(path: Path, settings: BrokerSettings, db: Path, work: Path,
-                 confirm: bool = True) -> None:
+def write_config(
+    path: Path, settings: BrokerSettings, db: Path, work: Path, confirm: bool = True
+) -> None:
     path.write_text(f"""
 [broker]
 url = "{settings.url}"
@@ -154,11 +161,16 @@ def drain_batches(url: str, queue: str) -> tuple[dict[str, RolloutBatch], int]:
         connection.close()
 
 
-def experiment(tmp: Path, rabbitmq: str, *, kill_mid_iteration: bool,
-               confirm: bool = True) -> Run:
-    settings = BrokerSettings(url=rabbitmq, namespace=f"test-{uuid.uuid4().hex[:10]}",
-                              heartbeat_s=5, delivery_limit=3, prefetch=8,
-                              reconnect_initial_s=0.2, reconnect_max_s=2.0)
+def experiment(tmp: Path, rabbitmq: str, *, kill_mid_iteration: bool, confirm: bool = True) -> Run:
+    settings = BrokerSettings(
+        url=rabbitmq,
+        namespace=f"test-{uuid.uuid4().hex[:10]}",
+        heartbeat_s=5,
+        delivery_limit=3,
+        prefetch=8,
+        reconnect_initial_s=0.2,
+        reconnect_max_s=2.0,
+    )
     topology = Topology(settings.namespace, settings.delivery_limit)
     tmp.mkdir(parents=True, exist_ok=True)
     db, config = tmp / "scheduler.sqlite", tmp / "experiment.toml"
@@ -176,14 +188,21 @@ def experiment(tmp: Path, rabbitmq: str, *, kill_mid_iteration: bool,
         bench = subprocess.Popen(bench_cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env)
         try:
             with RunningConsumer(generator):
-                scheduler = subprocess.Popen(scheduler_cmd("serve", "--config", str(config)),
-                                             stdout=log_file, stderr=subprocess.STDOUT, env=env)
+                scheduler = subprocess.Popen(
+                    scheduler_cmd("serve", "--config", str(config)),
+                    stdout=log_file,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                )
                 if kill_mid_iteration:
                     killed_at = kill_in_iteration_one(scheduler, db)
                     time.sleep(1.0)  # results keep arriving in the queue meanwhile
                     scheduler = subprocess.Popen(
                         scheduler_cmd("serve", "--config", str(config)),
-                        stdout=log_file, stderr=subprocess.STDOUT, env=env)
+                        stdout=log_file,
+                        stderr=subprocess.STDOUT,
+                        env=env,
+                    )
                 try:
                     code = scheduler.wait(timeout=150)
                 except subprocess.TimeoutExpired:
@@ -205,10 +224,14 @@ def experiment(tmp: Path, rabbitmq: str, *, kill_mid_iteration: bool,
 def kill_in_iteration_one(scheduler: subprocess.Popen, db: Path) -> dict:
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
-        rows = read_db(db, "SELECT COUNT(*), SUM(g.state = 'closed') FROM results r JOIN groups "
-                           "g ON g.id = r.group_id WHERE g.iteration = 1")
-        groups_open = read_db(db, "SELECT COUNT(*) FROM groups WHERE iteration = 1 AND "
-                                  "state != 'closed'")
+        rows = read_db(
+            db,
+            "SELECT COUNT(*), SUM(g.state = 'closed') FROM results r JOIN groups "
+            "g ON g.id = r.group_id WHERE g.iteration = 1",
+        )
+        groups_open = read_db(
+            db, "SELECT COUNT(*) FROM groups WHERE iteration = 1 AND state != 'closed'"
+        )
         if rows and rows[0][0] and rows[0][0] >= 2 and groups_open and groups_open[0][0] > 0:
             scheduler.send_signal(signal.SIGKILL)
             scheduler.wait(timeout=10)
@@ -236,8 +259,12 @@ def uninterrupted(rabbitmq: str, tmp_path_factory) -> Iterator[Run]:
 
 
 def status_json(run: Run) -> dict:
-    out = subprocess.run(scheduler_cmd("status", "--json", "--config", str(run.config)),
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        scheduler_cmd("status", "--json", "--config", str(run.config)),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(out.stdout)
 
 
@@ -245,8 +272,11 @@ def test_two_iterations_complete_and_the_pool_moves_up_a_stage(uninterrupted: Ru
     run = uninterrupted
     status = status_json(run)
     assert status["done"] and status["iterations_done"] == 2
-    groups = read_db(run.db, "SELECT iteration, mode, target_stage, parent_id, state, outcome "
-                             "FROM groups ORDER BY iteration, ordinal")
+    groups = read_db(
+        run.db,
+        "SELECT iteration, mode, target_stage, parent_id, state, outcome "
+        "FROM groups ORDER BY iteration, ordinal",
+    )
     assert [(g[0], g[1], g[2]) for g in groups[:1]] == [(0, "seed", 1)]
     iteration1 = sorted((g[1], g[2]) for g in groups if g[0] == 1)
     # budget 2 over pool(0) = stage 1 {fast, slow, 3 failures}: deepen the fast kernel, and
@@ -269,16 +299,18 @@ def test_two_iterations_complete_and_the_pool_moves_up_a_stage(uninterrupted: Ru
 def test_rollout_batches_carry_group_normalized_rewards(uninterrupted: Run):
     run = uninterrupted
     assert len(run.batches) == 4
-    results = {row[0]: row[1:] for row in read_db(
-        run.db, "SELECT id, status, gflops, reward FROM results")}
+    results = {
+        row[0]: row[1:] for row in read_db(run.db, "SELECT id, status, gflops, reward FROM results")
+    }
     for batch in run.batches.values():
         assert batch.reward_mode == "group_normalized" and len(batch.samples) == G
         assert batch.host_class
         best = max(results[s.candidate_id][1] or 0.0 for s in batch.samples)
         # The winner was measured again (scheduler.confirm_winners): it counts at the lower
         # of its two measurements, and no success of the group above that.
-        [(state,)] = read_db(run.db, "SELECT value FROM meta WHERE key = ?",
-                             (f"confirm/{batch.id}",)) or [("{}",)]
+        [(state,)] = read_db(
+            run.db, "SELECT value FROM meta WHERE key = ?", (f"confirm/{batch.id}",)
+        ) or [("{}",)]
         adjusted = json.loads(state).get("adjusted", {})
         best = min(best, *adjusted.values()) if adjusted else best
         for sample in batch.samples:
@@ -288,16 +320,25 @@ def test_rollout_batches_carry_group_normalized_rewards(uninterrupted: Run):
             if status == "success":
                 assert sample.reward == pytest.approx(100.0 * min(gflops, best) / best)
             else:
-                assert sample.reward == {"compile_error": -40.0, "stage_violation": -100.0,
-                                         "verification_error": -10.0}[status]
+                assert (
+                    sample.reward
+                    == {
+                        "compile_error": -40.0,
+                        "stage_violation": -100.0,
+                        "verification_error": -10.0,
+                    }[status]
+                )
             assert len(sample.completion_token_ids) == len(sample.sampling_logprobs) > 0
         rewards = sorted(s.reward for s in batch.samples)
         assert rewards[-1] == 100.0 and 0 < rewards[-2] < 60  # the slow kernel scores lower
 
 
 def test_export_writes_stage_bests_and_the_lineage(uninterrupted: Run, tmp_path):
-    subprocess.run(scheduler_cmd("export", str(tmp_path / "out"), "--config",
-                                 str(uninterrupted.config)), check=True, capture_output=True)
+    subprocess.run(
+        scheduler_cmd("export", str(tmp_path / "out"), "--config", str(uninterrupted.config)),
+        check=True,
+        capture_output=True,
+    )
     index = json.loads((tmp_path / "out" / "index.json").read_text())
     assert set(index["best_per_stage"]) == {"1", "2"}
     assert index["lineage"][0]["id"] == "seed"
@@ -316,26 +357,36 @@ MEASURED = re.compile(r"-?\d+\.\d+(?:e[-+]?\d+)?")
 
 
 def comparable(run: Run) -> dict:
-    groups = [(*row[:5], MEASURED.sub("<n>", row[5]), *row[6:]) for row in read_db(
-        run.db, "SELECT id, iteration, parent_id, mode, target_stage, prompt, state, outcome "
-                "FROM groups ORDER BY id")]
-    programs = read_db(run.db, "SELECT id, iteration, stage, key, parent_id, mode, status "
-                               "FROM programs ORDER BY id")
-    batches = {gid: [(s.candidate_id, s.status, s.reward if s.status != "success" else
-                      s.reward == 100.0) for s in batch.samples]
-               for gid, batch in run.batches.items()}
+    groups = [
+        (*row[:5], MEASURED.sub("<n>", row[5]), *row[6:])
+        for row in read_db(
+            run.db,
+            "SELECT id, iteration, parent_id, mode, target_stage, prompt, state, outcome "
+            "FROM groups ORDER BY id",
+        )
+    ]
+    programs = read_db(
+        run.db,
+        "SELECT id, iteration, stage, key, parent_id, mode, status FROM programs ORDER BY id",
+    )
+    batches = {
+        gid: [
+            (s.candidate_id, s.status, s.reward if s.status != "success" else s.reward == 100.0)
+            for s in batch.samples
+        ]
+        for gid, batch in run.batches.items()
+    }
     return {"groups": groups, "programs": programs, "batches": batches}
 
 
-def test_kill_9_mid_iteration_then_restart_ends_like_the_uninterrupted_run(
-        rabbitmq: str, tmp_path):
+def test_kill_9_mid_iteration_then_restart_ends_like_the_uninterrupted_run(rabbitmq: str, tmp_path):
     # Two runs, each timing its own kernels: without winner confirmations, whose second
     # timing (the lower counts, and caps the group's others) can reorder kernels of close
     # speed between runs. What is compared is the restart's bookkeeping, not timing noise.
-    uninterrupted = experiment(tmp_path / "whole", rabbitmq, kill_mid_iteration=False,
-                               confirm=False)
-    restarted = experiment(tmp_path / "restart", rabbitmq, kill_mid_iteration=True,
-                           confirm=False)
+    uninterrupted = experiment(
+        tmp_path / "whole", rabbitmq, kill_mid_iteration=False, confirm=False
+    )
+    restarted = experiment(tmp_path / "restart", rabbitmq, kill_mid_iteration=True, confirm=False)
     assert restarted.killed_at is not None and restarted.killed_at["open_groups"] > 0
     assert status_json(restarted)["done"]
     a, b = comparable(uninterrupted), comparable(restarted)

@@ -33,17 +33,25 @@ def parent(gflops: float | None = 20.0, host_class: str = HOST) -> Parent:
 
 
 def mixed_group():
-    return [result(G, 0, gflops=10.0, source="int a;"), result(G, 1, gflops=40.0, source="int b;"),
-            result(G, 2, gflops=25.0, source="int c;"), result(G, 3, gflops=19.0, source="int d;"),
-            result(G, 4, "compile_error"), result(G, 5, "verification_error")]
+    return [
+        result(G, 0, gflops=10.0, source="int a;"),
+        result(G, 1, gflops=40.0, source="int b;"),
+        result(G, 2, gflops=25.0, source="int c;"),
+        result(G, 3, gflops=19.0, source="int d;"),
+        result(G, 4, "compile_error"),
+        result(G, 5, "verification_error"),
+    ]
 
 
-@pytest.mark.parametrize(("mode", "expected"), [
-    ("raw", [10.0, 40.0, 25.0, 19.0, -40.0, -10.0]),
-    ("group_normalized", [25.0, 100.0, 62.5, 47.5, -40.0, -10.0]),
-    # parent at 20 GFLOPS: 100 x g / 20 - 100; 10 GFLOPS would be -50, clamped to -9
-    ("parent_relative", [-9.0, 100.0, 25.0, -5.0, -40.0, -10.0]),
-])
+@pytest.mark.parametrize(
+    ("mode", "expected"),
+    [
+        ("raw", [10.0, 40.0, 25.0, 19.0, -40.0, -10.0]),
+        ("group_normalized", [25.0, 100.0, 62.5, 47.5, -40.0, -10.0]),
+        # parent at 20 GFLOPS: 100 x g / 20 - 100; 10 GFLOPS would be -50, clamped to -9
+        ("parent_relative", [-9.0, 100.0, 25.0, -5.0, -40.0, -10.0]),
+    ],
+)
 def test_each_mode_on_the_same_group(mode: RewardMode, expected: list[float]):
     rewards = compute_rewards(mixed_group(), mode, parent())
     assert [rewards[f"{G}/{i}"] for i in range(6)] == pytest.approx(expected)
@@ -52,24 +60,30 @@ def test_each_mode_on_the_same_group(mode: RewardMode, expected: list[float]):
 def test_a_copy_of_the_parent_earns_nothing_whatever_its_timing():
     reformatted = "void f(double*c){\n  c[0] = 1.0;  // the same program\n}"
     assert source_key(reformatted) == source_key(PARENT_SOURCE)
-    results = [result(G, 0, gflops=23.0, source=reformatted),  # noise: +15 if not a copy
-               result(G, 1, gflops=11.0, source=PARENT_SOURCE),  # noise: -45, clamped -9
-               result(G, 2, "timeout", source=PARENT_SOURCE),  # a failed copy keeps its penalty
-               result(G, 3, gflops=30.0, source="int other;")]
+    results = [
+        result(G, 0, gflops=23.0, source=reformatted),  # noise: +15 if not a copy
+        result(G, 1, gflops=11.0, source=PARENT_SOURCE),  # noise: -45, clamped -9
+        result(G, 2, "timeout", source=PARENT_SOURCE),  # a failed copy keeps its penalty
+        result(G, 3, gflops=30.0, source="int other;"),
+    ]
     rewards = compute_rewards(results, "parent_relative", parent())
     assert rewards == {f"{G}/0": 0.0, f"{G}/1": 0.0, f"{G}/2": -30.0, f"{G}/3": 50.0}
 
 
-@pytest.mark.parametrize("missing", [
-    None,  # no parent known
-    parent(gflops=None),  # repair: the parent failed
-    parent(gflops=0.0),  # nothing to divide by
-    parent(host_class="x86-avx2"),  # timed on another class of host: not comparable
-])
+@pytest.mark.parametrize(
+    "missing",
+    [
+        None,  # no parent known
+        parent(gflops=None),  # repair: the parent failed
+        parent(gflops=0.0),  # nothing to divide by
+        parent(host_class="x86-avx2"),  # timed on another class of host: not comparable
+    ],
+)
 def test_without_a_comparable_parent_gflops_it_is_group_normalized(missing: Parent | None):
     results = mixed_group()
-    assert (compute_rewards(results, "parent_relative", missing)
-            == compute_rewards(results, "group_normalized"))
+    assert compute_rewards(results, "parent_relative", missing) == compute_rewards(
+        results, "group_normalized"
+    )
 
 
 def test_the_parent_does_not_change_the_papers_modes():
@@ -93,13 +107,17 @@ def test_parent_relative_sign_floor_and_ceiling(child: float, base: float):
 outcomes = st.one_of(st.sampled_from(sorted(PENALTY)), gflops)
 
 
-@given(outcomes=st.lists(outcomes, min_size=1, max_size=16), mode=st.sampled_from(MODES),
-       base=st.none() | positive_gflops, copies=st.lists(st.booleans(), min_size=16,
-                                                            max_size=16))
+@given(
+    outcomes=st.lists(outcomes, min_size=1, max_size=16),
+    mode=st.sampled_from(MODES),
+    base=st.none() | positive_gflops,
+    copies=st.lists(st.booleans(), min_size=16, max_size=16),
+)
 def test_any_correct_program_beats_any_wrong_one(outcomes, mode, base, copies):
     results = [
         result(G, i, "success", o, source=PARENT_SOURCE if copies[i] else f"int v{i};")
-        if isinstance(o, float) else result(G, i, o)
+        if isinstance(o, float)
+        else result(G, i, o)
         for i, o in enumerate(outcomes)
     ]
     rewards = compute_rewards(results, mode, parent(base))
@@ -111,10 +129,13 @@ def test_any_correct_program_beats_any_wrong_one(outcomes, mode, base, copies):
 
 @needs_contract
 def test_a_closed_group_carries_parent_relative_rewards_in_its_batch():
-    results = [result(G, 1, gflops=30.0, source="int b;"), result(G, 0, gflops=21.0,
-                                                                   source=PARENT_SOURCE),
-               result(G, 2, "runtime_error")]
-    closed = close_group(G, results, experiment="exp", iteration=1,
-                         reward_mode="parent_relative", parent=parent())
+    results = [
+        result(G, 1, gflops=30.0, source="int b;"),
+        result(G, 0, gflops=21.0, source=PARENT_SOURCE),
+        result(G, 2, "runtime_error"),
+    ]
+    closed = close_group(
+        G, results, experiment="exp", iteration=1, reward_mode="parent_relative", parent=parent()
+    )
     assert closed.batch is not None and closed.batch.reward_mode == "parent_relative"
     assert [s.reward for s in closed.batch.samples] == [0.0, 50.0, -20.0]

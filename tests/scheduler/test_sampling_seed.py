@@ -21,8 +21,9 @@ def test_the_seed_is_deterministic_and_fits_in_31_bits(seed: int, iteration: int
 
 
 def test_different_numbers_give_different_seeds():
-    seeds = {(e, t, g): sampling_seed(e, t, g)
-             for e in range(4) for t in range(8) for g in range(64)}
+    seeds = {
+        (e, t, g): sampling_seed(e, t, g) for e in range(4) for t in range(8) for g in range(64)
+    }
     assert len(set(seeds.values())) == len(seeds)
     # Neighbouring numbers must not collide through the separator (1:23 vs 12:3).
     assert sampling_seed(1, 23, 4) != sampling_seed(12, 3, 4)
@@ -33,8 +34,10 @@ def test_two_experiments_with_the_same_seed_sample_alike(tmp_path):
     """Only the numbers count: the arms of a comparison get the same seed per request."""
     seeds = []
     for name in ("lr0-baseline", "lr5e-7 trained"):
-        config = SchedulerConfig(experiment={"name": name, "seed": 7},
-                                 scheduler=SchedulerSection(metrics_port=0, max_staleness=0))
+        config = SchedulerConfig(
+            experiment={"name": name, "seed": 7},
+            scheduler=SchedulerSection(metrics_port=0, max_staleness=0),
+        )
         scheduler = Scheduler(config, Store(tmp_path / f"{name}.sqlite"))
         scheduler.step()
         [request] = [m for _, _, m in scheduler.store.unsent()]

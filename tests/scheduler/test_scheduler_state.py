@@ -25,9 +25,15 @@ class Clock:
 
 def make(tmp_path, clock=None, **section) -> Scheduler:
     # Winners' second measurements (confirm_winners) are tested in test_trust.py.
-    defaults = {"iterations": 2, "group_size": 3, "node_budget": 2, "max_staleness": 0,
-                "metrics_port": 0, "confirm_winners": False,
-                "checkpoint_dir": tmp_path / "store"}
+    defaults = {
+        "iterations": 2,
+        "group_size": 3,
+        "node_budget": 2,
+        "max_staleness": 0,
+        "metrics_port": 0,
+        "confirm_winners": False,
+        "checkpoint_dir": tmp_path / "store",
+    }
     config = SchedulerConfig(
         experiment={"name": "unit", "seed": 7},
         scheduler=SchedulerSection(**{**defaults, **section}),
@@ -53,9 +59,17 @@ STAGE1_OK = "void matmul_optimized(double*A,double*B,double*C,int M,int N,int K)
 def answer(s: Scheduler, request: GenerateRequest, statuses) -> None:
     for index, status in enumerate(statuses):
         gflops = 2.0 + index if status == "success" else None
-        s.handle_result(result(request.id, index, status, gflops, stage=request.bench.stage,
-                               source=f"{STAGE1_OK} /* {request.id} {index} */ int v{index};",
-                               error="x.c:1: error: boom" if status != "success" else ""))
+        s.handle_result(
+            result(
+                request.id,
+                index,
+                status,
+                gflops,
+                stage=request.bench.stage,
+                source=f"{STAGE1_OK} /* {request.id} {index} */ int v{index};",
+                error="x.c:1: error: boom" if status != "success" else "",
+            )
+        )
 
 
 def test_iteration_zero_expands_the_seed(tmp_path):
@@ -118,8 +132,11 @@ def test_group_without_token_data_files_children_but_sends_no_batch(tmp_path):
     s.step()
     [request] = requests(s)
     for index in range(2):
-        s.handle_result(result(request.id, index, gflops=1.0 + index, with_rollout=False,
-                               source=f"int x{index};"))
+        s.handle_result(
+            result(
+                request.id, index, gflops=1.0 + index, with_rollout=False, source=f"int x{index};"
+            )
+        )
     assert batches(s) == []
     assert s.store.group(request.id).outcome == "no_rollout"
     assert len(s.store.pool(0)) == 2
@@ -142,8 +159,10 @@ def test_run_to_the_end_then_done_and_report(tmp_path):
     assert index["lineage"][0]["id"] == "seed"
     files = sorted(p.name for p in (tmp_path / "out").iterdir())
     assert "index.json" in files and "index.md" in files
-    assert all((tmp_path / "out" / e["file"]).read_text().startswith("/* hpcrl program")
-               for e in index["lineage"])
+    assert all(
+        (tmp_path / "out" / e["file"]).read_text().startswith("/* hpcrl program")
+        for e in index["lineage"]
+    )
 
 
 def commit(tmp_path, version: int, **pacing: int) -> CheckpointStore:
@@ -151,13 +170,15 @@ def commit(tmp_path, version: int, **pacing: int) -> CheckpointStore:
     store = CheckpointStore(tmp_path / "store")
     staging = store.staging_dir(version)
     (staging / "w.bin").write_bytes(b"%d" % version)
-    store.commit(staging, version, version - 1, "lora",
-                 metrics={k: float(v) for k, v in pacing.items()})
+    store.commit(
+        staging, version, version - 1, "lora", metrics={k: float(v) for k, v in pacing.items()}
+    )
     return store
 
 
-def announce(s: Scheduler, store: CheckpointStore, stored: int, experiment: str = "unit",
-             **changes) -> int:
+def announce(
+    s: Scheduler, store: CheckpointStore, stored: int, experiment: str = "unit", **changes
+) -> int:
     """Announce version ``stored`` of the store, with ``changes`` (a forgery)."""
     update = store.get(stored).weight_update(store.root, run=f"{experiment}/{store.run_id}")
     s.handle_weight_update(update.model_copy(update=changes))
@@ -222,8 +243,9 @@ def test_restart_resumes_and_a_different_experiment_is_refused(tmp_path):
     assert [r.id for r in requests(again)] == [request.id]  # not planned twice
     assert again.store.count_results(request.id) == 1
     again.store.close()
-    config = SchedulerConfig(experiment={"name": "unit", "seed": 8},
-                             scheduler=SchedulerSection(metrics_port=0))
+    config = SchedulerConfig(
+        experiment={"name": "unit", "seed": 8}, scheduler=SchedulerSection(metrics_port=0)
+    )
     with pytest.raises(SchedulerError, match="belongs to"):
         Scheduler(config, Store(tmp_path / "s.sqlite"))
 
@@ -249,15 +271,17 @@ def test_parent_relative_groups_publish_rewards_against_their_parent(tmp_path):
     parent = s.store.program(deepen.parent_id)
     assert parent is not None and parent.source is not None and parent.gflops == 2.0
     copy = parent.source.replace("/*ok*/", "/* same code, new comment */\n")
-    for index, (gflops, source) in enumerate([(2.3, copy), (3.0, "int faster;"),
-                                              (0.5, "int slower;")]):
+    for index, (gflops, source) in enumerate(
+        [(2.3, copy), (3.0, "int faster;"), (0.5, "int slower;")]
+    ):
         s.handle_result(result(deepen.id, index, gflops=gflops, stage=2, source=source))
     [batch] = [b for b in batches(s) if b.id == deepen.id]
     # copy -> 0 despite +15 % timing noise; 3 / 2 -> +50; 0.5 / 2 -> -75, clamped to -9
     assert batch.reward_mode == "parent_relative"
     assert [x.reward for x in batch.samples] == pytest.approx([0.0, 50.0, -9.0])
-    assert {p.id: p.reward for p in s.store.pool(1) if p.parent_id == parent.id} == \
-        pytest.approx({f"{deepen.id}/0": 0.0, f"{deepen.id}/1": 50.0, f"{deepen.id}/2": -9.0})
+    assert {p.id: p.reward for p in s.store.pool(1) if p.parent_id == parent.id} == pytest.approx(
+        {f"{deepen.id}/0": 0.0, f"{deepen.id}/1": 50.0, f"{deepen.id}/2": -9.0}
+    )
     repair = next(r for r in requests(s) if r.mode == "repair")
     answer(s, repair, ["success", "success", "timeout"])  # 2 and 3 GFLOPS, parent failed
     [batch] = [b for b in batches(s) if b.id == repair.id]

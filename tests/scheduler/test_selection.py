@@ -20,7 +20,8 @@ def modes(nodes):
 
 def test_the_seed_alone_when_the_pool_is_empty():
     assert modes(select([], SEED, iteration=0, budget=10, ratios=Ratios(), seed=1)) == [
-        ("seed", "seed", 1)]
+        ("seed", "seed", 1)
+    ]
 
 
 def test_unbounded_shares_top_40_middle_30_and_all_failures():
@@ -80,7 +81,8 @@ def test_all_failed_stage_is_repaired_with_the_whole_share():
 def test_failures_without_source_cannot_be_repaired():
     lost = Program(id="x", stage=1, status="format_violation", source=None)
     assert select([lost], SEED, iteration=1, budget=5, ratios=Ratios(), seed=0) == select(
-        [], SEED, iteration=1, budget=5, ratios=Ratios(), seed=0)
+        [], SEED, iteration=1, budget=5, ratios=Ratios(), seed=0
+    )
 
 
 def test_successes_without_source_are_never_parents():
@@ -91,7 +93,8 @@ def test_successes_without_source_are_never_parents():
     nodes = select(pool, SEED, iteration=1, budget=5, ratios=Ratios(), seed=0)
     assert [n.parent.id for n in nodes] == ["seed", "shown"]
     assert select([hidden], SEED, iteration=1, budget=5, ratios=Ratios(), seed=0) == select(
-        [], SEED, iteration=1, budget=5, ratios=Ratios(), seed=0)
+        [], SEED, iteration=1, budget=5, ratios=Ratios(), seed=0
+    )
 
 
 def test_the_last_stage_deepens_into_itself():
@@ -102,9 +105,11 @@ def test_the_last_stage_deepens_into_itself():
 
 def test_ties_are_broken_by_seed_not_by_input_order():
     pool = [program(f"t{i}", gflops=7.0) for i in range(10)]
+
     def picked(seed, order):
         nodes = select(order, SEED, iteration=1, budget=3, ratios=Ratios(), seed=seed)
         return [n.parent.id for n in nodes[1:]]
+
     assert picked(1, pool) == picked(1, list(reversed(pool)))
     seeds = {tuple(picked(s, pool)) for s in range(8)}
     assert len(seeds) > 1  # a different seed can pick differently among equals

@@ -45,12 +45,21 @@ def take(channel, queue: str, cls, timeout: float = 20.0, expect: int = 1) -> li
 def test_results_batches_version_floor_and_pacing(broker_settings, raw_channel, tmp_path):
     topology = Topology(broker_settings.namespace, broker_settings.delivery_limit)
     config = SchedulerConfig(
-        broker=broker_settings, experiment={"name": "svc", "seed": 3},
-        scheduler=SchedulerSection(iterations=2, group_size=2, node_budget=3, max_staleness=1,
-                                   confirm_winners=False,
-                                   initial_groups_per_step=1, metrics_port=0, tick_s=0.1,
-                                   reward_mode="raw", exit_when_done=False,
-                                   checkpoint_dir=tmp_path / "store"),
+        broker=broker_settings,
+        experiment={"name": "svc", "seed": 3},
+        scheduler=SchedulerSection(
+            iterations=2,
+            group_size=2,
+            node_budget=3,
+            max_staleness=1,
+            confirm_winners=False,
+            initial_groups_per_step=1,
+            metrics_port=0,
+            tick_s=0.1,
+            reward_mode="raw",
+            exit_when_done=False,
+            checkpoint_dir=tmp_path / "store",
+        ),
     )
     store = CheckpointStore(tmp_path / "store")  # the learner's: versions come only from it
     scheduler = Scheduler(config, Store(tmp_path / "svc.sqlite"))
@@ -61,26 +70,30 @@ def test_results_batches_version_floor_and_pacing(broker_settings, raw_channel, 
         assert request.iteration == 0 and request.min_policy_version == 0
         first = result(request.id, 0, gflops=4.5, source="int fast;")
         second = result(request.id, 1, "compile_error", source="int broken")
-        publisher.publish(*(Publish(topology.name(BENCH_RESULTS), r)
-                            for r in (first, first, second)))
+        publisher.publish(
+            *(Publish(topology.name(BENCH_RESULTS), r) for r in (first, first, second))
+        )
         [batch] = take(raw_channel, topology.name(ROLLOUT_BATCHES), RolloutBatch)
         assert [s.reward for s in batch.samples] == [4.5, -40.0]
         assert batch.reward_mode == "raw"
         # Iteration 1 is planned, but 1 batch is outstanding and nothing trained: held.
-        assert take(raw_channel, topology.name(GENERATE_REQUESTS), GenerateRequest,
-                    timeout=1.5) == []
-        assert REGISTRY.get_sample_value("hpcrl_scheduler_requests_held",
-                                         {"reason": "staleness"}) >= 2
+        assert (
+            take(raw_channel, topology.name(GENERATE_REQUESTS), GenerateRequest, timeout=1.5) == []
+        )
+        assert (
+            REGISTRY.get_sample_value("hpcrl_scheduler_requests_held", {"reason": "staleness"}) >= 2
+        )
         staging = store.staging_dir(1)
         (staging / "adapter.bin").write_bytes(b"v1")
-        info = store.commit(staging, 1, 0, "lora",
-                            metrics={"groups_trained": 1.0, "groups_per_step": 2.0})
+        info = store.commit(
+            staging, 1, 0, "lora", metrics={"groups_trained": 1.0, "groups_per_step": 2.0}
+        )
         update = info.weight_update(store.root, run=f"svc/{store.run_id}")
         assert isinstance(update, WeightUpdate) and update.groups_trained == 1
-        publisher.publish(Publish(topology.name(WEIGHT_UPDATES), update,
-                                  exchange=topology.name(WEIGHT_UPDATES)))
-        released = take(raw_channel, topology.name(GENERATE_REQUESTS), GenerateRequest,
-                        expect=2)
+        publisher.publish(
+            Publish(topology.name(WEIGHT_UPDATES), update, exchange=topology.name(WEIGHT_UPDATES))
+        )
+        released = take(raw_channel, topology.name(GENERATE_REQUESTS), GenerateRequest, expect=2)
         assert [r.iteration for r in released] == [1, 1]
         assert all(r.min_policy_version == 1 for r in released)
         assert service.health()[1]["iteration"] == 1
@@ -93,17 +106,24 @@ def test_results_batches_version_floor_and_pacing(broker_settings, raw_channel, 
     assert scheduler.store.count_unsent() == 0
 
 
-def test_results_without_source_do_not_wedge_the_scheduler(broker_settings, raw_channel,
-                                                           tmp_path):
+def test_results_without_source_do_not_wedge_the_scheduler(broker_settings, raw_channel, tmp_path):
     """benchmarker.include_source = false: successes arrive without their code. Selecting one
     as a parent made every tick raise while /healthz said 200; now the run goes on (from the
     seed) and stays healthy."""
     topology = Topology(broker_settings.namespace, broker_settings.delivery_limit)
     config = SchedulerConfig(
-        broker=broker_settings, experiment={"name": "nosrc", "seed": 1},
-        scheduler=SchedulerSection(iterations=3, group_size=2, node_budget=2, max_staleness=0,
-                                   confirm_winners=False,
-                                   metrics_port=0, tick_s=0.1, exit_when_done=False),
+        broker=broker_settings,
+        experiment={"name": "nosrc", "seed": 1},
+        scheduler=SchedulerSection(
+            iterations=3,
+            group_size=2,
+            node_budget=2,
+            max_staleness=0,
+            confirm_winners=False,
+            metrics_port=0,
+            tick_s=0.1,
+            exit_when_done=False,
+        ),
     )
     scheduler = Scheduler(config, Store(tmp_path / "nosrc.sqlite"))
     consumer = Consumer(broker_settings, "scheduler-nosrc", concurrency=2)

@@ -32,14 +32,30 @@ def store(tmp_path: Path) -> Iterator[Store]:
 
 def plan(store: Store, iteration: int, ordinal: int, *, size: int = 3) -> str:
     group_id = f"x.s0.t{iteration}.g{ordinal:04d}"
-    store.plan_group(group_id, iteration=iteration, ordinal=ordinal, parent_id="seed",
-                     mode="seed", target_stage=1, group_size=size, prompt=PROMPT)
+    store.plan_group(
+        group_id,
+        iteration=iteration,
+        ordinal=ordinal,
+        parent_id="seed",
+        mode="seed",
+        target_stage=1,
+        group_size=size,
+        prompt=PROMPT,
+    )
     return group_id
 
 
 def close(store: Store, group_id: str, at: float, outcome: str = "sent") -> None:
-    store.mark_closed(group_id, at=at, reason="complete", outcome=outcome,  # type: ignore[arg-type]
-                      host_class="x86-avx512", excluded=0, reward_mean=1.0, reward_max=2.0)
+    store.mark_closed(
+        group_id,
+        at=at,
+        reason="complete",
+        outcome=outcome,  # type: ignore[arg-type]
+        host_class="x86-avx512",
+        excluded=0,
+        reward_mean=1.0,
+        reward_max=2.0,
+    )
 
 
 def ids(groups: list[GroupRow]) -> list[str]:
@@ -62,8 +78,11 @@ def test_a_group_goes_from_planned_to_published_to_closed(store: Store):
     store.mark_published(second, min_policy_version=4, at=100.0)
     group = store.group(second)
     assert group is not None and group.state == "published"
-    assert (group.min_policy_version, group.published_at, group.last_progress_at) == \
-        (4, 100.0, 100.0)
+    assert (group.min_policy_version, group.published_at, group.last_progress_at) == (
+        4,
+        100.0,
+        100.0,
+    )
     assert ids(store.groups_in_flight()) == [second]
     assert store.count_groups_in_flight() == 1
     assert ids(store.pending_groups()) == [first, late]
@@ -106,8 +125,11 @@ def test_deadlines_run_from_the_last_progress_and_restart_after_downtime(store: 
     assert store.overdue_groups(100.0) == []  # strictly older than the time given
     store.restart_deadlines(500.0)
     assert store.overdue_groups(160.0) == []
-    assert {g.id: g.last_progress_at for g in store.groups_of_iteration(0)} == \
-        {quiet: 500.0, busy: 500.0, pending: None}  # a pending group has no deadline yet
+    assert {g.id: g.last_progress_at for g in store.groups_of_iteration(0)} == {
+        quiet: 500.0,
+        busy: 500.0,
+        pending: None,
+    }  # a pending group has no deadline yet
     close(store, quiet, 510.0)
     store.restart_deadlines(900.0)
     closed = store.group(quiet)
@@ -135,17 +157,35 @@ def test_rewards_are_recorded_per_result_and_summed_up_per_iteration(store: Stor
 
 
 def test_gflops_are_read_back_by_iteration_and_stage(store: Store):
-    store.add_program(Program(id="seed", stage=1, status="success", source="int s;",
-                              gflops=0.5), None)
-    children = [("a", 0, 1, 2.0), ("b", 0, 1, 3.0), ("c", 0, 2, 7.0), ("d", 1, 1, 4.0),
-                ("e", 1, 1, None)]
+    store.add_program(
+        Program(id="seed", stage=1, status="success", source="int s;", gflops=0.5), None
+    )
+    children = [
+        ("a", 0, 1, 2.0),
+        ("b", 0, 1, 3.0),
+        ("c", 0, 2, 7.0),
+        ("d", 1, 1, 4.0),
+        ("e", 1, 1, None),
+    ]
     for pid, iteration, stage, gflops in children:
         status = "success" if gflops is not None else "compile_error"
-        store.add_program(Program(id=pid, stage=stage, status=status, source=f"int {pid};",
-                                  gflops=gflops, iteration=iteration), "g")
+        store.add_program(
+            Program(
+                id=pid,
+                stage=stage,
+                status=status,
+                source=f"int {pid};",
+                gflops=gflops,
+                iteration=iteration,
+            ),
+            "g",
+        )
     by = store.gflops_by_iteration_and_stage()
-    assert {key: sorted(values) for key, values in by.items()} == \
-        {(0, 1): [2.0, 3.0], (0, 2): [7.0], (1, 1): [4.0]}  # the seed is no child
+    assert {key: sorted(values) for key, values in by.items()} == {
+        (0, 1): [2.0, 3.0],
+        (0, 2): [7.0],
+        (1, 1): [4.0],
+    }  # the seed is no child
     assert store.best_gflops_by_stage() == {1: 4.0, 2: 7.0}
 
 
@@ -156,8 +196,15 @@ SQL = re.compile(r"\b(SELECT|INSERT|UPDATE|DELETE|WHERE|PRAGMA)\b")
 
 
 def test_callers_cannot_hand_the_store_sql():
-    for name in ("query", "execute", "scalar", "groups", "count_groups", "add_group",
-                 "update_group"):
+    for name in (
+        "query",
+        "execute",
+        "scalar",
+        "groups",
+        "count_groups",
+        "add_group",
+        "update_group",
+    ):
         assert not hasattr(Store, name), name
     package = Path(scheduler_module.__file__).parent
     for module in ("scheduler.py", "report.py", "service.py", "cli.py"):
@@ -206,30 +253,96 @@ def write_old_database(path: Path) -> None:
     db = sqlite3.connect(path, isolation_level=None)
     db.execute("PRAGMA journal_mode=WAL")
     db.executescript(OLD_SCHEMA)
-    meta = {"experiment": "unit", "seed": 7, "task": "matmul", "iteration": 1,
-            "created_at": NOW - 3600, "iterations": 2, "reward_mode": "group_normalized"}
-    db.executemany("INSERT INTO meta (key, value) VALUES (?, ?)",
-                   [(key, json.dumps(value)) for key, value in meta.items()])
-    db.execute("INSERT INTO programs (id, iteration, stage, key, source, mode, status) "
-               "VALUES ('seed', -1, 1, 'seedkey', 'void matmul_optimized(){}', 'seed', "
-               "'success')")
-    columns = ("id, iteration, ordinal, parent_id, mode, target_stage, group_size, prompt, "
-               "state, min_policy_version, published_at, last_progress_at, closed_at, "
-               "close_reason, batch, host_class, reward_mean, reward_max")
+    meta = {
+        "experiment": "unit",
+        "seed": 7,
+        "task": "matmul",
+        "iteration": 1,
+        "created_at": NOW - 3600,
+        "iterations": 2,
+        "reward_mode": "group_normalized",
+    }
+    db.executemany(
+        "INSERT INTO meta (key, value) VALUES (?, ?)",
+        [(key, json.dumps(value)) for key, value in meta.items()],
+    )
+    db.execute(
+        "INSERT INTO programs (id, iteration, stage, key, source, mode, status) "
+        "VALUES ('seed', -1, 1, 'seedkey', 'void matmul_optimized(){}', 'seed', "
+        "'success')"
+    )
+    columns = (
+        "id, iteration, ordinal, parent_id, mode, target_stage, group_size, prompt, "
+        "state, min_policy_version, published_at, last_progress_at, closed_at, "
+        "close_reason, batch, host_class, reward_mean, reward_max"
+    )
     prompt = json.dumps(PROMPT)
-    db.executemany(f"INSERT INTO groups ({columns}) VALUES "
-                   "(?, ?, ?, 'seed', ?, ?, 3, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", [
-        (DONE_T0, 0, 0, "seed", 1, prompt, "closed", 0, NOW - 3000, NOW - 2000, NOW - 2000,
-         "complete", "sent", "x86-avx512", 30.0, 100.0),
-        (IN_FLIGHT, 1, 0, "seed", 1, prompt, "published", 0, NOW - 600, NOW - 500, None,
-         None, None, None, None, None),
-        (PENDING, 1, 1, "deepen", 2, prompt, "pending", None, None, None, None, None, None,
-         None, None, None),
-    ])
+    db.executemany(
+        f"INSERT INTO groups ({columns}) VALUES "
+        "(?, ?, ?, 'seed', ?, ?, 3, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        [
+            (
+                DONE_T0,
+                0,
+                0,
+                "seed",
+                1,
+                prompt,
+                "closed",
+                0,
+                NOW - 3000,
+                NOW - 2000,
+                NOW - 2000,
+                "complete",
+                "sent",
+                "x86-avx512",
+                30.0,
+                100.0,
+            ),
+            (
+                IN_FLIGHT,
+                1,
+                0,
+                "seed",
+                1,
+                prompt,
+                "published",
+                0,
+                NOW - 600,
+                NOW - 500,
+                None,
+                None,
+                None,
+                None,
+                None,
+                None,
+            ),
+            (
+                PENDING,
+                1,
+                1,
+                "deepen",
+                2,
+                prompt,
+                "pending",
+                None,
+                None,
+                None,
+                None,
+                None,
+                None,
+                None,
+                None,
+                None,
+            ),
+        ],
+    )
     first = result(IN_FLIGHT, 0, gflops=2.0)
-    db.execute("INSERT INTO results (id, group_id, idx, status, gflops, host_class, late, "
-               "received_at, body) VALUES (?, ?, 0, 'success', 2.0, 'x86-avx512', 0, ?, ?)",
-               (first.id, IN_FLIGHT, NOW - 500, encode(first)))
+    db.execute(
+        "INSERT INTO results (id, group_id, idx, status, gflops, host_class, late, "
+        "received_at, body) VALUES (?, ?, 0, 'success', 2.0, 'x86-avx512', 0, ?, ?)",
+        (first.id, IN_FLIGHT, NOW - 500, encode(first)),
+    )
     db.close()
 
 
@@ -252,9 +365,14 @@ class Clock:
 def resume(path: Path, clock: Clock) -> Scheduler:
     config = SchedulerConfig(
         experiment={"name": "unit", "seed": 7},
-        scheduler=SchedulerSection(iterations=2, group_size=3, node_budget=2, max_staleness=0,
-                                   confirm_winners=False,
-                                   metrics_port=0),
+        scheduler=SchedulerSection(
+            iterations=2,
+            group_size=3,
+            node_budget=2,
+            max_staleness=0,
+            confirm_winners=False,
+            metrics_port=0,
+        ),
     )
     return Scheduler(config, Store(path), clock=clock)
 
@@ -278,8 +396,7 @@ def test_a_run_started_with_the_old_schema_resumes_after_the_rename(tmp_path: Pa
 
     s.step()  # admits the pending group, plans nothing (iteration 1 is open)
     assert s.iteration() == 1
-    assert [m.id for _, _, m in s.store.unsent() if isinstance(m, GenerateRequest)] == \
-        [PENDING]
+    assert [m.id for _, _, m in s.store.unsent() if isinstance(m, GenerateRequest)] == [PENDING]
 
     s.handle_result(result(IN_FLIGHT, 0, gflops=9.0))  # redelivered: already filed
     for index, gflops in ((1, 4.0), (2, 1.0)):
@@ -324,8 +441,11 @@ def test_the_migration_is_one_transaction(tmp_path: Path, monkeypatch: pytest.Mo
 
     # A second rename that fails (not a valid name) after the first one ran: the first
     # must be rolled back with it.
-    monkeypatch.setattr(store_module, "RENAMED_COLUMNS", (
-        *store_module.RENAMED_COLUMNS, ("groups", "ordinal", "two words")))
+    monkeypatch.setattr(
+        store_module,
+        "RENAMED_COLUMNS",
+        (*store_module.RENAMED_COLUMNS, ("groups", "ordinal", "two words")),
+    )
     with pytest.raises(sqlite3.OperationalError):
         Store(path)
     assert "batch" in columns_of_groups(path) and "outcome" not in columns_of_groups(path)

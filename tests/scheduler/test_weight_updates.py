@@ -54,22 +54,40 @@ pytestmark = pytest.mark.broker
 def commit(store: CheckpointStore, version: int, **pacing: int) -> CheckpointInfo:
     staging = store.staging_dir(version)
     (staging / "weights.bin").write_bytes(f"weights of v{version}".encode())
-    return store.commit(staging, version, version - 1, "full",
-                        metrics={"loss": 0.5, **{k: float(v) for k, v in pacing.items()}})
+    return store.commit(
+        staging,
+        version,
+        version - 1,
+        "full",
+        metrics={"loss": 0.5, **{k: float(v) for k, v in pacing.items()}},
+    )
 
 
 def announce(publisher: Publisher, topology: Topology, update) -> None:
-    publisher.publish(Publish(topology.name(WEIGHT_UPDATES), update,
-                              exchange=topology.name(WEIGHT_UPDATES)))
+    publisher.publish(
+        Publish(topology.name(WEIGHT_UPDATES), update, exchange=topology.name(WEIGHT_UPDATES))
+    )
 
 
 def service(broker_settings, tmp_path: Path, name: str, **section):
     config = SchedulerConfig(
-        broker=broker_settings, experiment={"name": name, "seed": 1},
-        scheduler=SchedulerSection(**{
-            "iterations": 2, "group_size": 2, "node_budget": 2, "max_staleness": 0,
-            "confirm_winners": False, "metrics_port": 0, "tick_s": 0.1, "reward_mode": "raw",
-            "exit_when_done": False, "checkpoint_dir": tmp_path / "store", **section}),
+        broker=broker_settings,
+        experiment={"name": name, "seed": 1},
+        scheduler=SchedulerSection(
+            **{
+                "iterations": 2,
+                "group_size": 2,
+                "node_budget": 2,
+                "max_staleness": 0,
+                "confirm_winners": False,
+                "metrics_port": 0,
+                "tick_s": 0.1,
+                "reward_mode": "raw",
+                "exit_when_done": False,
+                "checkpoint_dir": tmp_path / "store",
+                **section,
+            }
+        ),
     )
     scheduler = Scheduler(config, Store(tmp_path / f"{name}.sqlite"))
     consumer = Consumer(broker_settings, f"scheduler-{name}", concurrency=2)
@@ -82,8 +100,7 @@ def test_versions_are_taken_only_from_the_store(broker_settings, raw_channel, tm
     acked as a duplicate and never taken."""
     topology = Topology(broker_settings.namespace, broker_settings.delivery_limit)
     store = CheckpointStore(tmp_path / "store")
-    scheduler, consumer, _service = service(broker_settings, tmp_path, "floor",
-                                            max_version_jump=4)
+    scheduler, consumer, _service = service(broker_settings, tmp_path, "floor", max_version_jump=4)
     floor = lambda: int(scheduler.store.get("policy_version", 0))  # noqa: E731
     run = lambda: f"floor/{store.run_id}"  # noqa: E731
     dlq = topology.dlq(WEIGHT_UPDATES)
@@ -93,9 +110,11 @@ def test_versions_are_taken_only_from_the_store(broker_settings, raw_channel, tm
         wait_for(lambda: floor() == 1, what="the floor at v1")
 
         forged = v1.weight_update(store.root, run=run()).model_copy(
-            update={"id": "v2147483647", "version": 2**31 - 1, "parent_version": 1})
+            update={"id": "v2147483647", "version": 2**31 - 1, "parent_version": 1}
+        )
         early = v1.weight_update(store.root, run=run()).model_copy(
-            update={"id": "v2", "version": 2, "parent_version": 1})
+            update={"id": "v2", "version": 2, "parent_version": 1}
+        )
         for update in (forged, early):
             announce(publisher, topology, update)
         reasons = dead_letters(raw_channel, dlq, expect=2)
@@ -111,8 +130,11 @@ def test_versions_are_taken_only_from_the_store(broker_settings, raw_channel, tm
         # the entry changed), or jumps more than max_version_jump ahead.
         for version in range(3, 8):
             info = commit(store, version)
-        lying = commit(store, 8).weight_update(store.root, run=run()).model_copy(
-            update={"checksum": "sha256:" + "0" * 64})
+        lying = (
+            commit(store, 8)
+            .weight_update(store.root, run=run())
+            .model_copy(update={"checksum": "sha256:" + "0" * 64})
+        )
         announce(publisher, topology, info.weight_update(store.root, run=run()))  # v7
         announce(publisher, topology, lying)
         reasons = dead_letters(raw_channel, dlq, expect=2)
@@ -134,20 +156,33 @@ def test_pacing_figures_are_typed_and_in_range(broker_settings, raw_channel, tmp
     that hold pass; pacing that holds everything past the deadline is unhealthy."""
     topology = Topology(broker_settings.namespace, broker_settings.delivery_limit)
     store = CheckpointStore(tmp_path / "store")
-    scheduler, consumer, svc = service(broker_settings, tmp_path, "pace", max_staleness=1,
-                                       initial_groups_per_step=1, node_budget=3,
-                                       pacing_hold_deadline_s=1.0)
+    scheduler, consumer, svc = service(
+        broker_settings,
+        tmp_path,
+        "pace",
+        max_staleness=1,
+        initial_groups_per_step=1,
+        node_budget=3,
+        pacing_hold_deadline_s=1.0,
+    )
     run = lambda: f"pace/{store.run_id}"  # noqa: E731
     dlq = topology.dlq(WEIGHT_UPDATES)
     with RunningConsumer(consumer), Publisher(broker_settings) as publisher:
         [request] = take(raw_channel, topology.name(GENERATE_REQUESTS), GenerateRequest)
-        publisher.publish(*(Publish(topology.name(BENCH_RESULTS),
-                                    result(request.id, i, gflops=2.0 + i, source=f"int k{i};"))
-                            for i in range(2)))
+        publisher.publish(
+            *(
+                Publish(
+                    topology.name(BENCH_RESULTS),
+                    result(request.id, i, gflops=2.0 + i, source=f"int k{i};"),
+                )
+                for i in range(2)
+            )
+        )
         take(raw_channel, topology.name(ROLLOUT_BATCHES), RolloutBatch)
         # One batch sent, nothing trained: the next iteration is held for staleness...
-        assert take(raw_channel, topology.name(GENERATE_REQUESTS), GenerateRequest,
-                    timeout=1.0) == []
+        assert (
+            take(raw_channel, topology.name(GENERATE_REQUESTS), GenerateRequest, timeout=1.0) == []
+        )
         # ...and past the deadline the service says so.
         wait_for(lambda: not svc.health()[0], 10, "pacing that holds everything to be unhealthy")
         _healthy, detail = svc.health()
@@ -157,25 +192,36 @@ def test_pacing_figures_are_typed_and_in_range(broker_settings, raw_channel, tmp
         # The forgery, as weight-update/1 (metrics) and as weight-update/2 (fields).
         v1 = commit(store, 1, groups_trained=1, groups_dropped=0, groups_per_step=1)
         genuine = v1.weight_update(store.root, run=run())
-        old_style = msgpack.unpackb(encode(WeightUpdateV1(
-            **{k: v for k, v in genuine.model_dump().items() if not k.startswith("groups_")},
-        )))
+        old_style = msgpack.unpackb(
+            encode(
+                WeightUpdateV1(
+                    **{
+                        k: v for k, v in genuine.model_dump().items() if not k.startswith("groups_")
+                    },
+                )
+            )
+        )
         old_style["metrics"] = {"groups_trained": -1e12, "groups_per_step": 1.0}
         topology.declare(raw_channel)
         raw_channel.basic_publish(topology.name(WEIGHT_UPDATES), "", msgpack.packb(old_style))
         announce(publisher, topology, genuine.model_copy(update={"groups_trained": 5}))
         reasons = dead_letters(raw_channel, dlq, expect=2)
-        assert any("invalid weight-update/1: groups_trained: Input should be greater than "
-                   "or equal to 0" in r for r in reasons), reasons
+        assert any(
+            "invalid weight-update/1: groups_trained: Input should be greater than "
+            "or equal to 0" in r
+            for r in reasons
+        ), reasons
         assert any("pacing" in r and "differ from the manifest" in r for r in reasons), reasons
         assert int(scheduler.store.get("policy_version", 0)) == 0
         assert not svc.health()[0]
 
         # The genuine one (old schema too: a learner not yet upgraded) releases the hold.
-        legacy = WeightUpdateV1(**{**{k: v for k, v in genuine.model_dump().items()
-                                      if not k.startswith("groups_")},
-                                   "metrics": {"groups_trained": 1.0, "groups_dropped": 0.0,
-                                               "groups_per_step": 1.0}})
+        legacy = WeightUpdateV1(
+            **{
+                **{k: v for k, v in genuine.model_dump().items() if not k.startswith("groups_")},
+                "metrics": {"groups_trained": 1.0, "groups_dropped": 0.0, "groups_per_step": 1.0},
+            }
+        )
         raw_channel.basic_publish(topology.name(WEIGHT_UPDATES), "", encode(legacy))
         released = take(raw_channel, topology.name(GENERATE_REQUESTS), GenerateRequest)
         assert [r.iteration for r in released] == [1] and released[0].min_policy_version == 1

@@ -93,8 +93,9 @@ class Kill:
 
 def system_rabbitmqctl(*args: str) -> str:
     """The shared node's ``rabbitmqctl``; its stdout."""
-    return subprocess.run(["rabbitmqctl", *args], capture_output=True, text=True, check=True,
-                          timeout=60).stdout
+    return subprocess.run(
+        ["rabbitmqctl", *args], capture_output=True, text=True, check=True, timeout=60
+    ).stdout
 
 
 def process_state(pid: int) -> str:
@@ -111,10 +112,16 @@ def process_state(pid: int) -> str:
 class Fleet:
     """The four services as subprocesses on one experiment config; what the test observes."""
 
-    def __init__(self, root: Path, settings: BrokerSettings, *, iterations: int,
-                 rabbitmqctl: Callable[..., str] | None = None,
-                 service_urls: Mapping[str, str] | None = None,
-                 env: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        root: Path,
+        settings: BrokerSettings,
+        *,
+        iterations: int,
+        rabbitmqctl: Callable[..., str] | None = None,
+        service_urls: Mapping[str, str] | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
         """``settings``: the broker as the test (an administrator) reaches it, and what every
         service's config says; ``service_urls``: a service's own broker URL (its role's user)
         where it differs; ``env``: more settings for every service (``HPCRL__...``)."""
@@ -138,8 +145,9 @@ class Fleet:
 
     def _config_text(self) -> str:
         s, root = self.settings, self.root
-        role_users = "".join(f"{role} = {json.dumps(user)}\n"
-                             for role, user in s.role_users.items())
+        role_users = "".join(
+            f"{role} = {json.dumps(user)}\n" for role, user in s.role_users.items()
+        )
         return f"""
 [broker]
 url = "{s.url}"
@@ -161,22 +169,22 @@ format = "json"
 [experiment]
 name = "{EXPERIMENT}"
 seed = 18
-data_dir = "{root / 'data'}"
+data_dir = "{root / "data"}"
 
 [scheduler]
-metrics_port = {self.ports['scheduler']}
+metrics_port = {self.ports["scheduler"]}
 iterations = {self.iterations}
 group_size = {GROUP_SIZE}
 node_budget = 2
 max_tokens = {MAX_TOKENS}
 max_staleness = 1
 initial_groups_per_step = {GROUPS_PER_STEP}
-isa = "{'avx512' if has_avx512() else 'avx2'}"
+isa = "{"avx512" if has_avx512() else "avx2"}"
 db_path = "{self.db_path}"
 tick_s = 0.2
 
 [generator]
-metrics_port = {self.ports['generator']}
+metrics_port = {self.ports["generator"]}
 backend = "transformers"
 model_path = "{self.policy}"
 checkpoint_dir = "{self.checkpoints}"
@@ -184,7 +192,7 @@ max_model_len = 1024
 version_poll_s = 0.2
 
 [learner]
-metrics_port = {self.ports['learner']}
+metrics_port = {self.ports["learner"]}
 model_path = "{self.policy}"
 checkpoint_dir = "{self.checkpoints}"
 groups_per_step = {GROUPS_PER_STEP}
@@ -193,10 +201,10 @@ device = "cpu"
 max_sequence_tokens = 2048
 
 [benchmarker]
-metrics_port = {self.ports['benchmarker']}
+metrics_port = {self.ports["benchmarker"]}
 concurrency = 1
-work_dir = "{root / 'bench'}"
-lock_path = "{root / 'bench.lock'}"
+work_dir = "{root / "bench"}"
+lock_path = "{root / "bench.lock"}"
 # The node is shared with every other service and the broker.
 pin_threads = false
 """
@@ -208,15 +216,20 @@ pin_threads = false
         if service == "benchmarker" and not has_avx512():
             argv += ["--allow-isa", "avx2"]
         port = port or self.ports[service]
-        env = {**os.environ, **self.env,
-               f"HPCRL__{service.upper()}__METRICS_PORT": str(port)}
+        env = {**os.environ, **self.env, f"HPCRL__{service.upper()}__METRICS_PORT": str(port)}
         if service in self.service_urls:
             env["HPCRL__BROKER__URL"] = self.service_urls[service]
         label = f"{service}.{sum(p.service == service for p in self.procs)}"
         log = self.logs / f"{label}.log"
         with log.open("ab") as handle:
-            popen = subprocess.Popen(argv, stdout=handle, stderr=subprocess.STDOUT, env=env,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+            popen = subprocess.Popen(
+                argv,
+                stdout=handle,
+                stderr=subprocess.STDOUT,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         proc = Proc(service, label, popen, port, log)
         self.procs.append(proc)
         return proc
@@ -224,18 +237,22 @@ pin_threads = false
     def wait_healthy(self, proc: Proc, timeout: float = 120.0) -> dict[str, Any]:
         def ready() -> dict[str, Any] | None:
             if not proc.alive():
-                raise AssertionError(f"{proc.label} exited with {proc.popen.returncode} "
-                                     f"while starting:\n{self.tail(proc)}")
+                raise AssertionError(
+                    f"{proc.label} exited with {proc.popen.returncode} "
+                    f"while starting:\n{self.tail(proc)}"
+                )
             health = self.health(proc)
             return health if health and health.get("healthy") else None
 
-        return wait_for(ready, timeout, f"{proc.label} to be healthy",
-                        lambda: self.tail(proc), every=0.25)
+        return wait_for(
+            ready, timeout, f"{proc.label} to be healthy", lambda: self.tail(proc), every=0.25
+        )
 
     def health(self, proc: Proc) -> dict[str, Any] | None:
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{proc.port}/healthz",
-                                        timeout=5) as response:
+            with urllib.request.urlopen(
+                f"http://127.0.0.1:{proc.port}/healthz", timeout=5
+            ) as response:
                 return json.loads(response.read())
         except urllib.error.HTTPError as exc:  # 503: the body says why
             return json.loads(exc.read() or b"{}")
@@ -245,12 +262,14 @@ pin_threads = false
     def metric(self, proc: Proc, name: str, **labels: str) -> float:
         """The sum of the samples of one metric on the process's /metrics whose labels
         include ``labels``."""
-        with urllib.request.urlopen(f"http://127.0.0.1:{proc.port}/metrics",
-                                    timeout=5) as response:
+        with urllib.request.urlopen(f"http://127.0.0.1:{proc.port}/metrics", timeout=5) as response:
             text = response.read().decode()
-        return sum(sample.value for family in text_string_to_metric_families(text)
-                   for sample in family.samples if sample.name == name
-                   and labels.items() <= sample.labels.items())
+        return sum(
+            sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == name and labels.items() <= sample.labels.items()
+        )
 
     def signal(self, proc: Proc, sig: signal.Signals) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -278,8 +297,10 @@ pin_threads = false
             with contextlib.suppress(ProcessLookupError):
                 os.kill(proc.pid, signal.SIGUSR1)  # every thread's stack, into its log
             time.sleep(2)
-            raise AssertionError(f"{proc.label} did not stop within {grace_s} s of SIGTERM; "
-                                 f"{threads}\n{self.tail(proc, 80)}") from None
+            raise AssertionError(
+                f"{proc.label} did not stop within {grace_s} s of SIGTERM; "
+                f"{threads}\n{self.tail(proc, 80)}"
+            ) from None
 
     def close(self) -> None:
         for proc in self.procs:
@@ -322,8 +343,9 @@ pin_threads = false
     def check_alive(self) -> None:
         for proc in self.procs:
             if not proc.retired and not proc.alive():
-                raise AssertionError(f"{proc.label} exited with {proc.popen.returncode}:\n"
-                                     f"{self.tail(proc)}")
+                raise AssertionError(
+                    f"{proc.label} exited with {proc.popen.returncode}:\n{self.tail(proc)}"
+                )
 
     def groups(self) -> list:
         return [g for t in range(self.iteration() + 1) for g in self.store.groups_of_iteration(t)]
@@ -343,8 +365,9 @@ pin_threads = false
     def outbox_bodies(self, queue: str) -> list[bytes]:
         connection = sqlite3.connect(f"file:{self.db_path}?mode=ro", uri=True, timeout=30)
         try:
-            rows = connection.execute("SELECT body FROM outbox WHERE queue = ? ORDER BY seq",
-                                      (queue,)).fetchall()
+            rows = connection.execute(
+                "SELECT body FROM outbox WHERE queue = ? ORDER BY seq", (queue,)
+            ).fetchall()
         finally:
             connection.close()
         return [bytes(row[0]) for row in rows]
@@ -354,11 +377,14 @@ pin_threads = false
         connection = sqlite3.connect(f"file:{self.db_path}?mode=ro", uri=True, timeout=30)
         try:
             rows = connection.execute(
-                "SELECT id, group_id, reward, late, received_at, body FROM results").fetchall()
+                "SELECT id, group_id, reward, late, received_at, body FROM results"
+            ).fetchall()
         finally:
             connection.close()
-        return [(r[0], r[1], r[2], r[3], r[4], decode(bytes(r[5]), BenchResult).benchmarker)
-                for r in rows]
+        return [
+            (r[0], r[1], r[2], r[3], r[4], decode(bytes(r[5]), BenchResult).benchmarker)
+            for r in rows
+        ]
 
     # --- the learner's checkpoint store ----------------------------------------------------
 
@@ -388,8 +414,11 @@ pin_threads = false
         """Every queue of this namespace (names only: the counts rabbitmqctl gives lag)."""
         out = self.rabbitmqctl("-q", "list_queues", "--formatter", "json", "name")
         prefix = self.settings.namespace + "."
-        return sorted(row["name"] for row in (json.loads(out) if out.strip() else [])
-                      if row["name"].startswith(prefix))
+        return sorted(
+            row["name"]
+            for row in (json.loads(out) if out.strip() else [])
+            if row["name"].startswith(prefix)
+        )
 
     def ready(self, base: str) -> int:
         with self.channel() as channel:
@@ -404,7 +433,7 @@ pin_threads = false
             with contextlib.suppress(OSError):
                 target = os.readlink(fd)
                 if target.startswith("socket:["):
-                    inodes.add(target[len("socket:["):-1])
+                    inodes.add(target[len("socket:[") : -1])
         ports = set()
         for table in ("tcp", "tcp6"):
             with contextlib.suppress(OSError):
@@ -422,8 +451,9 @@ pin_threads = false
     def held_by_each(self, procs: list[Proc]) -> dict[str, int]:
         """``held_by`` for several processes from one ``rabbitmqctl`` call (each takes ~1 s)."""
         ports = {proc.label: self.broker_ports(proc) for proc in procs}
-        out = self.rabbitmqctl("-q", "list_channels", "--formatter", "json", "name",
-                               "messages_unacknowledged")
+        out = self.rabbitmqctl(
+            "-q", "list_channels", "--formatter", "json", "name", "messages_unacknowledged"
+        )
         held = dict.fromkeys(ports, 0)
         for row in json.loads(out) if out.strip() else []:
             local = row["name"].split(" -> ")[0]  # "127.0.0.1:PORT -> 127.0.0.1:5672 (1)"
@@ -477,7 +507,8 @@ def assert_nothing_lost_nothing_twice(fleet: Fleet) -> dict[str, Any]:
         assert group.outcome == "sent", group
         assert store.count_results(group.id) == group.group_size == GROUP_SIZE
         assert [r.id for r in store.results_of(group.id)] == [
-            f"{group.id}/{i}" for i in range(group.group_size)]
+            f"{group.id}/{i}" for i in range(group.group_size)
+        ]
         assert outbox.get((GENERATE_REQUESTS, group.id)) == 1, "requested more than once"
         assert outbox.get((ROLLOUT_BATCHES, group.id)) == 1, "closed more than once"
     assert all(rewards[cid] is not None for cid in rewards), "a result without a reward"
@@ -514,8 +545,10 @@ def assert_nothing_lost_nothing_twice(fleet: Fleet) -> dict[str, Any]:
     seen_version = int(store.get("policy_version", 0))
     with fleet.channel() as channel:
         depths = {base: fleet.depth(channel, fleet.topology.name(base)) for base in WORK_QUEUES}
-        dlqs = {base: fleet.depth(channel, fleet.topology.dlq(base))
-                for base in [*WORK_QUEUES, WEIGHT_UPDATES]}
+        dlqs = {
+            base: fleet.depth(channel, fleet.topology.dlq(base))
+            for base in [*WORK_QUEUES, WEIGHT_UPDATES]
+        }
         dead = []
         for base, count in dlqs.items():
             for _ in range(count):
@@ -535,15 +568,22 @@ def assert_nothing_lost_nothing_twice(fleet: Fleet) -> dict[str, Any]:
     assert not dead, f"dead letters: {dead}"
     assert all(v > seen_version for v in late_updates), (seen_version, late_updates)
     with fleet.channel() as channel:
-        leftovers = {name: count for name in fleet.queue_names()
-                     if (count := fleet.depth(channel, name))}
+        leftovers = {
+            name: count for name in fleet.queue_names() if (count := fleet.depth(channel, name))
+        }
     assert not leftovers, f"queues still holding messages: {leftovers}"
-    return {"groups": len(ids), "results": len(rows), "versions": len(versions),
-            "scheduler_saw_version": seen_version, "queued_announcements": late_updates}
+    return {
+        "groups": len(ids),
+        "results": len(rows),
+        "versions": len(versions),
+        "scheduler_saw_version": seen_version,
+        "queued_announcements": late_updates,
+    }
 
 
-def wait_done(fleet: Fleet, scheduler: Proc, learner: Proc, timeout: float = 240.0,
-              refused: int = 0) -> None:
+def wait_done(
+    fleet: Fleet, scheduler: Proc, learner: Proc, timeout: float = 240.0, refused: int = 0
+) -> None:
     """The scheduler exits 0 once every iteration is closed; then the learner trains the
     last batches (all but ``refused``: batches the drill expects it to dead-letter)."""
     scheduler.retired = True  # its exit is expected now
@@ -560,14 +600,18 @@ def wait_done(fleet: Fleet, scheduler: Proc, learner: Proc, timeout: float = 240
         fleet.check_alive()
         return fleet.groups_trained() >= sent
 
-    wait_for(trained, 120, f"the learner to train all {sent} batches",
-             lambda: (fleet.groups_trained(), fleet.health(learner)), every=0.5)
+    wait_for(
+        trained,
+        120,
+        f"the learner to train all {sent} batches",
+        lambda: (fleet.groups_trained(), fleet.health(learner)),
+        every=0.5,
+    )
 
 
 def stop_all(fleet: Fleet) -> dict[str, int]:
     """SIGTERM every service still running; their exit statuses."""
     return {proc.label: fleet.terminate(proc) for proc in fleet.procs if proc.alive()}
-
 
 
 def connected(fleet: Fleet, proc: Proc) -> bool | None:
@@ -583,8 +627,13 @@ def start_and_wait_mid_run(fleet: Fleet) -> tuple[dict[str, Proc], dict[str, int
     procs = {service: fleet.start(service) for service in SERVICES}
     for proc in procs.values():
         fleet.wait_healthy(proc)
-    wait_for(lambda: fleet.check_alive() or fleet.learner_version() >= 1, 240,
-             "the first policy version", fleet.tails, every=0.5)
+    wait_for(
+        lambda: fleet.check_alive() or fleet.learner_version() >= 1,
+        240,
+        "the first policy version",
+        fleet.tails,
+        every=0.5,
+    )
 
     def holding() -> dict[str, int] | None:
         fleet.check_alive()

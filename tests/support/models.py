@@ -17,8 +17,13 @@ def chat_model(out: Path, *, hidden_size: int = 128, heads: int = 2, seed: int =
 
 
 def learner_model(out: Path, *, seed: int = 0) -> Path:
-    return write_random_model(out, tiny_shape(64, heads=4, kv_heads=2, max_positions=4096),
-                              seed=seed, init_std=None, tie_word_embeddings=False)
+    return write_random_model(
+        out,
+        tiny_shape(64, heads=4, kv_heads=2, max_positions=4096),
+        seed=seed,
+        init_std=None,
+        tie_word_embeddings=False,
+    )
 
 
 def perturbed_copy(src: Path, out: Path, *, scale: float = 0.2, seed: int = 1) -> Path:

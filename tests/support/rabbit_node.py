@@ -127,30 +127,31 @@ class RabbitNode:
 
     def _environment(self) -> dict[str, str]:
         base = self.base
-        env = {k: v for k, v in os.environ.items()
-               if not k.startswith(("RABBITMQ_", "ERL_"))}
-        env.update({
-            "HOME": str(base / "home"),  # its .erlang.cookie, for the server and the CLI
-            "LANG": env.get("LANG") or "C.UTF-8",
-            "RABBITMQ_CONF_ENV_FILE": str(base / "rabbitmq-env.conf"),
-            "RABBITMQ_NODENAME": self.name,
-            "RABBITMQ_DIST_PORT": str(self.dist_port),
-            "RABBITMQ_CONFIG_FILE": str(base / "rabbitmq.conf"),
-            "RABBITMQ_CONFIG_FILES": str(base / "conf.d"),
-            "RABBITMQ_ADVANCED_CONFIG_FILE": str(base / "advanced.config"),
-            "RABBITMQ_ENABLED_PLUGINS_FILE": str(base / "enabled_plugins"),
-            "RABBITMQ_MNESIA_BASE": str(base / "mnesia"),
-            "RABBITMQ_MNESIA_DIR": str(base / "mnesia" / self.name),
-            "RABBITMQ_FEATURE_FLAGS_FILE": str(base / "mnesia" / "feature_flags"),
-            "RABBITMQ_PLUGINS_EXPAND_DIR": str(base / "plugins-expand"),
-            "RABBITMQ_LOG_BASE": str(base / "log"),
-            "RABBITMQ_LOGS": str(self.log_file),
-            "RABBITMQ_PID_FILE": str(base / "rabbitmq.pid"),
-            "RABBITMQ_MOTD_FILE": str(base / "motd"),
-            "ERL_EPMD_ADDRESS": "127.0.0.1",
-            "ERL_FLAGS": "-kernel inet_dist_use_interface {127,0,0,1}",
-            "ERL_CRASH_DUMP": str(base / "erl_crash.dump"),
-        })
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("RABBITMQ_", "ERL_"))}
+        env.update(
+            {
+                "HOME": str(base / "home"),  # its .erlang.cookie, for the server and the CLI
+                "LANG": env.get("LANG") or "C.UTF-8",
+                "RABBITMQ_CONF_ENV_FILE": str(base / "rabbitmq-env.conf"),
+                "RABBITMQ_NODENAME": self.name,
+                "RABBITMQ_DIST_PORT": str(self.dist_port),
+                "RABBITMQ_CONFIG_FILE": str(base / "rabbitmq.conf"),
+                "RABBITMQ_CONFIG_FILES": str(base / "conf.d"),
+                "RABBITMQ_ADVANCED_CONFIG_FILE": str(base / "advanced.config"),
+                "RABBITMQ_ENABLED_PLUGINS_FILE": str(base / "enabled_plugins"),
+                "RABBITMQ_MNESIA_BASE": str(base / "mnesia"),
+                "RABBITMQ_MNESIA_DIR": str(base / "mnesia" / self.name),
+                "RABBITMQ_FEATURE_FLAGS_FILE": str(base / "mnesia" / "feature_flags"),
+                "RABBITMQ_PLUGINS_EXPAND_DIR": str(base / "plugins-expand"),
+                "RABBITMQ_LOG_BASE": str(base / "log"),
+                "RABBITMQ_LOGS": str(self.log_file),
+                "RABBITMQ_PID_FILE": str(base / "rabbitmq.pid"),
+                "RABBITMQ_MOTD_FILE": str(base / "motd"),
+                "ERL_EPMD_ADDRESS": "127.0.0.1",
+                "ERL_FLAGS": "-kernel inet_dist_use_interface {127,0,0,1}",
+                "ERL_CRASH_DUMP": str(base / "erl_crash.dump"),
+            }
+        )
         return env
 
     def _write_files(self) -> None:
@@ -185,8 +186,14 @@ class RabbitNode:
         self._write_files()
         with self.console_file.open("ab") as console:
             self.process = subprocess.Popen(
-                [str(SERVER)], env=self.env, cwd=self.base, stdin=subprocess.DEVNULL,
-                stdout=console, stderr=subprocess.STDOUT, start_new_session=True)
+                [str(SERVER)],
+                env=self.env,
+                cwd=self.base,
+                stdin=subprocess.DEVNULL,
+                stdout=console,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         return self
 
     def wait_started(self, timeout_s: float | None = None) -> None:
@@ -199,15 +206,18 @@ class RabbitNode:
             if self.process.poll() is not None:
                 raise RabbitNodeError(
                     f"{self.name} exited with status {self.process.returncode} while "
-                    f"starting\n{self.log_tail()}")
+                    f"starting\n{self.log_tail()}"
+                )
             left = deadline - time.monotonic()
             if left <= 0:
                 raise RabbitNodeError(
                     f"{self.name} did not start within {timeout_s or self.startup_timeout_s} s"
-                    f" (last await_startup: {last.strip()[-500:]})\n{self.log_tail()}")
+                    f" (last await_startup: {last.strip()[-500:]})\n{self.log_tail()}"
+                )
             try:
-                result = self.ctl("await_startup", "-t", str(max(int(left), 1)),
-                                  check=False, timeout_s=left + 10)
+                result = self.ctl(
+                    "await_startup", "-t", str(max(int(left), 1)), check=False, timeout_s=left + 10
+                )
             except subprocess.TimeoutExpired:
                 continue
             if result.returncode == 0:
@@ -270,20 +280,29 @@ class RabbitNode:
 
     # --- talking to it --------------------------------------------------------------------
 
-    def ctl(self, *args: str, tool: str = "rabbitmqctl", check: bool = True,
-            timeout_s: float = 90.0) -> subprocess.CompletedProcess[str]:
+    def ctl(
+        self, *args: str, tool: str = "rabbitmqctl", check: bool = True, timeout_s: float = 90.0
+    ) -> subprocess.CompletedProcess[str]:
         """Run a CLI tool (rabbitmqctl, rabbitmq-diagnostics, ...) against this node."""
         result = subprocess.run(
-            [str(RABBIT_BIN / tool), "-n", self.name, *args], env=self.env, cwd=self.base,
-            capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
+            [str(RABBIT_BIN / tool), "-n", self.name, *args],
+            env=self.env,
+            cwd=self.base,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            stdin=subprocess.DEVNULL,
+        )
         if check and result.returncode != 0:
             raise RabbitNodeError(
                 f"{tool} -n {self.name} {' '.join(args)} exited with {result.returncode}:\n"
-                f"{result.stdout}{result.stderr}")
+                f"{result.stdout}{result.stderr}"
+            )
         return result
 
-    def diagnostics(self, *args: str, check: bool = True,
-                    timeout_s: float = 90.0) -> subprocess.CompletedProcess[str]:
+    def diagnostics(
+        self, *args: str, check: bool = True, timeout_s: float = 90.0
+    ) -> subprocess.CompletedProcess[str]:
         return self.ctl(*args, tool="rabbitmq-diagnostics", check=check, timeout_s=timeout_s)
 
     # --- clustering ----------------------------------------------------------------------
@@ -302,8 +321,9 @@ class RabbitNode:
     def running_nodes(self) -> set[str]:
         return set(self.cluster_status().get("running_nodes", []))
 
-    def wait_running_nodes(self, nodes: Sequence[RabbitNode | str],
-                           timeout_s: float = 60.0) -> None:
+    def wait_running_nodes(
+        self, nodes: Sequence[RabbitNode | str], timeout_s: float = 60.0
+    ) -> None:
         """Wait until this node sees exactly ``nodes`` running in its cluster."""
         want = {node if isinstance(node, str) else node.name for node in nodes}
         deadline = time.monotonic() + timeout_s
@@ -316,35 +336,50 @@ class RabbitNode:
             if seen == want:
                 return
             time.sleep(0.5)
-        raise RabbitNodeError(f"{self.name}: running nodes are {seen}, not {sorted(want)}, "
-                              f"after {timeout_s} s")
+        raise RabbitNodeError(
+            f"{self.name}: running nodes are {seen}, not {sorted(want)}, after {timeout_s} s"
+        )
 
     def connection_names(self) -> list[str]:
         """The ``connection_name`` (client property) of every client connected to this node."""
-        out = self.ctl("-q", "list_connections", "--no-table-headers",
-                       "client_properties").stdout
+        out = self.ctl("-q", "list_connections", "--no-table-headers", "client_properties").stdout
         return _CONNECTION_NAME.findall(out)
 
     def queues(self, *items: str, vhost: str = "/") -> list[dict]:
         """``rabbitmqctl list_queues`` of ``items`` (name, type, messages, members, leader,
         online, ...), one dict per queue, from a single CLI call."""
-        out = self.ctl("-q", "list_queues", "--vhost", vhost, "--formatter", "json",
-                       *items).stdout
+        out = self.ctl("-q", "list_queues", "--vhost", vhost, "--formatter", "json", *items).stdout
         return json.loads(out) if out.strip() else []
 
     def quorum_members(self, queue: str, vhost: str = "/") -> dict[str, str]:
         """node -> Raft state (leader, follower, ...) of a quorum queue's members, by
         ``rabbitmq-queues quorum_status``; a member whose node is down shows ``nodedown``."""
-        out = self.ctl("-q", "quorum_status", queue, "--vhost", vhost, "--formatter", "json",
-                       tool="rabbitmq-queues").stdout
+        out = self.ctl(
+            "-q",
+            "quorum_status",
+            queue,
+            "--vhost",
+            vhost,
+            "--formatter",
+            "json",
+            tool="rabbitmq-queues",
+        ).stdout
         members = {}
         for row in json.loads(out):
             state = row["Raft State"]  # [nodedown, Node] (or another error) when unreachable
             members[row["Node Name"]] = state if isinstance(state, str) else str(state[0])
         return members
 
-    def url(self, user: str = "guest", password: str = "guest", *, scheme: str = "amqp",
-            host: str = "127.0.0.1", port: int | None = None, vhost: str = "%2F") -> str:
+    def url(
+        self,
+        user: str = "guest",
+        password: str = "guest",
+        *,
+        scheme: str = "amqp",
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        vhost: str = "%2F",
+    ) -> str:
         return f"{scheme}://{user}:{password}@{host}:{port or self.port}/{vhost}"
 
     def log_tail(self, lines: int = 60) -> str:
@@ -364,8 +399,9 @@ class RabbitNode:
 
 
 @contextlib.contextmanager
-def start_nodes(workdir: Path | None, configs: int | Sequence[Config],
-                **options: object) -> Iterator[list[RabbitNode]]:
+def start_nodes(
+    workdir: Path | None, configs: int | Sequence[Config], **options: object
+) -> Iterator[list[RabbitNode]]:
     """Several nodes with one cookie (as a cluster needs), started side by side.
 
     ``configs`` is a count (default config each) or one config per node; ``options`` go to
@@ -386,8 +422,9 @@ def start_nodes(workdir: Path | None, configs: int | Sequence[Config],
 
 
 @contextlib.contextmanager
-def start_cluster(workdir: Path | None, configs: int | Sequence[Config],
-                  **options: object) -> Iterator[list[RabbitNode]]:
+def start_cluster(
+    workdir: Path | None, configs: int | Sequence[Config], **options: object
+) -> Iterator[list[RabbitNode]]:
     """:func:`start_nodes`, then every node after the first joins the first: one cluster,
     all of whose members run when the block starts. All are stopped on exit."""
     with start_nodes(workdir, configs, **options) as nodes:

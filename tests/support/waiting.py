@@ -7,8 +7,13 @@ from collections.abc import Callable
 from typing import Any
 
 
-def wait_for(predicate: Callable[[], Any], timeout: float = 20.0, what: str = "condition",
-             detail: Callable[[], object] = lambda: "", every: float = 0.1) -> Any:
+def wait_for(
+    predicate: Callable[[], Any],
+    timeout: float = 20.0,
+    what: str = "condition",
+    detail: Callable[[], object] = lambda: "",
+    every: float = 0.1,
+) -> Any:
     """Call ``predicate`` every ``every`` seconds until it returns something truthy, and
     return that; after ``timeout`` seconds fail with ``what`` and ``detail()`` (logs, state)."""
     deadline = time.monotonic() + timeout
@@ -18,5 +23,6 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 20.0, what: str = "c
             return value
         time.sleep(every)
     shown = detail()
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}"
-                         + (f": {shown}" if shown else ""))
+    raise AssertionError(
+        f"timed out after {timeout} s waiting for {what}" + (f": {shown}" if shown else "")
+    )

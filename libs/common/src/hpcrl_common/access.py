@@ -115,8 +115,7 @@ def role_permissions(topology: Topology, role: AnyRole, user: str = "") -> Permi
     # A generator replica names its own auto-deleted update queue (hostname-pid by default):
     # anything under the exchange's name except the scheduler's queue, the DLQ and its
     # inbox, and the holding queues `hpcrl-broker-admin migrate` puts beside those.
-    replica_queue = (f"{updates}\\.(?!(?:{re.escape(SCHEDULER_SUBSCRIBER)}|dlq)"
-                     f"(?:\\.|$)).+")
+    replica_queue = f"{updates}\\.(?!(?:{re.escape(SCHEDULER_SUBSCRIBER)}|dlq)(?:\\.|$)).+"
 
     def inbox(base: str) -> str:
         return re.escape(t.work_exchange(base))
@@ -130,32 +129,51 @@ def role_permissions(topology: Topology, role: AnyRole, user: str = "") -> Permi
     if role == "scheduler":
         return Permissions(
             configure=NOTHING,
-            write=_any(inbox(GENERATE_REQUESTS), inbox(ROLLOUT_BATCHES), inbox(CODE_TO_BENCH),
-                       dead_letters(BENCH_RESULTS), dead_letters(WEIGHT_UPDATES)),
+            write=_any(
+                inbox(GENERATE_REQUESTS),
+                inbox(ROLLOUT_BATCHES),
+                inbox(CODE_TO_BENCH),
+                dead_letters(BENCH_RESULTS),
+                dead_letters(WEIGHT_UPDATES),
+            ),
             read=_any(queue(BENCH_RESULTS), scheduler_queue),
         )
     if role == "generator":
         return Permissions(
             configure=_any(replica_queue),
-            write=_any(inbox(CODE_TO_BENCH), dead_letters(GENERATE_REQUESTS),
-                       dead_letters(WEIGHT_UPDATES), replica_queue),
+            write=_any(
+                inbox(CODE_TO_BENCH),
+                dead_letters(GENERATE_REQUESTS),
+                dead_letters(WEIGHT_UPDATES),
+                replica_queue,
+            ),
             read=_any(queue(GENERATE_REQUESTS), updates, replica_queue),
         )
     if role == "benchmarker":
-        return Permissions(configure=NOTHING,
-                           write=_any(inbox(BENCH_RESULTS), dead_letters(CODE_TO_BENCH),
-                                      re.escape(t.reward_verdicts_exchange),
-                                      dead_letters(REWARD_REQUESTS)),
-                           read=_any(queue(CODE_TO_BENCH), queue(REWARD_REQUESTS)))
+        return Permissions(
+            configure=NOTHING,
+            write=_any(
+                inbox(BENCH_RESULTS),
+                dead_letters(CODE_TO_BENCH),
+                re.escape(t.reward_verdicts_exchange),
+                dead_letters(REWARD_REQUESTS),
+            ),
+            read=_any(queue(CODE_TO_BENCH), queue(REWARD_REQUESTS)),
+        )
     if role == CLIENT_ROLE:
         if not user:
             raise ValueError("the client role's permissions name its user")
-        return Permissions(configure=NOTHING, write=_any(inbox(REWARD_REQUESTS)),
-                           read=_any(re.escape(t.reply_queue(user))))
+        return Permissions(
+            configure=NOTHING,
+            write=_any(inbox(REWARD_REQUESTS)),
+            read=_any(re.escape(t.reply_queue(user))),
+        )
     if role == "learner":
-        return Permissions(configure=NOTHING,
-                           write=_any(updates, dead_letters(ROLLOUT_BATCHES)),
-                           read=_any(queue(ROLLOUT_BATCHES)))
+        return Permissions(
+            configure=NOTHING,
+            write=_any(updates, dead_letters(ROLLOUT_BATCHES)),
+            read=_any(queue(ROLLOUT_BATCHES)),
+        )
     raise ValueError(f"unknown role {role!r} (known: {', '.join(ROLES)})")
 
 
@@ -163,8 +181,9 @@ def _any(*patterns: str) -> str:
     return "^(?:" + "|".join(patterns) + ")$"
 
 
-def publisher_allowed(queue_base: str, user_id: str | None,
-                      role_users: Mapping[str, str]) -> str | None:
+def publisher_allowed(
+    queue_base: str, user_id: str | None, role_users: Mapping[str, str]
+) -> str | None:
     """None when ``user_id`` may publish into ``queue_base``; else the reason it may not.
 
     The role's user is ``role_users[role]``; several users of one role (benchmarkers at
@@ -172,13 +191,15 @@ def publisher_allowed(queue_base: str, user_id: str | None,
     """
     roles = PUBLISHER_ROLES[queue_base]
     users = [role_user(role_users, role) for role in roles]
-    if user_id is not None and any(user_id == user or user_id.startswith(user + ".")
-                                   for user in users):
+    if user_id is not None and any(
+        user_id == user or user_id.startswith(user + ".") for user in users
+    ):
         return None
     who = "an unauthenticated publisher" if not user_id else f"user {user_id!r}"
     named = " or ".join(f"user {user!r} or {user!r}.<name>" for user in users)
-    return (f"{who} may not publish to {queue_base}: only the {' or '.join(roles)} role "
-            f"({named}) may")
+    return (
+        f"{who} may not publish to {queue_base}: only the {' or '.join(roles)} role ({named}) may"
+    )
 
 
 def role_user(role_users: Mapping[str, str], role: str) -> str:
@@ -193,8 +214,9 @@ def password_hash(password: str, salt: bytes | None = None) -> str:
     return base64.b64encode(salt + digest).decode()
 
 
-def definitions(topology: Topology, vhost: str,
-                users: Mapping[str, tuple[AnyRole, str]]) -> dict[str, Any]:
+def definitions(
+    topology: Topology, vhost: str, users: Mapping[str, tuple[AnyRole, str]]
+) -> dict[str, Any]:
     """A RabbitMQ definitions document: the vhost, one user per entry, the topology.
 
     ``users`` maps user name to (role, password). Import it with
@@ -204,36 +226,72 @@ def definitions(topology: Topology, vhost: str,
     return {
         "vhosts": [{"name": vhost}],
         "users": [
-            {"name": name, "password_hash": password_hash(password),
-             "hashing_algorithm": "rabbit_password_hashing_sha256", "tags": []}
+            {
+                "name": name,
+                "password_hash": password_hash(password),
+                "hashing_algorithm": "rabbit_password_hashing_sha256",
+                "tags": [],
+            }
             for name, (_role, password) in sorted(users.items())
         ],
         "permissions": [
             {"user": name, "vhost": vhost, **role_permissions(topology, role, name).__dict__}
             for name, (role, _password) in sorted(users.items())
         ],
-        **topology_definitions(topology, vhost, clients=sorted(
-            name for name, (role, _password) in users.items() if role == CLIENT_ROLE)),
+        **topology_definitions(
+            topology,
+            vhost,
+            clients=sorted(
+                name for name, (role, _password) in users.items() if role == CLIENT_ROLE
+            ),
+        ),
     }
 
 
-def topology_definitions(topology: Topology, vhost: str, clients: Sequence[str] = (),
-                         ) -> dict[str, list[dict[str, Any]]]:
+def topology_definitions(
+    topology: Topology,
+    vhost: str,
+    clients: Sequence[str] = (),
+) -> dict[str, list[dict[str, Any]]]:
     """What :meth:`Topology.declare` makes, as definitions (queues, exchanges, bindings),
     and the verdict queue of each client user in ``clients``."""
     exchanges, queues, bindings = [], [], []
 
     def exchange(name: str, kind: str) -> None:
-        exchanges.append({"name": name, "vhost": vhost, "type": kind, "durable": True,
-                          "auto_delete": False, "internal": False, "arguments": {}})
+        exchanges.append(
+            {
+                "name": name,
+                "vhost": vhost,
+                "type": kind,
+                "durable": True,
+                "auto_delete": False,
+                "internal": False,
+                "arguments": {},
+            }
+        )
 
     def queue(name: str, arguments: dict[str, Any]) -> None:
-        queues.append({"name": name, "vhost": vhost, "durable": True, "auto_delete": False,
-                       "arguments": arguments})
+        queues.append(
+            {
+                "name": name,
+                "vhost": vhost,
+                "durable": True,
+                "auto_delete": False,
+                "arguments": arguments,
+            }
+        )
 
     def bind(source: str, destination: str, key: str) -> None:
-        bindings.append({"source": source, "vhost": vhost, "destination": destination,
-                         "destination_type": "queue", "routing_key": key, "arguments": {}})
+        bindings.append(
+            {
+                "source": source,
+                "vhost": vhost,
+                "destination": destination,
+                "destination_type": "queue",
+                "routing_key": key,
+                "arguments": {},
+            }
+        )
 
     def durable(spec: DurableQueue) -> None:
         queue(spec.name, spec.arguments)

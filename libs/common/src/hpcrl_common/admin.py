@@ -60,23 +60,36 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hpcrl-broker-admin", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     defs = commands.add_parser(
-        "definitions", help="write a RabbitMQ definitions file: vhost, role users, topology")
+        "definitions", help="write a RabbitMQ definitions file: vhost, role users, topology"
+    )
     add_config_argument(defs)
-    defs.add_argument("--password-dir", type=Path, required=True,
-                      help="one <user>.password file per user (mode 600); existing files are "
-                      "kept, missing ones get a new random password")
+    defs.add_argument(
+        "--password-dir",
+        type=Path,
+        required=True,
+        help="one <user>.password file per user (mode 600); existing files are "
+        "kept, missing ones get a new random password",
+    )
     defs.add_argument("--out", type=Path, required=True, help="definitions JSON to write")
     defs.add_argument("--vhost", help="default: the vhost of broker.url")
-    defs.add_argument("--extra-user", action="append", default=[], metavar="ROLE:NAME",
-                      help="another user of a role, named <role user>.<NAME> (e.g. "
-                      "benchmarker:site-b; client:alice for an outside trainer, with its "
-                      "own verdict queue); repeatable")
+    defs.add_argument(
+        "--extra-user",
+        action="append",
+        default=[],
+        metavar="ROLE:NAME",
+        help="another user of a role, named <role user>.<NAME> (e.g. "
+        "benchmarker:site-b; client:alice for an outside trainer, with its "
+        "own verdict queue); repeatable",
+    )
     declare = commands.add_parser(
-        "declare", help="declare the topology with the config's (admin) broker user")
+        "declare", help="declare the topology with the config's (admin) broker user"
+    )
     add_config_argument(declare)
     migrate = commands.add_parser(
-        "migrate", help="make the classic dead-letter and scheduler update queues of an older "
-        "release quorum queues, keeping their messages; then declare the topology")
+        "migrate",
+        help="make the classic dead-letter and scheduler update queues of an older "
+        "release quorum queues, keeping their messages; then declare the topology",
+    )
     add_config_argument(migrate)
     args = parser.parse_args(argv)
     try:
@@ -100,18 +113,24 @@ def write_definitions(config: ServiceConfig, args: argparse.Namespace) -> int:
     for extra in args.extra_user:
         role, _, name = extra.partition(":")
         if role not in (*ROLES, CLIENT_ROLE) or not name or "." in name:
-            raise ValueError(f"--extra-user {extra!r}: expected ROLE:NAME with a role of "
-                             f"{', '.join((*ROLES, CLIENT_ROLE))} and a NAME without dots")
+            raise ValueError(
+                f"--extra-user {extra!r}: expected ROLE:NAME with a role of "
+                f"{', '.join((*ROLES, CLIENT_ROLE))} and a NAME without dots"
+            )
         user = f"{role_user(broker.role_users, role)}.{name}"
         users[user] = (role, "")  # type: ignore[assignment]
     args.password_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    users = {name: (role, _password(args.password_dir / f"{name}.password"))
-             for name, (role, _) in users.items()}
+    users = {
+        name: (role, _password(args.password_dir / f"{name}.password"))
+        for name, (role, _) in users.items()
+    }
     topology = Topology(broker.namespace, broker.delivery_limit)
     document = definitions(topology, vhost, users)
     _write_private(args.out, json.dumps(document, indent=2) + "\n")
-    print(f"wrote {args.out}: vhost {vhost!r}, users {', '.join(sorted(users))}; passwords in "
-          f"{args.password_dir}/<user>.password")
+    print(
+        f"wrote {args.out}: vhost {vhost!r}, users {', '.join(sorted(users))}; passwords in "
+        f"{args.password_dir}/<user>.password"
+    )
     return 0
 
 
@@ -138,9 +157,11 @@ def declare_topology(config: ServiceConfig) -> int:
         _declare_all(connection.channel(), topology)
     except pika.exceptions.ChannelClosedByBroker as exc:
         if is_queue_type_conflict(exc):
-            raise ValueError(f"declaring the topology failed: {exc.reply_text}; a broker set "
-                             f"up by an older release needs `hpcrl-broker-admin migrate` "
-                             f"instead") from None
+            raise ValueError(
+                f"declaring the topology failed: {exc.reply_text}; a broker set "
+                f"up by an older release needs `hpcrl-broker-admin migrate` "
+                f"instead"
+            ) from None
         raise ValueError(f"declaring the topology failed: {exc!r}") from None
     except pika.exceptions.AMQPError as exc:
         raise ValueError(f"declaring the topology failed: {exc!r}") from None
@@ -174,8 +195,10 @@ def migrate_topology(config: ServiceConfig) -> int:
     """
     broker = config.broker
     topology = Topology(broker.namespace, broker.delivery_limit)
-    queues = [*topology.dead_letter_queues(),
-              topology.durable_subscriber_queue(WEIGHT_UPDATES, SCHEDULER_SUBSCRIBER)]
+    queues = [
+        *topology.dead_letter_queues(),
+        topology.durable_subscriber_queue(WEIGHT_UPDATES, SCHEDULER_SUBSCRIBER),
+    ]
     connection = open_connection(connection_parameters(broker, "hpcrl-broker-admin"))
     refused = []
     try:
@@ -190,8 +213,10 @@ def migrate_topology(config: ServiceConfig) -> int:
         if not refused:
             _declare_all(connection.channel(), topology)
     except pika.exceptions.AMQPError as exc:
-        raise ValueError(f"migrating failed: {exc!r}; no message was lost, and running "
-                         f"`hpcrl-broker-admin migrate` again carries on") from None
+        raise ValueError(
+            f"migrating failed: {exc!r}; no message was lost, and running "
+            f"`hpcrl-broker-admin migrate` again carries on"
+        ) from None
     finally:
         _close(connection)
     for reason in refused:
@@ -255,14 +280,14 @@ def _exists(connection: pika.BlockingConnection, queue: str) -> bool:
     return True
 
 
-def _empty_classic(channel: BlockingChannel, queue: DurableQueue,
-                   holding: DurableQueue) -> None:
+def _empty_classic(channel: BlockingChannel, queue: DurableQueue, holding: DurableQueue) -> None:
     """Move the classic queue's messages to the holding queue and delete it."""
     consumers = channel.queue_declare(queue.name, passive=True).method.consumer_count
     if consumers:
         raise MigrationRefused(
             f"{queue.name} has {consumers} consumer(s): stop them (the scheduler consumes "
-            f"its update queue) and run `hpcrl-broker-admin migrate` again")
+            f"its update queue) and run `hpcrl-broker-admin migrate` again"
+        )
     holding.declare(channel)  # new messages reach the holding queue too ...
     queue.unbind(channel)  # ... and then only it
     move_messages(channel, queue.name, holding.name)
@@ -283,8 +308,9 @@ def move_messages(channel: BlockingChannel, source: str, target: str) -> int:
         moved += 1
 
 
-def _republish(channel: BlockingChannel, queue: str, properties: pika.BasicProperties,
-               body: bytes) -> None:
+def _republish(
+    channel: BlockingChannel, queue: str, properties: pika.BasicProperties, body: bytes
+) -> None:
     headers = dict(properties.headers or {})
     # The holding queue's own redelivery count, which consumers of the new queue would
     # take for theirs.
@@ -296,8 +322,13 @@ def _republish(channel: BlockingChannel, queue: str, properties: pika.BasicPrope
     properties.headers = headers or None
     try:
         channel.basic_publish("", queue, body, properties=properties, mandatory=True)
-    except (TypeError, ValueError, OverflowError, struct.error,
-            pika.exceptions.UnsupportedAMQPFieldException):
+    except (
+        TypeError,
+        ValueError,
+        OverflowError,
+        struct.error,
+        pika.exceptions.UnsupportedAMQPFieldException,
+    ):
         # Headers pika decoded but cannot encode again (nothing was sent): keep them as text.
         properties.headers = _as_text(headers)
         channel.basic_publish("", queue, body, properties=properties, mandatory=True)

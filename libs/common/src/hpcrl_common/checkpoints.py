@@ -163,8 +163,7 @@ class CheckpointStore:
             shutil.rmtree(stale, ignore_errors=True)
 
     def _write_manifest(self, versions: list[CheckpointInfo], run_id: str) -> None:
-        body = json.dumps({"run_id": run_id, "versions": [asdict(v) for v in versions]},
-                          indent=1)
+        body = json.dumps({"run_id": run_id, "versions": [asdict(v) for v in versions]}, indent=1)
         fd, tmp = tempfile.mkstemp(prefix=".manifest-", dir=self.root)
         with os.fdopen(fd, "w") as handle:
             handle.write(body)

@@ -48,25 +48,60 @@ class Relation:
 
 
 RELATIONS: tuple[Relation, ...] = (
-    Relation("learner.model_path", "equal", "generator.model_path", Path,
-             "version 0 of the policy the learner trains and the generators sample"),
-    Relation("learner.checkpoint_dir", "equal", "generator.checkpoint_dir", Path | None,
-             "the generators load new versions only from the learner's store (an unset "
-             "generator.checkpoint_dir serves version 0 only and is not compared)"),
-    Relation("learner.checkpoint_dir", "equal", "scheduler.checkpoint_dir", Path | None,
-             "the scheduler takes a policy version (its floor, the pacing figures) only "
-             "from the learner's store (unset, it follows learner.checkpoint_dir of the same "
-             "file)"),
-    Relation("scheduler.initial_groups_per_step", "equal", "learner.groups_per_step", int,
-             "the scheduler paces by it until the learner's first update: if max_staleness "
-             "x it is below a step's worth the first step never fills, if above, generation "
-             "runs further ahead than max_staleness"),
-    Relation("scheduler.max_staleness", "at_most", "learner.max_staleness", int,
-             "the learner drops groups sampled more versions behind than it allows"),
-    Relation("generator.max_model_len", "at_most", "learner.max_sequence_tokens", int,
-             "the learner refuses (dead-letters) longer prompt + completion sequences"),
-    Relation("learner.lora.enabled", "implies", "generator.enable_lora", bool,
-             "a LoRA learner publishes adapters, which vLLM loads only with enable_lora"),
+    Relation(
+        "learner.model_path",
+        "equal",
+        "generator.model_path",
+        Path,
+        "version 0 of the policy the learner trains and the generators sample",
+    ),
+    Relation(
+        "learner.checkpoint_dir",
+        "equal",
+        "generator.checkpoint_dir",
+        Path | None,
+        "the generators load new versions only from the learner's store (an unset "
+        "generator.checkpoint_dir serves version 0 only and is not compared)",
+    ),
+    Relation(
+        "learner.checkpoint_dir",
+        "equal",
+        "scheduler.checkpoint_dir",
+        Path | None,
+        "the scheduler takes a policy version (its floor, the pacing figures) only "
+        "from the learner's store (unset, it follows learner.checkpoint_dir of the same "
+        "file)",
+    ),
+    Relation(
+        "scheduler.initial_groups_per_step",
+        "equal",
+        "learner.groups_per_step",
+        int,
+        "the scheduler paces by it until the learner's first update: if max_staleness "
+        "x it is below a step's worth the first step never fills, if above, generation "
+        "runs further ahead than max_staleness",
+    ),
+    Relation(
+        "scheduler.max_staleness",
+        "at_most",
+        "learner.max_staleness",
+        int,
+        "the learner drops groups sampled more versions behind than it allows",
+    ),
+    Relation(
+        "generator.max_model_len",
+        "at_most",
+        "learner.max_sequence_tokens",
+        int,
+        "the learner refuses (dead-letters) longer prompt + completion sequences",
+    ),
+    Relation(
+        "learner.lora.enabled",
+        "implies",
+        "generator.enable_lora",
+        bool,
+        "a LoRA learner publishes adapters, which vLLM loads only with enable_lora",
+    ),
 )
 
 # Defaults of the related keys, written only here: a service checking a relation needs the
@@ -118,28 +153,40 @@ class BrokerSettings(Section):
         default_factory=list,
         description="other nodes of the same cluster, tried in order after url when a "
         "connection cannot be made; same user, vhost and TLS settings as url (their "
-        "user:password may be left out)")
+        "user:password may be left out)",
+    )
     password_file: Path | None = Field(
-        None, description="file holding the broker password (replaces the URL's); must not "
-        "be readable by other users")
+        None,
+        description="file holding the broker password (replaces the URL's); must not "
+        "be readable by other users",
+    )
     tls_ca_file: Path | None = Field(
-        None, description="CA bundle that signs the broker's certificate (amqps://; unset = "
-        "the system's CAs)")
+        None,
+        description="CA bundle that signs the broker's certificate (amqps://; unset = "
+        "the system's CAs)",
+    )
     tls_cert_file: Path | None = Field(
-        None, description="client certificate (PEM) for brokers that require one")
+        None, description="client certificate (PEM) for brokers that require one"
+    )
     tls_key_file: Path | None = Field(None, description="key of tls_cert_file (PEM)")
     tls_server_name: str = Field(
-        "", description="name the broker's certificate must carry (default: the URL's host)")
+        "", description="name the broker's certificate must carry (default: the URL's host)"
+    )
     declare_topology: bool = Field(
-        True, description="declare queues and exchanges at start (needs configure rights); "
-        "false: only check they exist (made once by `hpcrl-broker-admin`)")
+        True,
+        description="declare queues and exchanges at start (needs configure rights); "
+        "false: only check they exist (made once by `hpcrl-broker-admin`)",
+    )
     authenticate_publishers: bool = Field(
-        False, description="accept a message only from the role that may publish it (its "
-        "user_id, which RabbitMQ verifies); others are dead-lettered")
+        False,
+        description="accept a message only from the role that may publish it (its "
+        "user_id, which RabbitMQ verifies); others are dead-lettered",
+    )
     role_users: dict[str, str] = Field(
         default_factory=lambda: {role: f"hpcrl-{role}" for role in ROLE_NAMES},
         description="broker user of each role (scheduler, generator, benchmarker, learner); "
-        "<user>.<name> also counts, e.g. one benchmarker user per site")
+        "<user>.<name> also counts, e.g. one benchmarker user per site",
+    )
     namespace: str = Field("", description="prefix of every queue/exchange name")
     prefetch: int = Field(8, ge=1, le=10_000, description="unacked messages per consumer")
     heartbeat_s: int = Field(30, ge=0, le=3600, description="AMQP heartbeat interval")
@@ -161,8 +208,10 @@ class BrokerSettings(Section):
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError("tls_cert_file and tls_key_file go together")
         if set(self.role_users) - {"client"} != set(ROLE_NAMES):
-            raise ValueError(f"role_users must name exactly the roles {', '.join(ROLE_NAMES)} "
-                             f"(and optionally client)")
+            raise ValueError(
+                f"role_users must name exactly the roles {', '.join(ROLE_NAMES)} "
+                f"(and optionally client)"
+            )
         return self
 
     @property
@@ -174,24 +223,31 @@ def _check_failover_url(where: str, other: str, url: str) -> None:
     """Another node of url's cluster: same scheme, user, password (if given) and vhost."""
     mine, theirs = urlsplit(url), urlsplit(other)
     if theirs.scheme not in ("amqp", "amqps"):
-        raise ValueError(f"{where} must start with amqp:// or amqps://, got "
-                         f"{theirs.scheme!r}://")
+        raise ValueError(f"{where} must start with amqp:// or amqps://, got {theirs.scheme!r}://")
     if theirs.scheme != mine.scheme:
-        raise ValueError(f"{where} is {theirs.scheme}:// but url is {mine.scheme}://: every "
-                         f"node of the cluster is reached the same way (TLS or not)")
+        raise ValueError(
+            f"{where} is {theirs.scheme}:// but url is {mine.scheme}://: every "
+            f"node of the cluster is reached the same way (TLS or not)"
+        )
     if not theirs.hostname:
         raise ValueError(f"{where} names no host")
     if theirs.username is not None and unquote(theirs.username) != unquote(mine.username or ""):
         theirs_user = unquote(theirs.username)
         mine_user = "none" if mine.username is None else repr(unquote(mine.username))
-        raise ValueError(f"{where} has user {theirs_user!r}, url has {mine_user}: the nodes "
-                         f"of a cluster share users; leave user:password out of failover URLs")
+        raise ValueError(
+            f"{where} has user {theirs_user!r}, url has {mine_user}: the nodes "
+            f"of a cluster share users; leave user:password out of failover URLs"
+        )
     if theirs.password is not None and theirs.password != mine.password:
-        raise ValueError(f"{where} has a password other than url's: leave user:password out "
-                         f"of failover URLs (url's, or password_file, applies to each)")
+        raise ValueError(
+            f"{where} has a password other than url's: leave user:password out "
+            f"of failover URLs (url's, or password_file, applies to each)"
+        )
     if _vhost(theirs.path) != _vhost(mine.path):
-        raise ValueError(f"{where} names vhost {_vhost(theirs.path)!r}, url "
-                         f"{_vhost(mine.path)!r}: failover URLs must name url's vhost")
+        raise ValueError(
+            f"{where} names vhost {_vhost(theirs.path)!r}, url "
+            f"{_vhost(mine.path)!r}: failover URLs must name url's vhost"
+        )
 
 
 def _vhost(path: str) -> str:
@@ -218,8 +274,12 @@ class LoggingSettings(Section):
 
 
 class ExperimentSettings(Section):
-    name: str = Field("default", min_length=1, max_length=128,
-                      description="names the run: group ids, the scheduler's database")
+    name: str = Field(
+        "default",
+        min_length=1,
+        max_length=128,
+        description="names the run: group ids, the scheduler's database",
+    )
     seed: int = Field(0, description="seed of selection tie-breaks and sampling")
     task: str = Field("matmul", description="task name or path of a task TOML")
     opt_level: Literal["O0", "O1", "O2", "O3"] = Field(
@@ -317,8 +377,11 @@ def _follow(data: dict[str, Any], origin: dict[tuple[str, ...], str]) -> None:
     """Fill each unset key of ``FOLLOWS`` from the key it follows (see there)."""
     for key, source in FOLLOWS.items():
         (section, name), (other, other_name) = key.split("."), source.split(".")
-        if not isinstance(data.get(other), Mapping) or not isinstance(
-                data.setdefault(section, {}), dict) or name in data[section]:
+        if (
+            not isinstance(data.get(other), Mapping)
+            or not isinstance(data.setdefault(section, {}), dict)
+            or name in data[section]
+        ):
             continue
         if other_name in data[other]:
             data[section][name] = data[other][other_name]
@@ -356,8 +419,10 @@ def _check_relations(data: Mapping[str, Any], origin: Mapping[tuple[str, ...], s
         else:
             verb = "must equal" if relation.kind == "equal" else "must be at most"
             claim = f"{relation.left} {verb} {relation.right}"
-        lines.append(f"  {claim}, but {relation.left} = {_shown(left)} [{left_from}] and "
-                     f"{relation.right} = {_shown(right)} [{right_from}]: {relation.why}")
+        lines.append(
+            f"  {claim}, but {relation.left} = {_shown(left)} [{left_from}] and "
+            f"{relation.right} = {_shown(right)} [{right_from}]: {relation.why}"
+        )
     return lines
 
 

@@ -21,12 +21,11 @@ def parse(generator: str) -> tuple[str, str] | None:
     """(replica, host class) a confirmation's ``generator`` names; None for a generator's."""
     if not generator.startswith(PREFIX):
         return None
-    replica, _, host_class = generator[len(PREFIX):].partition("|")
+    replica, _, host_class = generator[len(PREFIX) :].partition("|")
     return replica, host_class
 
 
 def prefer_another(generator: str, replica: str, host_class: str, attempt: int) -> bool:
     """Whether this replica should hand the candidate back for another to measure."""
     named = parse(generator)
-    return (named is not None and attempt <= 1
-            and (named[0] == replica or named[1] != host_class))
+    return named is not None and attempt <= 1 and (named[0] == replica or named[1] != host_class)

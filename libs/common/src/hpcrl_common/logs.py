@@ -23,8 +23,12 @@ class _CurrentStderr:
         return sys.stderr.isatty()
 
 
-_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
-           "error": logging.ERROR}
+_LEVELS = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+}
 
 
 def configure_logging(
@@ -52,7 +56,11 @@ def configure_logging(
         logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()),
         cache_logger_on_first_use=False,
     )
-    logging.basicConfig(level=max(_LEVELS[level], logging.WARNING), stream=_CurrentStderr(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+    logging.basicConfig(
+        level=max(_LEVELS[level], logging.WARNING),
+        stream=_CurrentStderr(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        force=True,
+    )
     structlog.contextvars.bind_contextvars(service=service)
     return structlog.get_logger(service)

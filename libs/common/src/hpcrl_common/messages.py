@@ -78,9 +78,7 @@ class PackedArray(Strict):
     def _whole_items(self) -> PackedArray:
         itemsize = np.dtype(self.dtype).itemsize
         if len(self.data) % itemsize:
-            raise ValueError(
-                f"{len(self.data)} bytes is not a whole number of {self.dtype} items"
-            )
+            raise ValueError(f"{len(self.data)} bytes is not a whole number of {self.dtype} items")
         return self
 
     @classmethod
@@ -213,8 +211,9 @@ class Candidate(Message):
 
 # A client's name where publishers are not authenticated (then it names the reply queue):
 # a queue-name piece, no dots at either end.
-ClientName = Annotated[str, StringConstraints(max_length=128,
-                                              pattern=r"^(?:[A-Za-z0-9_@-][A-Za-z0-9._@-]*)?$")]
+ClientName = Annotated[
+    str, StringConstraints(max_length=128, pattern=r"^(?:[A-Za-z0-9_@-][A-Za-z0-9._@-]*)?$")
+]
 
 
 class RewardRequest(Message):
@@ -302,12 +301,15 @@ class BenchResult(Message):
             raise ValueError("gflops must be set exactly when status is 'success'")
         expected = reward_for_status(self.status, self.gflops)
         if self.reward != expected:
-            raise ValueError(f"reward {self.reward!r} does not follow from status "
-                             f"{self.status!r} (the reward table gives {expected!r})")
+            raise ValueError(
+                f"reward {self.reward!r} does not follow from status "
+                f"{self.status!r} (the reward table gives {expected!r})"
+            )
         peak = self.host.peak_gflops
         if self.gflops is not None and self.gflops > peak:
-            raise ValueError(f"gflops {self.gflops!r} is above the host's theoretical peak "
-                             f"{peak!r}")
+            raise ValueError(
+                f"gflops {self.gflops!r} is above the host's theoretical peak {peak!r}"
+            )
         return self
 
 
@@ -329,8 +331,10 @@ class RolloutSample(Strict):
         if not _is_int_array(self.completion_token_ids) or _is_int_array(self.sampling_logprobs):
             raise ValueError("token ids must be integers and log-probs floats")
         if self.status != "success" and self.reward != FAILURE_REWARDS[self.status]:
-            raise ValueError(f"reward {self.reward!r} of a {self.status!r} is not its penalty "
-                             f"{FAILURE_REWARDS[self.status]!r}")
+            raise ValueError(
+                f"reward {self.reward!r} of a {self.status!r} is not its penalty "
+                f"{FAILURE_REWARDS[self.status]!r}"
+            )
         return self
 
 
@@ -354,9 +358,11 @@ class RolloutBatch(Message):
         low, high = REWARD_RANGES[self.reward_mode]
         for sample in self.samples:
             if not low <= sample.reward <= high:
-                raise ValueError(f"{sample.candidate_id}: reward {sample.reward!r} outside "
-                                 f"[{low:g}, {high:g}], the range of {self.reward_mode!r} "
-                                 f"rewards")
+                raise ValueError(
+                    f"{sample.candidate_id}: reward {sample.reward!r} outside "
+                    f"[{low:g}, {high:g}], the range of {self.reward_mode!r} "
+                    f"rewards"
+                )
         return self
 
     @property
@@ -435,8 +441,7 @@ class WeightUpdateV1(Message):
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.SCHEMA_NAME: cls
-    for cls in (GenerateRequest, Candidate, BenchResult, RolloutBatch, WeightUpdate,
-                RewardRequest)
+    for cls in (GenerateRequest, Candidate, BenchResult, RolloutBatch, WeightUpdate, RewardRequest)
 }
 # Older majors still read (a rolling upgrade), each with an ``upgrade()`` to the current one.
 LEGACY_TYPES: dict[tuple[str, int], type[Message]] = {

@@ -53,9 +53,12 @@ class BusyTime:
     long item sees the time so far, see :func:`flush_busy`); without, it is only kept here.
     """
 
-    def __init__(self, client: str | None = None,
-                 clock: Callable[[], float] = time.monotonic,
-                 wall_clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        client: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
         self._client = client
         self._counter = None if client is None else BUSY_SECONDS.labels(client)
         self._clock, self._wall_clock = clock, wall_clock

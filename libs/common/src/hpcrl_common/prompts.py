@@ -111,7 +111,7 @@ def truncate_error(error: str, head: int = ERROR_HEAD_CHARS, tail: int = ERROR_T
         used += len(line) + 1
     last: list[str] = []
     used = 0
-    for line in reversed(lines[len(first):]):
+    for line in reversed(lines[len(first) :]):
         if used + len(line) + 1 > tail:
             break
         last.insert(0, line)

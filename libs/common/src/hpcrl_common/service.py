@@ -28,14 +28,19 @@ class ServiceSection(Section):
     """Fields every service section has; each service sets its own default port."""
 
     metrics_host: str = Field(
-        "127.0.0.1", description="address of /metrics and /healthz: 127.0.0.1 keeps them on "
-        "this host; 0.0.0.0 (or the node's address) lets a Prometheus elsewhere scrape them")
+        "127.0.0.1",
+        description="address of /metrics and /healthz: 127.0.0.1 keeps them on "
+        "this host; 0.0.0.0 (or the node's address) lets a Prometheus elsewhere scrape them",
+    )
     metrics_port: int = Field(0, ge=0, le=65535, description="0 picks a free port")
     stop_grace_s: float = Field(
-        30.0, ge=0, description="on SIGTERM/SIGINT, how long work already running may take "
+        30.0,
+        ge=0,
+        description="on SIGTERM/SIGINT, how long work already running may take "
         "to finish and send its results; then the service exits and the broker hands what "
         "is left to another replica (keep it below the kill wait of what stops it: systemd's "
-        "TimeoutStopSec, the lead of Slurm's --signal)")
+        "TimeoutStopSec, the lead of Slurm's --signal)",
+    )
 
 
 def add_config_argument(parser: argparse.ArgumentParser) -> None:
@@ -95,8 +100,11 @@ def leave_running_work(running: int) -> None:
     children get SIGTERM first: nothing else would stop them (vLLM's engine process would
     stay, holding its memory)."""
     children = end_children()
-    log.warning("exiting with work still running; where each thread was follows",
-                running=running, children_terminated=children)
+    log.warning(
+        "exiting with work still running; where each thread was follows",
+        running=running,
+        children_terminated=children,
+    )
     sys.stdout.flush()
     faulthandler.dump_traceback(all_threads=True)
     sys.stderr.flush()

@@ -116,8 +116,18 @@ def builtin_seed(task_name: str) -> str | None:
     return resource.read_text() if resource.is_file() else None
 
 
-_ALLOWED_NODES = (ast.Expression, ast.BinOp, ast.Name, ast.Constant, ast.Load, ast.Add, ast.Sub,
-                  ast.Mult, ast.Div, ast.Pow)
+_ALLOWED_NODES = (
+    ast.Expression,
+    ast.BinOp,
+    ast.Name,
+    ast.Constant,
+    ast.Load,
+    ast.Add,
+    ast.Sub,
+    ast.Mult,
+    ast.Div,
+    ast.Pow,
+)
 
 
 def _check_formula(tree: ast.AST) -> None:
@@ -133,7 +143,11 @@ def _evaluate(node: ast.AST, sizes: Sizes) -> float:
         return float(sizes[node.id])
     assert isinstance(node, ast.BinOp)
     left, right = _evaluate(node.left, sizes), _evaluate(node.right, sizes)
-    ops = {ast.Add: lambda: left + right, ast.Sub: lambda: left - right,
-           ast.Mult: lambda: left * right, ast.Div: lambda: left / right,
-           ast.Pow: lambda: left**right}
+    ops = {
+        ast.Add: lambda: left + right,
+        ast.Sub: lambda: left - right,
+        ast.Mult: lambda: left * right,
+        ast.Div: lambda: left / right,
+        ast.Pow: lambda: left**right,
+    }
     return ops[type(node.op)]()

@@ -114,8 +114,9 @@ def is_queue_type_conflict(exc: pika.exceptions.ChannelClosedByBroker) -> bool:
     return exc.reply_code == 406 and "'x-queue-type'" in str(exc.reply_text)
 
 
-def classic_queues(open_channel: Callable[[], BlockingChannel],
-                   queues: Sequence[DurableQueue]) -> list[str]:
+def classic_queues(
+    open_channel: Callable[[], BlockingChannel], queues: Sequence[DurableQueue]
+) -> list[str]:
     """Which of ``queues`` exist as classic queues (made by an older release).
 
     Each is declared as it should be on a channel of its own (a refused declare closes its
@@ -201,12 +202,14 @@ class Topology:
             inbox = self.dead_letter_inbox(base)
             channel.exchange_declare(inbox, exchange_type="direct", durable=True)
             channel.queue_bind(self.dlq(base), inbox, routing_key=self.name(base))
-        channel.exchange_declare(self.reward_verdicts_exchange, exchange_type="direct",
-                                 durable=True)
+        channel.exchange_declare(
+            self.reward_verdicts_exchange, exchange_type="direct", durable=True
+        )
 
     def dead_letter_queue(self, base: str) -> DurableQueue:
-        return DurableQueue(self.dlq(base), bindings=((self.dead_letter_exchange,
-                                                       self.name(base)),))
+        return DurableQueue(
+            self.dlq(base), bindings=((self.dead_letter_exchange, self.name(base)),)
+        )
 
     def dead_letter_queues(self) -> list[DurableQueue]:
         return [self.dead_letter_queue(base) for base in [*WORK_QUEUES, *FANOUT_EXCHANGES]]
@@ -218,7 +221,8 @@ class Topology:
             {"x-queue-type": QUORUM, **self.dead_letter_arguments(exchange_base)},
             # The queue's name as routing key, as pika's queue_bind has always bound it
             # (a fanout exchange ignores it; migrate unbinds it).
-            ((self.name(exchange_base), self.subscriber_queue(exchange_base, subscriber)),))
+            ((self.name(exchange_base), self.subscriber_queue(exchange_base, subscriber)),),
+        )
 
     def missing(self, open_channel: Callable[[], BlockingChannel]) -> list[str]:
         """What ``declare`` makes and the broker lacks, by passive declares (no rights needed).
@@ -227,24 +231,34 @@ class Topology:
         """
         absent = []
         checks: list[tuple[str, Callable[[BlockingChannel], object]]] = [
-            (f"exchange {self.dead_letter_exchange}",
-             lambda ch: ch.exchange_declare(self.dead_letter_exchange, passive=True))]
+            (
+                f"exchange {self.dead_letter_exchange}",
+                lambda ch: ch.exchange_declare(self.dead_letter_exchange, passive=True),
+            )
+        ]
         for base in WORK_QUEUES:
             queue, inbox = self.name(base), self.work_exchange(base)
             checks.append((f"queue {queue}", lambda ch, q=queue: ch.queue_declare(q, passive=True)))
-            checks.append((f"exchange {inbox}",
-                           lambda ch, e=inbox: ch.exchange_declare(e, passive=True)))
+            checks.append(
+                (f"exchange {inbox}", lambda ch, e=inbox: ch.exchange_declare(e, passive=True))
+            )
         for base in FANOUT_EXCHANGES:
             exchange = self.name(base)
-            checks.append((f"exchange {exchange}",
-                           lambda ch, e=exchange: ch.exchange_declare(e, passive=True)))
+            checks.append(
+                (
+                    f"exchange {exchange}",
+                    lambda ch, e=exchange: ch.exchange_declare(e, passive=True),
+                )
+            )
         for base in [*WORK_QUEUES, *FANOUT_EXCHANGES]:
             inbox = self.dead_letter_inbox(base)
-            checks.append((f"exchange {inbox}",
-                           lambda ch, e=inbox: ch.exchange_declare(e, passive=True)))
+            checks.append(
+                (f"exchange {inbox}", lambda ch, e=inbox: ch.exchange_declare(e, passive=True))
+            )
         verdicts = self.reward_verdicts_exchange
-        checks.append((f"exchange {verdicts}",
-                       lambda ch: ch.exchange_declare(verdicts, passive=True)))
+        checks.append(
+            (f"exchange {verdicts}", lambda ch: ch.exchange_declare(verdicts, passive=True))
+        )
         channel = open_channel()
         for what, check in checks:
             try:
@@ -259,7 +273,12 @@ class Topology:
         return absent
 
     def declare_subscriber(
-        self, channel: BlockingChannel, exchange_base: str, subscriber: str, *, durable: bool,
+        self,
+        channel: BlockingChannel,
+        exchange_base: str,
+        subscriber: str,
+        *,
+        durable: bool,
         classic: Collection[str] = (),
     ) -> str:
         """A queue of one subscriber to a fanout exchange.
@@ -276,18 +295,26 @@ class Topology:
             queue.declare(channel, classic=queue.name in classic)
             return queue.name
         name = self.subscriber_queue(exchange_base, subscriber)
-        channel.queue_declare(name, durable=False, auto_delete=True, exclusive=True,
-                              arguments={
-                                  "x-dead-letter-exchange": self.dead_letter_inbox(exchange_base),
-                                  "x-dead-letter-routing-key": self.name(exchange_base)})
+        channel.queue_declare(
+            name,
+            durable=False,
+            auto_delete=True,
+            exclusive=True,
+            arguments={
+                "x-dead-letter-exchange": self.dead_letter_inbox(exchange_base),
+                "x-dead-letter-routing-key": self.name(exchange_base),
+            },
+        )
         channel.queue_bind(name, self.name(exchange_base))
         return name
 
-    def _declare_work_queue(self, channel: BlockingChannel, base: str,
-                            classic: Collection[str]) -> None:
+    def _declare_work_queue(
+        self, channel: BlockingChannel, base: str, classic: Collection[str]
+    ) -> None:
         self._declare_dlq(channel, base, classic)
-        channel.queue_declare(self.name(base), durable=True,
-                              arguments=self.work_queue_arguments(base))
+        channel.queue_declare(
+            self.name(base), durable=True, arguments=self.work_queue_arguments(base)
+        )
         channel.exchange_declare(self.work_exchange(base), exchange_type="direct", durable=True)
         channel.queue_bind(self.name(base), self.work_exchange(base), routing_key=self.name(base))
 
@@ -298,8 +325,7 @@ class Topology:
             **self.dead_letter_arguments(base),
         }
 
-    def _declare_dlq(self, channel: BlockingChannel, base: str,
-                     classic: Collection[str]) -> None:
+    def _declare_dlq(self, channel: BlockingChannel, base: str, classic: Collection[str]) -> None:
         queue = self.dead_letter_queue(base)
         queue.declare(channel, classic=queue.name in classic)
 

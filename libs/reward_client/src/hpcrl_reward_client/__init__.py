@@ -16,5 +16,12 @@ from hpcrl_reward_client.client import (
 from hpcrl_reward_client.trl import TrlReward
 from hpcrl_reward_client.verl import compute_score
 
-__all__ = ["RewardClient", "RewardClientClosed", "RewardRequestSpec", "RewardTimeout",
-           "TrlReward", "Verdict", "compute_score"]
+__all__ = [
+    "RewardClient",
+    "RewardClientClosed",
+    "RewardRequestSpec",
+    "RewardTimeout",
+    "TrlReward",
+    "Verdict",
+    "compute_score",
+]

@@ -61,15 +61,23 @@ from hpcrl_common.topology import REWARD_REQUESTS, Topology
 log = structlog.get_logger("hpcrl.reward_client")
 Verdict = BenchResult
 
-REQUESTS = Counter("hpcrl_reward_client_requests_total",
-                   "Reward requests sent (retries included)", ["client"])
-VERDICTS = Counter("hpcrl_reward_client_verdicts_total", "Verdicts received, by status",
-                   ["client", "status"])
-TIMEOUTS = Counter("hpcrl_reward_client_timeouts_total",
-                   "Requests that got no verdict by their deadline", ["client"])
-LATENCY = Histogram("hpcrl_reward_client_latency_seconds",
-                    "From submit to verdict", ["client"],
-                    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600))
+REQUESTS = Counter(
+    "hpcrl_reward_client_requests_total", "Reward requests sent (retries included)", ["client"]
+)
+VERDICTS = Counter(
+    "hpcrl_reward_client_verdicts_total", "Verdicts received, by status", ["client", "status"]
+)
+TIMEOUTS = Counter(
+    "hpcrl_reward_client_timeouts_total",
+    "Requests that got no verdict by their deadline",
+    ["client"],
+)
+LATENCY = Histogram(
+    "hpcrl_reward_client_latency_seconds",
+    "From submit to verdict",
+    ["client"],
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600),
+)
 
 _TICK_S = 0.05
 MAX_BATCH = 1024  # a request's index is below 1024 (candidate ids)
@@ -110,10 +118,17 @@ class _Pending:
 class RewardClient:
     """Submit completions to the benchmarker fleet; get verdicts back, correlated by id."""
 
-    def __init__(self, settings: BrokerSettings, client: str = "", *,
-                 max_outstanding: int = 64, timeout_s: float = 600.0,
-                 attempt_timeout_s: float | None = None, retries: int = 2,
-                 connection_name: str = "hpcrl-reward-client") -> None:
+    def __init__(
+        self,
+        settings: BrokerSettings,
+        client: str = "",
+        *,
+        max_outstanding: int = 64,
+        timeout_s: float = 600.0,
+        attempt_timeout_s: float | None = None,
+        retries: int = 2,
+        connection_name: str = "hpcrl-reward-client",
+    ) -> None:
         if max_outstanding < 1:
             raise ValueError("max_outstanding must be at least 1")
         self.settings = settings
@@ -121,8 +136,14 @@ class RewardClient:
         self._params = connection_parameters(settings, connection_name)
         user = self._params[0].credentials.username
         self.client = client or user
-        RewardRequest(id="x/0", group_id="x", index=0, completion="",  # validates the name
-                      bench=BenchSpec(task="t", stage=1), client=self.client)
+        RewardRequest(
+            id="x/0",
+            group_id="x",
+            index=0,
+            completion="",  # validates the name
+            bench=BenchSpec(task="t", stage=1),
+            client=self.client,
+        )
         self.reply_queue = self.topology.reply_queue(self.client)
         self.timeout_s = timeout_s
         self.attempt_timeout_s = attempt_timeout_s
@@ -141,66 +162,100 @@ class RewardClient:
 
     # --- the caller's side -----------------------------------------------------------------
 
-    def submit(self, completion: str | RewardRequestSpec, task: str = "matmul",
-               stage: int = 6, opt_level: str = "O3", *, batch: str | None = None,
-               index: int = 0, timeout_s: float | None = None) -> Future:
+    def submit(
+        self,
+        completion: str | RewardRequestSpec,
+        task: str = "matmul",
+        stage: int = 6,
+        opt_level: str = "O3",
+        *,
+        batch: str | None = None,
+        index: int = 0,
+        timeout_s: float | None = None,
+    ) -> Future:
         """Send one completion; its future gives the :data:`Verdict` (a BenchResult).
 
         Blocks while ``max_outstanding`` requests are unanswered (back-pressure); raises
         :class:`RewardTimeout` if no slot frees within the request's timeout.
         """
-        spec = (completion if isinstance(completion, RewardRequestSpec)
-                else RewardRequestSpec(completion, task, stage, opt_level))
+        spec = (
+            completion
+            if isinstance(completion, RewardRequestSpec)
+            else RewardRequestSpec(completion, task, stage, opt_level)
+        )
         if self._stop.is_set():
             raise RewardClientClosed("the reward client is closed")
         timeout = self.timeout_s if timeout_s is None else timeout_s
         submitted = time.monotonic()
         group = batch or uuid.uuid4().hex
         message = RewardRequest(  # an invalid request raises here, before it takes a slot
-            id=candidate_id(group, index), group_id=group, index=index,
-            completion=spec.completion, client=self.client,
-            bench=BenchSpec(task=spec.task, stage=spec.stage,
-                            opt_level=spec.opt_level))  # type: ignore[arg-type]
+            id=candidate_id(group, index),
+            group_id=group,
+            index=index,
+            completion=spec.completion,
+            client=self.client,
+            bench=BenchSpec(task=spec.task, stage=spec.stage, opt_level=spec.opt_level),
+        )  # type: ignore[arg-type]
         if not self._slots.acquire(timeout=timeout):
-            raise RewardTimeout(f"no free slot in {timeout:.1f}s: {self.client} has "
-                                f"{len(self._outstanding())} requests unanswered")
+            raise RewardTimeout(
+                f"no free slot in {timeout:.1f}s: {self.client} has "
+                f"{len(self._outstanding())} requests unanswered"
+            )
         future: Future = Future()
-        pending = _Pending(spec, future, submitted, submitted + timeout, message,
-                           ids=[message.id], retries_left=self.retries)
+        pending = _Pending(
+            spec,
+            future,
+            submitted,
+            submitted + timeout,
+            message,
+            ids=[message.id],
+            retries_left=self.retries,
+        )
         with self._lock:
             self._pending[message.id] = pending
         self._to_send.put(pending)
         self._wake()
         return future
 
-    def submit_many(self, specs: Iterable[RewardRequestSpec], *,
-                    timeout_s: float | None = None) -> list[Future]:
+    def submit_many(
+        self, specs: Iterable[RewardRequestSpec], *, timeout_s: float | None = None
+    ) -> list[Future]:
         """A batch: one batch id, indexes 0, 1, ... (a new batch every 1024)."""
         futures = []
         batch = uuid.uuid4().hex
         for position, spec in enumerate(specs):
             if position and position % MAX_BATCH == 0:
                 batch = uuid.uuid4().hex
-            futures.append(self.submit(spec, batch=batch, index=position % MAX_BATCH,
-                                       timeout_s=timeout_s))
+            futures.append(
+                self.submit(spec, batch=batch, index=position % MAX_BATCH, timeout_s=timeout_s)
+            )
         return futures
 
-    def score(self, specs: Sequence[RewardRequestSpec], *,
-              timeout_s: float | None = None) -> list[Verdict]:
+    def score(
+        self, specs: Sequence[RewardRequestSpec], *, timeout_s: float | None = None
+    ) -> list[Verdict]:
         """Judge a batch and wait for every verdict, in order (raises the first failure)."""
         futures = self.submit_many(specs, timeout_s=timeout_s)
         return [future.result() for future in futures]
 
-    async def asubmit(self, completion: str | RewardRequestSpec, task: str = "matmul",
-                      stage: int = 6, opt_level: str = "O3", *,
-                      timeout_s: float | None = None) -> Verdict:
+    async def asubmit(
+        self,
+        completion: str | RewardRequestSpec,
+        task: str = "matmul",
+        stage: int = 6,
+        opt_level: str = "O3",
+        *,
+        timeout_s: float | None = None,
+    ) -> Verdict:
         """The asyncio form of :meth:`submit`; waits for a slot without blocking the loop."""
-        future = await asyncio.to_thread(self.submit, completion, task, stage, opt_level,
-                                         timeout_s=timeout_s)
+        future = await asyncio.to_thread(
+            self.submit, completion, task, stage, opt_level, timeout_s=timeout_s
+        )
         return await asyncio.wrap_future(future)
 
-    async def ascore(self, specs: Sequence[RewardRequestSpec], *,
-                     timeout_s: float | None = None) -> list[Verdict]:
+    async def ascore(
+        self, specs: Sequence[RewardRequestSpec], *, timeout_s: float | None = None
+    ) -> list[Verdict]:
         futures = await asyncio.to_thread(self.submit_many, specs, timeout_s=timeout_s)
         return list(await asyncio.gather(*map(asyncio.wrap_future, futures)))
 
@@ -239,11 +294,16 @@ class RewardClient:
             try:
                 self._session()
                 delay = self.settings.reconnect_initial_s
-            except (*RECOVERABLE, pika.exceptions.NackError, pika.exceptions.UnroutableError,
-                    TopologyMissing) as exc:
+            except (
+                *RECOVERABLE,
+                pika.exceptions.NackError,
+                pika.exceptions.UnroutableError,
+                TopologyMissing,
+            ) as exc:
                 self.connected.clear()
-                log.warning("reward client lost the broker; reconnecting", error=repr(exc),
-                            delay_s=delay)
+                log.warning(
+                    "reward client lost the broker; reconnecting", error=repr(exc), delay_s=delay
+                )
                 self._stop.wait(delay)
                 delay = min(delay * 2, self.settings.reconnect_max_s)
             except Exception:  # a bug must not leave callers waiting forever unnoticed
@@ -289,8 +349,12 @@ class RewardClient:
             self._send(channel, pending, pending.message)
 
     def _send(self, channel: Any, pending: _Pending, message: RewardRequest) -> None:
-        publish_on(channel, Publish(self.topology.name(REWARD_REQUESTS), message),
-                   self.settings.max_message_bytes, self._user)
+        publish_on(
+            channel,
+            Publish(self.topology.name(REWARD_REQUESTS), message),
+            self.settings.max_message_bytes,
+            self._user,
+        )
         pending.confirmed = True
         REQUESTS.labels(self.client).inc()
         if self.attempt_timeout_s is not None:
@@ -301,22 +365,28 @@ class RewardClient:
         for pending in self._outstanding():
             if now >= pending.deadline:
                 TIMEOUTS.labels(self.client).inc()
-                self._settle(pending, exception=RewardTimeout(
-                    f"no verdict for {pending.ids[0]} in "
-                    f"{pending.deadline - pending.submitted:.1f}s"))
+                self._settle(
+                    pending,
+                    exception=RewardTimeout(
+                        f"no verdict for {pending.ids[0]} in "
+                        f"{pending.deadline - pending.submitted:.1f}s"
+                    ),
+                )
             elif pending.confirmed and now >= pending.next_retry:
                 if pending.retries_left <= 0:
                     pending.next_retry = float("inf")
                     continue
                 pending.retries_left -= 1
                 group = uuid.uuid4().hex
-                retry = pending.message.model_copy(update={
-                    "id": candidate_id(group, pending.message.index), "group_id": group})
+                retry = pending.message.model_copy(
+                    update={"id": candidate_id(group, pending.message.index), "group_id": group}
+                )
                 with self._lock:
                     pending.ids.append(retry.id)
                     self._pending[retry.id] = pending
-                log.info("reward request unanswered; sent again", first=pending.ids[0],
-                         retry=retry.id)
+                log.info(
+                    "reward request unanswered; sent again", first=pending.ids[0], retry=retry.id
+                )
                 self._send(channel, pending, retry)
 
     def _on_verdict(self, channel: Any, method: Any, _props: Any, body: bytes) -> None:
@@ -336,8 +406,13 @@ class RewardClient:
             self._settle(pending, result=verdict)
         channel.basic_ack(method.delivery_tag)
 
-    def _settle(self, pending: _Pending, *, result: Verdict | None = None,
-                exception: BaseException | None = None) -> None:
+    def _settle(
+        self,
+        pending: _Pending,
+        *,
+        result: Verdict | None = None,
+        exception: BaseException | None = None,
+    ) -> None:
         with self._lock:  # claim it: a verdict and a deadline may race (close, I/O thread)
             if pending.ids[0] not in self._pending:
                 return

@@ -32,8 +32,7 @@ def completion_text(completion: Any) -> str:
         if isinstance(last, dict):
             content = last.get("content", "")
             if isinstance(content, list):  # multimodal parts: keep the text ones
-                return "".join(part.get("text", "") for part in content
-                               if isinstance(part, dict))
+                return "".join(part.get("text", "") for part in content if isinstance(part, dict))
             return str(content)
     return str(completion)
 
@@ -56,9 +55,18 @@ class TrlReward:
     the fleet's failure. ``verdicts`` keeps every call's verdicts (``keep_verdicts``).
     """
 
-    def __init__(self, client: RewardClient, *, task: str = "matmul", stage: int = 6,
-                 opt_level: str = "O3", scale: Scale = None, on_missing: float | None = None,
-                 name: str = "hpcrl_benchmarker", keep_verdicts: bool = True) -> None:
+    def __init__(
+        self,
+        client: RewardClient,
+        *,
+        task: str = "matmul",
+        stage: int = 6,
+        opt_level: str = "O3",
+        scale: Scale = None,
+        on_missing: float | None = None,
+        name: str = "hpcrl_benchmarker",
+        keep_verdicts: bool = True,
+    ) -> None:
         self.client = client
         self.task, self.stage, self.opt_level = task, stage, opt_level
         self.scale = scale
@@ -72,13 +80,20 @@ class TrlReward:
             values = columns.get(name)
             return list(values) if values is not None else [default] * len(completions)
 
-        return [RewardRequestSpec(completion_text(c), str(task), int(stage), str(opt))
-                for c, task, stage, opt in zip(
-                    completions, column("task", self.task), column("stage", self.stage),
-                    column("opt_level", self.opt_level), strict=True)]
+        return [
+            RewardRequestSpec(completion_text(c), str(task), int(stage), str(opt))
+            for c, task, stage, opt in zip(
+                completions,
+                column("task", self.task),
+                column("stage", self.stage),
+                column("opt_level", self.opt_level),
+                strict=True,
+            )
+        ]
 
-    def __call__(self, prompts: Sequence[Any] | None = None,
-                 completions: Sequence[Any] = (), **kwargs: Any) -> list[float | None]:
+    def __call__(
+        self, prompts: Sequence[Any] | None = None, completions: Sequence[Any] = (), **kwargs: Any
+    ) -> list[float | None]:
         futures = self.client.submit_many(self.specs(completions, **kwargs))
         verdicts: list[Verdict | None] = []
         for future in futures:
@@ -91,6 +106,8 @@ class TrlReward:
         log_metric = kwargs.get("log_metric")
         if callable(log_metric) and verdicts:
             judged = [v for v in verdicts if v is not None]
-            log_metric(f"{self.__name__}/success_rate",
-                       sum(v.status == "success" for v in judged) / max(len(judged), 1))
+            log_metric(
+                f"{self.__name__}/success_rate",
+                sum(v.status == "success" for v in judged) / max(len(judged), 1),
+            )
         return [self.on_missing if v is None else scaled(v, self.scale) for v in verdicts]

@@ -55,19 +55,33 @@ def _field(data: Any, name: str, default: Any) -> Any:
 
 def verdict_info(verdict: Verdict) -> dict[str, Any]:
     """What a trace keeps of a verdict (``trace.info``): JSON-ready, without the source."""
-    return {"id": verdict.id, "status": verdict.status, "reward": verdict.reward,
-            "gflops": verdict.gflops, "techniques": list(verdict.techniques),
-            "error": verdict.error, "benchmarker": verdict.benchmarker,
-            "timing": verdict.timing.model_dump(mode="json") if verdict.timing else None}
+    return {
+        "id": verdict.id,
+        "status": verdict.status,
+        "reward": verdict.reward,
+        "gflops": verdict.gflops,
+        "techniques": list(verdict.techniques),
+        "error": verdict.error,
+        "benchmarker": verdict.benchmarker,
+        "timing": verdict.timing.model_dump(mode="json") if verdict.timing else None,
+    }
 
 
 class BenchmarkerReward:
     """An async verifiers reward ``(task, trace) -> float``: the fleet's verdict on the
     rollout's last reply. Shared as is by copies of a task (``copy``/``deepcopy`` return it)."""
 
-    def __init__(self, client: RewardClient, *, task: str = "matmul", stage: int = 6,
-                 opt_level: str = "O3", scale: Scale = None, on_missing: float | None = None,
-                 name: str = "hpcrl_benchmarker") -> None:
+    def __init__(
+        self,
+        client: RewardClient,
+        *,
+        task: str = "matmul",
+        stage: int = 6,
+        opt_level: str = "O3",
+        scale: Scale = None,
+        on_missing: float | None = None,
+        name: str = "hpcrl_benchmarker",
+    ) -> None:
         self.client = client
         self.task, self.stage, self.opt_level = task, stage, opt_level
         self.scale = scale
@@ -75,9 +89,12 @@ class BenchmarkerReward:
         self.__name__ = name  # the trace's reward key
 
     def spec(self, task: Any, trace: Any) -> RewardRequestSpec:
-        return RewardRequestSpec(trace.last_reply, str(_field(task, "task", self.task)),
-                                 int(_field(task, "stage", self.stage)),
-                                 str(_field(task, "opt_level", self.opt_level)))
+        return RewardRequestSpec(
+            trace.last_reply,
+            str(_field(task, "task", self.task)),
+            int(_field(task, "stage", self.stage)),
+            str(_field(task, "opt_level", self.opt_level)),
+        )
 
     async def __call__(self, task: Any, trace: Any) -> float:
         try:
@@ -135,13 +152,18 @@ def shared_reward(config: KernelTaskConfig) -> BenchmarkerReward:
     key = config.model_dump_json()
     with _SHARED_LOCK:
         if key not in _SHARED:
-            client = RewardClient(config.broker, config.client, timeout_s=config.timeout_s,
-                                  attempt_timeout_s=config.attempt_timeout_s,
-                                  retries=config.retries,
-                                  max_outstanding=config.max_outstanding,
-                                  connection_name="hpcrl-reward-client-verifiers")
-            _SHARED[key] = BenchmarkerReward(client, scale=config.scale,
-                                             on_missing=config.on_missing)
+            client = RewardClient(
+                config.broker,
+                config.client,
+                timeout_s=config.timeout_s,
+                attempt_timeout_s=config.attempt_timeout_s,
+                retries=config.retries,
+                max_outstanding=config.max_outstanding,
+                connection_name="hpcrl-reward-client-verifiers",
+            )
+            _SHARED[key] = BenchmarkerReward(
+                client, scale=config.scale, on_missing=config.on_missing
+            )
         return _SHARED[key]
 
 
@@ -157,8 +179,12 @@ def close_shared_rewards() -> None:
 class KernelTask(vf.Task[KernelTaskData, vf.State, KernelTaskConfig]):
     """A kernel prompt whose reward is the fleet's verdict on the reply."""
 
-    def __init__(self, data: KernelTaskData, config: KernelTaskConfig | None = None,
-                 reward: BenchmarkerReward | None = None) -> None:
+    def __init__(
+        self,
+        data: KernelTaskData,
+        config: KernelTaskConfig | None = None,
+        reward: BenchmarkerReward | None = None,
+    ) -> None:
         super().__init__(data, config)
         self.benchmarker = reward
 
@@ -184,8 +210,9 @@ class KernelTasksetConfig(vf.TasksetConfig):
 class KernelTaskset(vf.Taskset[KernelTask, KernelTasksetConfig]):
     """hpcrl's kernel prompts as a verifiers taskset, scored by the benchmarker fleet."""
 
-    def __init__(self, config: KernelTasksetConfig | None = None,
-                 reward: BenchmarkerReward | None = None) -> None:
+    def __init__(
+        self, config: KernelTasksetConfig | None = None, reward: BenchmarkerReward | None = None
+    ) -> None:
         super().__init__(config if config is not None else KernelTasksetConfig())
         self.reward = reward
 
@@ -195,13 +222,24 @@ class KernelTaskset(vf.Taskset[KernelTask, KernelTasksetConfig]):
         for name in config.tasks:
             spec = load_task(name)
             for stage in config.stages:
-                system, user = build_prompt(spec, target_stage=stage, mode="seed",
-                                            parent_source=None, error=None, isa=config.isa)
+                system, user = build_prompt(
+                    spec,
+                    target_stage=stage,
+                    mode="seed",
+                    parent_source=None,
+                    error=None,
+                    isa=config.isa,
+                )
                 for repeat in range(config.repeats):
-                    data = KernelTaskData(id=f"{name}-stage{stage}-{repeat}",
-                                          name=f"{name} stage {stage}", prompt=user.content,
-                                          system_prompt=system.content, task=name, stage=stage,
-                                          opt_level=config.opt_level)
+                    data = KernelTaskData(
+                        id=f"{name}-stage{stage}-{repeat}",
+                        name=f"{name} stage {stage}",
+                        prompt=user.content,
+                        system_prompt=system.content,
+                        task=name,
+                        stage=stage,
+                        opt_level=config.opt_level,
+                    )
                     tasks.append(KernelTask(data, config.task, reward=self.reward))
         return tasks
 
@@ -211,12 +249,23 @@ def env_config(**taskset: Any) -> vf.EnvConfig:
     chat completion, no tools) in a local subprocess. ``taskset``: :class:`KernelTasksetConfig`
     fields (``stages=[6]``, ``task={"broker": {...}, "client": "alice"}``). Load it with
     ``vf.load_environment(env_config(...))``."""
-    return vf.resolve_env_config({
-        "taskset": {**taskset, "id": TASKSET_ID},
-        "agent": {"harness": {"id": "null"}, "runtime": {"type": "subprocess"}},
-    })
+    return vf.resolve_env_config(
+        {
+            "taskset": {**taskset, "id": TASKSET_ID},
+            "agent": {"harness": {"id": "null"}, "runtime": {"type": "subprocess"}},
+        }
+    )
 
 
-__all__ = ["BenchmarkerReward", "KernelTask", "KernelTaskConfig", "KernelTaskData",
-           "KernelTaskset", "KernelTasksetConfig", "close_shared_rewards", "env_config",
-           "shared_reward", "verdict_info"]
+__all__ = [
+    "BenchmarkerReward",
+    "KernelTask",
+    "KernelTaskConfig",
+    "KernelTaskData",
+    "KernelTaskset",
+    "KernelTasksetConfig",
+    "close_shared_rewards",
+    "env_config",
+    "shared_reward",
+    "verdict_info",
+]

@@ -26,21 +26,28 @@ _CLIENTS: dict[tuple[str, str, str], RewardClient] = {}
 _LOCK = threading.Lock()
 
 
-def shared_client(broker_url: str, namespace: str = "", client: str = "",
-                  **settings: Any) -> RewardClient:
+def shared_client(
+    broker_url: str, namespace: str = "", client: str = "", **settings: Any
+) -> RewardClient:
     key = (broker_url, namespace, client)
     with _LOCK:
         if key not in _CLIENTS:
             _CLIENTS[key] = RewardClient(
-                BrokerSettings(url=broker_url, namespace=namespace, **settings), client)
+                BrokerSettings(url=broker_url, namespace=namespace, **settings), client
+            )
         return _CLIENTS[key]
 
 
-def _spec(solution_str: str, extra_info: Any, task: str, stage: int,
-          opt_level: str) -> RewardRequestSpec:
+def _spec(
+    solution_str: str, extra_info: Any, task: str, stage: int, opt_level: str
+) -> RewardRequestSpec:
     info = extra_info if isinstance(extra_info, dict) else {}
-    return RewardRequestSpec(solution_str, str(info.get("task", task)),
-                             int(info.get("stage", stage)), str(info.get("opt_level", opt_level)))
+    return RewardRequestSpec(
+        solution_str,
+        str(info.get("task", task)),
+        int(info.get("stage", stage)),
+        str(info.get("opt_level", opt_level)),
+    )
 
 
 def _result(verdict: Verdict | None, on_missing: float) -> dict[str, Any]:
@@ -49,31 +56,61 @@ def _result(verdict: Verdict | None, on_missing: float) -> dict[str, Any]:
     return {"score": verdict.reward, "status": verdict.status, "gflops": verdict.gflops or 0.0}
 
 
-def compute_score(data_source: Any, solution_str: str, ground_truth: Any = None,
-                  extra_info: Any = None, *, broker_url: str = "amqp://guest:guest@127.0.0.1:5672/%2F",
-                  namespace: str = "", client: str = "", task: str = "matmul", stage: int = 6,
-                  opt_level: str = "O3", on_missing: float = 0.0,
-                  reward_client: RewardClient | None = None, **_: Any) -> dict[str, Any]:
+def compute_score(
+    data_source: Any,
+    solution_str: str,
+    ground_truth: Any = None,
+    extra_info: Any = None,
+    *,
+    broker_url: str = "amqp://guest:guest@127.0.0.1:5672/%2F",
+    namespace: str = "",
+    client: str = "",
+    task: str = "matmul",
+    stage: int = 6,
+    opt_level: str = "O3",
+    on_missing: float = 0.0,
+    reward_client: RewardClient | None = None,
+    **_: Any,
+) -> dict[str, Any]:
     """One sample's verdict; ``ground_truth`` is unused (the benchmarker verifies)."""
-    return compute_score_batch([data_source], [solution_str], [ground_truth], [extra_info],
-                               broker_url=broker_url, namespace=namespace, client=client,
-                               task=task, stage=stage, opt_level=opt_level,
-                               on_missing=on_missing, reward_client=reward_client)[0]
+    return compute_score_batch(
+        [data_source],
+        [solution_str],
+        [ground_truth],
+        [extra_info],
+        broker_url=broker_url,
+        namespace=namespace,
+        client=client,
+        task=task,
+        stage=stage,
+        opt_level=opt_level,
+        on_missing=on_missing,
+        reward_client=reward_client,
+    )[0]
 
 
-def compute_score_batch(data_sources: list[Any], solution_strs: list[str],
-                        ground_truths: list[Any] | None = None,
-                        extra_infos: list[Any] | None = None, *,
-                        broker_url: str = "amqp://guest:guest@127.0.0.1:5672/%2F",
-                        namespace: str = "", client: str = "", task: str = "matmul",
-                        stage: int = 6, opt_level: str = "O3", on_missing: float = 0.0,
-                        reward_client: RewardClient | None = None,
-                        **_: Any) -> list[dict[str, Any]]:
+def compute_score_batch(
+    data_sources: list[Any],
+    solution_strs: list[str],
+    ground_truths: list[Any] | None = None,
+    extra_infos: list[Any] | None = None,
+    *,
+    broker_url: str = "amqp://guest:guest@127.0.0.1:5672/%2F",
+    namespace: str = "",
+    client: str = "",
+    task: str = "matmul",
+    stage: int = 6,
+    opt_level: str = "O3",
+    on_missing: float = 0.0,
+    reward_client: RewardClient | None = None,
+    **_: Any,
+) -> list[dict[str, Any]]:
     """verl's batch reward manager form: every sample sent at once, verdicts in order."""
     rc = reward_client or shared_client(broker_url, namespace, client)
     infos = extra_infos or [None] * len(solution_strs)
-    futures = rc.submit_many([_spec(s, i, task, stage, opt_level)
-                              for s, i in zip(solution_strs, infos, strict=True)])
+    futures = rc.submit_many(
+        [_spec(s, i, task, stage, opt_level) for s, i in zip(solution_strs, infos, strict=True)]
+    )
     results = []
     for future in futures:
         try:

@@ -99,16 +99,29 @@ def script(compiler: str, flags: list[str], harness: Path, outputs: Outputs) -> 
     )
 
 
-def spec(scratch: Path, task: TaskSpec, harness: Path, address_space_mb: int,
-         cpus: tuple[int, ...] | None = None) -> sandbox.Spec:
+def spec(
+    scratch: Path,
+    task: TaskSpec,
+    harness: Path,
+    address_space_mb: int,
+    cpus: tuple[int, ...] | None = None,
+) -> sandbox.Spec:
     """The compile step's sandbox; ``cpus``: the replica's CPU set, if it has one."""
     limits = sandbox.Limits(
-        wall_s=task.compile.time_limit_s, cpu_s=int(task.compile.time_limit_s) + 5,
-        address_space_mb=max(address_space_mb, MIN_ADDRESS_SPACE_MB), open_files=OPEN_FILES,
+        wall_s=task.compile.time_limit_s,
+        cpu_s=int(task.compile.time_limit_s) + 5,
+        address_space_mb=max(address_space_mb, MIN_ADDRESS_SPACE_MB),
+        open_files=OPEN_FILES,
     )
     # The scratch dir is writable only here: the objects are written into it.
-    return sandbox.Spec(scratch, limits, writable=True, ro_binds=((harness.parent, "/harness"),),
-                        cpus=cpus, start_limit_s=START_LIMIT_S)
+    return sandbox.Spec(
+        scratch,
+        limits,
+        writable=True,
+        ro_binds=((harness.parent, "/harness"),),
+        cpus=cpus,
+        start_limit_s=START_LIMIT_S,
+    )
 
 
 def result(outcome: sandbox.Outcome, scratch: Path, task: TaskSpec) -> Compiled:
@@ -118,22 +131,27 @@ def result(outcome: sandbox.Outcome, scratch: Path, task: TaskSpec) -> Compiled:
     preprocessed = ""
     if (scratch / outputs.preprocessed).is_file():
         preprocessed = cscan.main_file_lines(
-            (scratch / outputs.preprocessed).read_text(errors="replace"), KERNEL_FILE)
+            (scratch / outputs.preprocessed).read_text(errors="replace"), KERNEL_FILE
+        )
     listing = checks.ObjectListing.parse(_read(scratch / "elf.txt")) if has_object else None
     return Compiled(error, preprocessed, listing)
 
 
-def _verdict(outcome: sandbox.Outcome, scratch: Path, task: TaskSpec,
-             outputs: Outputs) -> tuple[str, bool]:
+def _verdict(
+    outcome: sandbox.Outcome, scratch: Path, task: TaskSpec, outputs: Outputs
+) -> tuple[str, bool]:
     """(the compile error, '' if none; whether there is an object to check)."""
     if outcome.never_started:
-        raise InternalError(f"the compile sandbox did not start within {START_LIMIT_S:g} s "
-                            "(the node's cores are saturated?)")
+        raise InternalError(
+            f"the compile sandbox did not start within {START_LIMIT_S:g} s "
+            "(the node's cores are saturated?)"
+        )
     if outcome.timed_out:
         if outcome.schedule is not None and outcome.schedule.starved(task.compile.time_limit_s):
             raise InternalError(
                 f"the compile was starved of CPU within {task.compile.time_limit_s:g} s "
-                f"({outcome.schedule.text()}): the node's cores are saturated")
+                f"({outcome.schedule.text()}): the node's cores are saturated"
+            )
         return f"compilation did not finish within {task.compile.time_limit_s:g} s", False
     if outcome.returncode == 0:
         return "", True
@@ -144,8 +162,10 @@ def _verdict(outcome: sandbox.Outcome, scratch: Path, task: TaskSpec,
         return "link failed:\n" + _diagnostics(link_log), True
     if outcome.returncode == CompileExit.OBJECT_UNREADABLE:
         return "the object file could not be read", False
-    raise InternalError(f"compile sandbox failed (rc {outcome.returncode}): "
-                        f"{outcome.stderr[-2000:].decode(errors='replace')}")
+    raise InternalError(
+        f"compile sandbox failed (rc {outcome.returncode}): "
+        f"{outcome.stderr[-2000:].decode(errors='replace')}"
+    )
 
 
 # sha256 of each harness object this process compiled: a cached object is used only while
@@ -161,8 +181,9 @@ def _digest(path: Path) -> str | None:
         return None
 
 
-def harness_object(task: TaskSpec, work_dir: Path, compiler_version: str,
-                   lock: threading.Lock) -> Path:
+def harness_object(
+    task: TaskSpec, work_dir: Path, compiler_version: str, lock: threading.Lock
+) -> Path:
     """The harness template (with the ``harness.h`` it includes) compiled once per
     (template, task function, compiler) and process, and checked against what was compiled
     before every use."""
@@ -172,10 +193,16 @@ def harness_object(task: TaskSpec, work_dir: Path, compiler_version: str,
         raise InternalError(f"no harness template {task.harness!r} for task {task.name!r}")
     text = template.read_bytes()
     # The part every template includes (harness.h: the protocol, the lock-down).
-    headers = {entry.name: entry.read_bytes() for entry in package.iterdir()
-               if entry.name.endswith(".h")}
-    flags = ["-O2", "-march=native", "-fopenmp", f"-DKERNEL_NAME={task.function}",
-             *harness_defines()]
+    headers = {
+        entry.name: entry.read_bytes() for entry in package.iterdir() if entry.name.endswith(".h")
+    }
+    flags = [
+        "-O2",
+        "-march=native",
+        "-fopenmp",
+        f"-DKERNEL_NAME={task.function}",
+        *harness_defines(),
+    ]
     sources = text + b"".join(name.encode() + body for name, body in sorted(headers.items()))
     key = hashlib.sha256(sources + repr((flags, compiler_version)).encode()).hexdigest()[:16]
     directory = work_dir / f"harness-{key}"
@@ -192,8 +219,11 @@ def harness_object(task: TaskSpec, work_dir: Path, compiler_version: str,
         source = directory / f"{task.harness}.c"
         source.write_bytes(text)
         partial = directory / f".{task.harness}.o.{os.getpid()}"
-        subprocess.run([task.compile.compiler, *flags, "-c", str(source), "-o",
-                        str(partial)], check=True, capture_output=True)
+        subprocess.run(
+            [task.compile.compiler, *flags, "-c", str(source), "-o", str(partial)],
+            check=True,
+            capture_output=True,
+        )
         partial.replace(obj)
         _COMPILED[obj] = _digest(obj) or ""
     return obj
@@ -207,16 +237,22 @@ def runtime_symbols() -> frozenset[str]:
         path = _find_library(lib)
         if path is None:
             continue
-        out = subprocess.run(["nm", "-D", "--defined-only", path], capture_output=True,
-                             text=True).stdout
-        names |= {line.split()[-1].split("@")[0] for line in out.splitlines()
-                  if len(line.split()) == 3}
+        out = subprocess.run(
+            ["nm", "-D", "--defined-only", path], capture_output=True, text=True
+        ).stdout
+        names |= {
+            line.split()[-1].split("@")[0] for line in out.splitlines() if len(line.split()) == 3
+        }
     return frozenset(names)
 
 
 def _find_library(name: str) -> str | None:
-    for directory in ("/usr/lib/x86_64-linux-gnu", "/lib/x86_64-linux-gnu", "/usr/lib64",
-                      "/usr/lib"):
+    for directory in (
+        "/usr/lib/x86_64-linux-gnu",
+        "/lib/x86_64-linux-gnu",
+        "/usr/lib64",
+        "/usr/lib",
+    ):
         candidate = Path(directory) / name
         if candidate.exists():
             return str(candidate)

@@ -56,8 +56,11 @@ def detect_techniques(source: str, preprocessed_main: str = "") -> set[str]:
         attrs = attributes(code)
         # OpenMP directives as attributes ([[omp::directive(...)]]) read like pragmas.
         pragmas += [f"omp {args}" for namespace, _, args in attrs if namespace == "omp"]
-        if (_simd_code(code) or any(_SIMD_PRAGMA.match(p) for p in pragmas)
-                or _simd_attribute(attrs)):
+        if (
+            _simd_code(code)
+            or any(_SIMD_PRAGMA.match(p) for p in pragmas)
+            or _simd_attribute(attrs)
+        ):
             found.add(SIMD)
         omp_pragmas = [p for p in pragmas if p.startswith("omp")]
         if _OPENMP_CODE.search(code) or any(not _simd_only(p) for p in omp_pragmas):
@@ -98,8 +101,10 @@ def _simd_code(code: str) -> bool:
 
 
 def _simd_attribute(attrs: list[tuple[str, str, str]]) -> bool:
-    return any(name in _SIMD_ATTRIBUTES or (name == "mode" and _VECTOR_MODE.match(args))
-               for _, name, args in attrs)
+    return any(
+        name in _SIMD_ATTRIBUTES or (name == "mode" and _VECTOR_MODE.match(args))
+        for _, name, args in attrs
+    )
 
 
 def _simd_only(pragma: str) -> bool:
@@ -134,15 +139,17 @@ _FORBIDDEN_CALLS = (
 _FORBIDDEN_CALL_RE = re.compile(r"\b(" + _FORBIDDEN_CALLS + r")\s*\(")
 _ASM_RE = re.compile(r"\b(asm|__asm__|__asm)\b")
 _INCLUDE = re.compile(r"^[ \t]*(?:#|%:)[ \t]*include[ \t]*[<\"]([^>\"\n]*)[>\"]", re.MULTILINE)
-_FORBIDDEN_HEADER = re.compile(r"cblas|blas|lapack|mkl|dlfcn|socket|spawn|openblas|blis",
-                               re.IGNORECASE)
+_FORBIDDEN_HEADER = re.compile(
+    r"cblas|blas|lapack|mkl|dlfcn|socket|spawn|openblas|blis", re.IGNORECASE
+)
 # A line directive in the kernel would make its following lines look like a header's in the
 # preprocessor output, hiding them from the checks that read that output.
 _LINE_DIRECTIVE_RE = re.compile(r"^[ \t]*(?:#|%:)[ \t]*(?:line\b|\d)", re.MULTILINE)
 # Attributes that place code or data by hand (section, symver: their text goes to the
 # assembler verbatim), bind names to other symbols, or run code outside the kernel call.
-_FORBIDDEN_ATTRIBUTES = frozenset({"section", "symver", "alias", "weakref", "ifunc",
-                                   "constructor", "destructor", "naked"})
+_FORBIDDEN_ATTRIBUTES = frozenset(
+    {"section", "symver", "alias", "weakref", "ifunc", "constructor", "destructor", "naked"}
+)
 
 
 def source_violations(source: str, preprocessed_main: str = "") -> list[str]:
@@ -155,8 +162,9 @@ def source_violations(source: str, preprocessed_main: str = "") -> list[str]:
         code = blank_comments_and_literals(text)
         for match in _INCLUDE.finditer(code if text is source else ""):
             if _FORBIDDEN_HEADER.search(match.group(1)):
-                reasons.append(f"includes <{match.group(1)[:200]}>: numeric libraries are not "
-                               "allowed")
+                reasons.append(
+                    f"includes <{match.group(1)[:200]}>: numeric libraries are not allowed"
+                )
         if text is source and _LINE_DIRECTIVE_RE.search(code):
             reasons.append("uses a #line directive or line marker: not allowed in a kernel")
         for match in _FORBIDDEN_CALL_RE.finditer(code):
@@ -197,8 +205,10 @@ _ALLOWED_RE = re.compile(
     r"parity|bswap|ashl|ashr|lshr|neg|cmp|ucmp|fix\w*|float\w*|extend\w*|trunc\w*)\w*\d|"
     r"__(sqrt|fabs|fmin|fmax)\w*_finite)$"
 )
-_FORBIDDEN_SECTIONS = re.compile(r"^\.(init_array|fini_array|preinit_array|ctors|dtors|init|fini)"
-                                 r"(\.|$)")
+_FORBIDDEN_SECTIONS = re.compile(
+    r"^\.(init_array|fini_array|preinit_array|ctors|dtors|init|fini)"
+    r"(\.|$)"
+)
 
 
 def object_violations(
@@ -219,11 +229,18 @@ def object_violations(
         if kind in "iI":
             reasons.append(f"defines {name} as an indirect function (runs before main)")
         elif kind.isupper() and name == "main":
-            reasons.append("defines main: the harness provides main; answer with the kernel "
-                           "(and its helpers) only")
-        elif kind.isupper() and name != function and (
-            name.startswith("__") or name.split("@")[0] in runtime_symbols
-            or name.startswith(("hpcrl", "GOMP_", "omp_"))
+            reasons.append(
+                "defines main: the harness provides main; answer with the kernel "
+                "(and its helpers) only"
+            )
+        elif (
+            kind.isupper()
+            and name != function
+            and (
+                name.startswith("__")
+                or name.split("@")[0] in runtime_symbols
+                or name.startswith(("hpcrl", "GOMP_", "omp_"))
+            )
         ):
             reasons.append(f"defines {name}, a name of the C/OpenMP runtime or the harness")
     for section in sections:
@@ -340,12 +357,18 @@ def layout_violations(readelf: str) -> list[str]:
             if "W" in flags:
                 reasons.append(f"has a section {name} that is both writable and executable")
     if stack_note is None or "X" in stack_note:
-        reasons.append("needs an executable stack (a nested function whose address is "
-                       "taken?): not allowed")
+        reasons.append(
+            "needs an executable stack (a nested function whose address is taken?): not allowed"
+        )
     for line in readelf.splitlines():
         match = _SYMBOL.match(line)
-        if match and match.group("ndx") in executable and match.group("type") not in (
-                "FUNC", "SECTION", "FILE", "NOTYPE"):
-            reasons.append(f"places the data {match.group('name') or '?'} in an executable "
-                           "section: code must be compiled C")
+        if (
+            match
+            and match.group("ndx") in executable
+            and match.group("type") not in ("FUNC", "SECTION", "FILE", "NOTYPE")
+        ):
+            reasons.append(
+                f"places the data {match.group('name') or '?'} in an executable "
+                "section: code must be compiled C"
+            )
     return reasons

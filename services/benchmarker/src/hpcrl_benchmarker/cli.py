@@ -19,39 +19,64 @@ def build_parser() -> argparse.ArgumentParser:
         description="Extract, check, compile, verify and time generated kernels in a sandbox.",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    isa_help = ("accept a host without avx512f that has this ISA (repeatable; e.g. avx2 on "
-                "development machines). Rewards from such hosts are not comparable.")
+    isa_help = (
+        "accept a host without avx512f that has this ISA (repeatable; e.g. avx2 on "
+        "development machines). Rewards from such hosts are not comparable."
+    )
 
     check = commands.add_parser(
-        "check", help="judge one completion or C file and print the verdict",
+        "check",
+        help="judge one completion or C file and print the verdict",
         description="Judge one completion (markdown or plain C) and print the verdict. "
         "Exits 0 whenever a verdict was produced (whatever its status).",
     )
     check.add_argument("file", type=Path, help="completion or C file ('-' for stdin)")
-    check.add_argument("--stage", type=int, default=6, choices=range(1, 7),
-                       help="SQD stage whose technique rules apply (default 6: all allowed)")
+    check.add_argument(
+        "--stage",
+        type=int,
+        default=6,
+        choices=range(1, 7),
+        help="SQD stage whose technique rules apply (default 6: all allowed)",
+    )
     check.add_argument("--opt-level", default="O3", help="optimisation level (default O3)")
-    check.add_argument("--task", default="matmul",
-                       help=f"built-in task name ({', '.join(builtin_tasks())}) or path of a "
-                       "task TOML (default matmul)")
+    check.add_argument(
+        "--task",
+        default="matmul",
+        help=f"built-in task name ({', '.join(builtin_tasks())}) or path of a "
+        "task TOML (default matmul)",
+    )
     check.add_argument("--allow-isa", action="append", default=[], metavar="ISA", help=isa_help)
-    check.add_argument("--json", action="store_true",
-                       help="print exactly one JSON object on stdout")
-    check.add_argument("--work-dir", type=Path, default=None,
-                       help="scratch directory (default: $TMPDIR/hpcrl-bench)")
-    check.add_argument("--reference", action="store_true",
-                       help="also time the task's OpenBLAS routine (cblas_dgemm for matmul, "
-                       "cblas_dgemv for gemv) at the reward size on this node, now, as a "
-                       "kernel is timed, and compare (JSON: a 'reference' key)")
+    check.add_argument(
+        "--json", action="store_true", help="print exactly one JSON object on stdout"
+    )
+    check.add_argument(
+        "--work-dir",
+        type=Path,
+        default=None,
+        help="scratch directory (default: $TMPDIR/hpcrl-bench)",
+    )
+    check.add_argument(
+        "--reference",
+        action="store_true",
+        help="also time the task's OpenBLAS routine (cblas_dgemm for matmul, "
+        "cblas_dgemv for gemv) at the reward size on this node, now, as a "
+        "kernel is timed, and compare (JSON: a 'reference' key)",
+    )
 
     serve = commands.add_parser(
-        "serve", help="consume code-to-bench, publish bench-results",
+        "serve",
+        help="consume code-to-bench, publish bench-results",
         description="Run a benchmarker replica: consume code-to-bench, publish bench-results, "
         "serve /metrics and /healthz.",
     )
     add_config_argument(serve)
-    serve.add_argument("--allow-isa", action="append", default=[], metavar="ISA",
-                       help=isa_help + " Added to benchmarker.allow_isa.")
+    serve.add_argument(
+        "--allow-isa",
+        action="append",
+        default=[],
+        metavar="ISA",
+        help=isa_help + " Added to benchmarker.allow_isa.",
+    )
     return parser
 
 
@@ -76,8 +101,7 @@ def _check(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
-        text = (sys.stdin.read() if str(args.file) == "-"
-                else args.file.read_text(errors="replace"))
+        text = sys.stdin.read() if str(args.file) == "-" else args.file.read_text(errors="replace")
     except OSError as exc:
         print(f"error: cannot read {args.file}: {exc.strerror or exc}", file=sys.stderr)
         return 2
@@ -86,8 +110,11 @@ def _check(args: argparse.Namespace) -> int:
     benchmarker = Benchmarker(BenchmarkerSection(work_dir=work_dir), host)
     verdict = benchmarker.evaluate(text, stage=args.stage, opt_level=args.opt_level, task=task)
     moved = harness.bytes_moved(task.sizes.reward)
-    bandwidth = (moved / verdict.timing.mean_s / 1e9
-                 if moved is not None and verdict.timing is not None else None)
+    bandwidth = (
+        moved / verdict.timing.mean_s / 1e9
+        if moved is not None and verdict.timing is not None
+        else None
+    )
     try:
         reference = benchmarker.reference(task) if args.reference else None
     except InternalError as exc:
@@ -105,15 +132,22 @@ def _check(args: argparse.Namespace) -> int:
         print(f"reward:      {verdict.reward:g}")
         if verdict.gflops is not None and verdict.timing is not None:
             t = verdict.timing
-            print(f"gflops:      {verdict.gflops:.2f} (mean {t.mean_s * 1e3:.3f} ms, median "
-                  f"{t.median_s * 1e3:.3f}, min {t.min_s * 1e3:.3f}, max {t.max_s * 1e3:.3f}, "
-                  f"cv {t.cv:.2%}, attempts {t.attempts}{', noisy' if t.noisy else ''})")
+            print(
+                f"gflops:      {verdict.gflops:.2f} (mean {t.mean_s * 1e3:.3f} ms, median "
+                f"{t.median_s * 1e3:.3f}, min {t.min_s * 1e3:.3f}, max {t.max_s * 1e3:.3f}, "
+                f"cv {t.cv:.2%}, attempts {t.attempts}{', noisy' if t.noisy else ''})"
+            )
         if bandwidth is not None:
-            print(f"bandwidth:   {bandwidth:.2f} GB/s ({moved / 1e6:.1f} MB moved per call at "
-                  "least, over the mean time)")
+            print(
+                f"bandwidth:   {bandwidth:.2f} GB/s ({moved / 1e6:.1f} MB moved per call at "
+                "least, over the mean time)"
+            )
         if reference is not None:
-            share = (f"; the kernel reaches {verdict.gflops / reference.gflops:.0%} of it"
-                     if verdict.gflops is not None else "")
+            share = (
+                f"; the kernel reaches {verdict.gflops / reference.gflops:.0%} of it"
+                if verdict.gflops is not None
+                else ""
+            )
             print(f"reference:   {reference.text()}{share}")
         print(f"techniques:  {', '.join(verdict.techniques) or '-'}")
         print(f"generalizes: {verdict.generalizes}")
@@ -149,9 +183,14 @@ def _serve(args: argparse.Namespace) -> int:
         return 3
     benchmarker.confine()  # a replica with a CPU set runs only there (threads inherit it)
     consumer = build_consumer(config, benchmarker)
-    log.info("benchmarker starting", host_class=host.host_class,
-             peak_gflops=round(host.peak_gflops, 1), concurrency=section.concurrency,
-             cpus=section.cpus or "all", namespace=config.broker.namespace)
+    log.info(
+        "benchmarker starting",
+        host_class=host.host_class,
+        peak_gflops=round(host.peak_gflops, 1),
+        concurrency=section.concurrency,
+        cpus=section.cpus or "all",
+        namespace=config.broker.namespace,
+    )
     run_consumer(consumer, "benchmarker", section, extra_health=benchmarker.health)
     return 0
 

@@ -24,8 +24,10 @@ def parse(text: str) -> tuple[int, ...]:
         item = raw.strip()
         match = _ITEM.fullmatch(item)
         if match is None:
-            raise ValueError(f"bad CPU list {text!r}: {item!r} is not a CPU number or a "
-                             f"range A-B (e.g. '0-3' or '0,2')")
+            raise ValueError(
+                f"bad CPU list {text!r}: {item!r} is not a CPU number or a "
+                f"range A-B (e.g. '0-3' or '0,2')"
+            )
         first = int(match[1])
         last = int(match[2]) if match[2] is not None else first
         if last < first:
@@ -52,5 +54,7 @@ def check_allowed(cpus: Sequence[int], allowed: Iterable[int]) -> None:
     run, or the replica would claim CPUs that someone else was given)."""
     allowed = set(allowed)
     if outside := sorted(set(cpus) - allowed):
-        raise ValueError(f"benchmarker.cpus {text(cpus)!r} names CPU(s) {text(outside)} "
-                         f"outside this process's affinity {text(allowed)}")
+        raise ValueError(
+            f"benchmarker.cpus {text(cpus)!r} names CPU(s) {text(outside)} "
+            f"outside this process's affinity {text(allowed)}"
+        )

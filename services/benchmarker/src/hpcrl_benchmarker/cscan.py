@@ -39,7 +39,7 @@ def main_file_lines(preprocessed: str, main_file: str) -> str:
     text = "\n" + preprocessed  # every line, the first included, now follows a newline
     for marker in _LINE_MARKER.finditer(text):
         if current is not None and current.endswith(main_file):
-            keep.append(text[start:marker.start()])
+            keep.append(text[start : marker.start()])
         current, start = marker.group(1), marker.end()
     if current is not None and current.endswith(main_file):
         keep.append(text[start:])

@@ -34,8 +34,11 @@ class Signature:
         match = re.fullmatch(r"\s*(.+?)\s*\b(\w+)\s*\((.*)\)\s*;?\s*", text, re.DOTALL)
         if not match:
             raise ValueError(f"not a C function signature: {text!r}")
-        return cls(_norm_type(match.group(1)), match.group(2),
-                   tuple(_param_type(p) for p in _split_params(match.group(3))))
+        return cls(
+            _norm_type(match.group(1)),
+            match.group(2),
+            tuple(_param_type(p) for p in _split_params(match.group(3))),
+        )
 
     def describe(self) -> str:
         return f"{self.return_type} {self.name}({', '.join(self.params)})"
@@ -71,8 +74,11 @@ def _param_type(param: str) -> str:
     param = re.sub(r"\[\s*\w*\s*\]", "*", param)  # double A[] is double *A
     param = re.sub(r"\s*\*\s*", " * ", param).strip()
     words = param.split()
-    if len(words) >= 2 and re.fullmatch(r"[A-Za-z_]\w*", words[-1]) and words[-1] not in (
-        "int", "double", "float", "long", "char", "short", "unsigned", "signed"
+    if (
+        len(words) >= 2
+        and re.fullmatch(r"[A-Za-z_]\w*", words[-1])
+        and words[-1]
+        not in ("int", "double", "float", "long", "char", "short", "unsigned", "signed")
     ):
         words = words[:-1]  # drop the parameter name
     return _norm_type(" ".join(words))
@@ -108,7 +114,7 @@ def _fenced_blocks(text: str) -> list[tuple[str, str]]:
             number += 1
             continue
         closing = candidates[after]
-        body = text[offsets[number + 1]:offsets[closing]]
+        body = text[offsets[number + 1] : offsets[closing]]
         blocks.append((opening.group(2).lower(), body))
         number = closing + 1
     return blocks
@@ -196,5 +202,9 @@ def _looks_like_prose(line: str) -> bool:
         return False
     if not re.search(r"[;{}()\[\]=#*<>&|+]", stripped):
         return len(stripped.split()) >= 2 or stripped.endswith((":", "."))
-    return bool(re.match(r"[A-Z][a-z]+\b", stripped) and stripped.endswith((".", ":", "!", "?"))
-                and ";" not in stripped and "{" not in stripped)
+    return bool(
+        re.match(r"[A-Z][a-z]+\b", stripped)
+        and stripped.endswith((".", ":", "!", "?"))
+        and ";" not in stripped
+        and "{" not in stripped
+    )

@@ -51,8 +51,13 @@ from hpcrl_common.task import Sizes
 
 _openblas = openblas  # the verifier's OpenBLAS (tests read its core name)
 
-NAMES = Names(output="C", inputs="A or B", arrays="A, B or C", full_check="full-matrix check",
-              points="the paper's")
+NAMES = Names(
+    output="C",
+    inputs="A or B",
+    arrays="A, B or C",
+    full_check="full-matrix check",
+    points="the paper's",
+)
 # Elements whose term sizes are summed one by one; beyond, one dgemm of |A| |B| (~0.6 ms at
 # the reward size) is cheaper than gathering their rows and columns.
 _GATHER_LIMIT = 512
@@ -75,8 +80,20 @@ def reference(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 def _dgemm(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> None:
     (m, k), n = a.shape, b.shape[1]
     openblas().cblas_dgemm(
-        CBLAS_ROW_MAJOR, CBLAS_NO_TRANS, CBLAS_NO_TRANS, m, n, k, ctypes.c_double(1.0),
-        pointer(a), k, pointer(b), n, ctypes.c_double(0.0), pointer(c), n,
+        CBLAS_ROW_MAJOR,
+        CBLAS_NO_TRANS,
+        CBLAS_NO_TRANS,
+        m,
+        n,
+        k,
+        ctypes.c_double(1.0),
+        pointer(a),
+        k,
+        pointer(b),
+        n,
+        ctypes.c_double(0.0),
+        pointer(c),
+        n,
     )
 
 
@@ -100,14 +117,21 @@ def _terms(a: np.ndarray, b: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> 
     return np.einsum("pk,kp->p", np.abs(a[rows]), np.abs(b[:, cols]))
 
 
-def sample_points(m: int, n: int, random_points: int, corners_and_centre: bool,
-                  rng: np.random.Generator) -> list[tuple[int, int]]:
+def sample_points(
+    m: int, n: int, random_points: int, corners_and_centre: bool, rng: np.random.Generator
+) -> list[tuple[int, int]]:
     rows, cols = _sample_points((m, n), random_points, corners_and_centre, rng)
     return list(zip(rows.tolist(), cols.tolist(), strict=True))
 
 
-def expected_at(ref: np.ndarray, a: np.ndarray, b: np.ndarray,
-                points: list[tuple[int, int]], *, full: bool = True) -> Expected:
+def expected_at(
+    ref: np.ndarray,
+    a: np.ndarray,
+    b: np.ndarray,
+    points: list[tuple[int, int]],
+    *,
+    full: bool = True,
+) -> Expected:
     rows = np.fromiter((i for i, _ in points), dtype=np.intp, count=len(points))
     cols = np.fromiter((j for _, j in points), dtype=np.intp, count=len(points))
     values = ref[rows, cols]
@@ -117,18 +141,24 @@ def expected_at(ref: np.ndarray, a: np.ndarray, b: np.ndarray,
     return Expected((rows, cols), values, scale, NAMES, ref, _Scales(a, b, ref))
 
 
-def expect(job: protocol.Job, random_points: int, corners_and_centre: bool,
-           rng: np.random.Generator) -> Expected:
+def expect(
+    job: protocol.Job, random_points: int, corners_and_centre: bool, rng: np.random.Generator
+) -> Expected:
     """The reference (OpenBLAS) for one job: its check points and the whole matrix."""
     a, b = inputs(job.sizes, job.seed)
     ref = reference(a, b)
-    points = sample_points(job.sizes["M"], job.sizes["N"], random_points, corners_and_centre,
-                           rng)
+    points = sample_points(job.sizes["M"], job.sizes["N"], random_points, corners_and_centre, rng)
     return expected_at(ref, a, b, points)
 
 
-def check(c: np.ndarray, ref: np.ndarray, a: np.ndarray, b: np.ndarray,
-          points: list[tuple[int, int]], tolerance: float) -> str:
+def check(
+    c: np.ndarray,
+    ref: np.ndarray,
+    a: np.ndarray,
+    b: np.ndarray,
+    points: list[tuple[int, int]],
+    tolerance: float,
+) -> str:
     """``check_expected`` against a full reference matrix and explicit points."""
     return check_expected(c, expected_at(ref, a, b, points), tolerance)
 
@@ -148,8 +178,13 @@ class Gemm(Harness):
     def reference_into(self, inputs: tuple[np.ndarray, ...], out: np.ndarray) -> None:
         _dgemm(*inputs, out)
 
-    def expect(self, job: protocol.Job, random_points: int, corners_and_centre: bool,
-               rng: np.random.Generator) -> Expected:
+    def expect(
+        self,
+        job: protocol.Job,
+        random_points: int,
+        corners_and_centre: bool,
+        rng: np.random.Generator,
+    ) -> Expected:
         return expect(job, random_points, corners_and_centre, rng)
 
 

@@ -37,8 +37,9 @@ from hpcrl_benchmarker.harnesses import (
 from hpcrl_benchmarker.verify import Expected, Names, Points, floored_scale, sample_points
 from hpcrl_common.task import Sizes
 
-NAMES = Names(output="y", inputs="A or x", arrays="A, x or y", full_check="full-vector check",
-              points="the")
+NAMES = Names(
+    output="y", inputs="A or x", arrays="A, x or y", full_check="full-vector check", points="the"
+)
 
 
 def inputs(sizes: Sizes, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -48,8 +49,20 @@ def inputs(sizes: Sizes, seed: int) -> tuple[np.ndarray, np.ndarray]:
 
 def _dgemv(a: np.ndarray, x: np.ndarray, y: np.ndarray) -> None:
     m, n = a.shape
-    openblas().cblas_dgemv(CBLAS_ROW_MAJOR, CBLAS_NO_TRANS, m, n, ctypes.c_double(1.0),
-                           pointer(a), n, pointer(x), 1, ctypes.c_double(0.0), pointer(y), 1)
+    openblas().cblas_dgemv(
+        CBLAS_ROW_MAJOR,
+        CBLAS_NO_TRANS,
+        m,
+        n,
+        ctypes.c_double(1.0),
+        pointer(a),
+        n,
+        pointer(x),
+        1,
+        ctypes.c_double(0.0),
+        pointer(y),
+        1,
+    )
 
 
 def reference(a: np.ndarray, x: np.ndarray) -> np.ndarray:
@@ -82,8 +95,13 @@ class Gemv(Harness):
     def reference_into(self, inputs: tuple[np.ndarray, ...], out: np.ndarray) -> None:
         _dgemv(*inputs, out)
 
-    def expect(self, job: protocol.Job, random_points: int, corners_and_centre: bool,
-               rng: np.random.Generator) -> Expected:
+    def expect(
+        self,
+        job: protocol.Job,
+        random_points: int,
+        corners_and_centre: bool,
+        rng: np.random.Generator,
+    ) -> Expected:
         a, x = inputs(job.sizes, job.seed)
         ref = reference(a, x)
         every = floored_scale(ref, reference(np.abs(a), np.abs(x)))

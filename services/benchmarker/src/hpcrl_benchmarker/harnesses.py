@@ -111,8 +111,9 @@ class Harness(ABC):
         """The reference routine (OpenBLAS) on ``inputs``, written into ``out``."""
 
     @abstractmethod
-    def expect(self, job: Job, random_points: int, corners_and_centre: bool,
-               rng: np.random.Generator) -> Expected:
+    def expect(
+        self, job: Job, random_points: int, corners_and_centre: bool, rng: np.random.Generator
+    ) -> Expected:
         """What the job's output must hold: its check points and the whole reference."""
 
     def bytes_moved(self, sizes: Sizes) -> float | None:
@@ -126,10 +127,13 @@ class Harness(ABC):
             if sorted(sizes) != sorted(self.dims):
                 raise HarnessError(
                     f"task {task.name!r}: harness {self.name!r} takes sizes "
-                    f"{', '.join(self.dims)}, not {', '.join(sizes) or 'none'}")
+                    f"{', '.join(self.dims)}, not {', '.join(sizes) or 'none'}"
+                )
         if task.reference != self.routine:
-            raise HarnessError(f"task {task.name!r}: harness {self.name!r} verifies against "
-                               f"{self.routine}, not {task.reference}")
+            raise HarnessError(
+                f"task {task.name!r}: harness {self.name!r} verifies against "
+                f"{self.routine}, not {task.reference}"
+            )
 
 
 # harness name -> the module whose HARNESS describes it

@@ -102,7 +102,7 @@ class HostProfile:
         raise IsaRefused(
             f"this host has no {DEFAULT_REQUIRED_ISA} (it has: {have}); rewards measured here "
             "would not be comparable with AVX-512 hosts. To run anyway (development, CI), allow "
-            "an ISA this host has with --allow-isa avx2 or benchmarker.allow_isa = [\"avx2\"]"
+            'an ISA this host has with --allow-isa avx2 or benchmarker.allow_isa = ["avx2"]'
         )
 
 
@@ -169,8 +169,10 @@ def reuse_freed_memory() -> bool:
     their pages in again: ~2,300 page faults and ~4 ms per candidate, beside its compile."""
     try:
         libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)
-                    and libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD))
+        return bool(
+            libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)
+            and libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD)
+        )
     except (OSError, AttributeError):
         return False
 

@@ -6,16 +6,23 @@ from prometheus_client import Counter, Gauge, Histogram, Info
 
 RESULTS = Counter("hpcrl_benchmarker_results_total", "Verdicts published, by status", ["status"])
 GFLOPS = Histogram(
-    "hpcrl_benchmarker_gflops", "GFLOPS of successful candidates", ["stage", "opt_level"],
+    "hpcrl_benchmarker_gflops",
+    "GFLOPS of successful candidates",
+    ["stage", "opt_level"],
     buckets=(0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000),
 )
 STEP_SECONDS = Histogram(
-    "hpcrl_benchmarker_step_seconds", "Duration of each pipeline step", ["step"],
+    "hpcrl_benchmarker_step_seconds",
+    "Duration of each pipeline step",
+    ["step"],
     buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32),
 )
 INFLIGHT = Gauge("hpcrl_benchmarker_inflight", "Candidates being benchmarked now")
-SANDBOX_KILLS = Counter("hpcrl_benchmarker_sandbox_kills_total",
-                        "Sandboxed processes killed at their wall-clock limit", ["reason"])
+SANDBOX_KILLS = Counter(
+    "hpcrl_benchmarker_sandbox_kills_total",
+    "Sandboxed processes killed at their wall-clock limit",
+    ["reason"],
+)
 HOST = Info("hpcrl_benchmarker_host", "The host this replica measures on")
 LOCK_WAIT = Histogram(
     "hpcrl_benchmarker_timing_lock_wait_seconds",
@@ -44,14 +51,17 @@ SANDBOX_START = Histogram(
 CLIENT_REQUESTS = Counter(
     "hpcrl_benchmarker_client_requests_total",
     "Outside trainers' reward requests taken (reward-requests), by client (the broker user "
-    "where publishers are authenticated; past 100 clients, \"other\")", ["client"],
+    'where publishers are authenticated; past 100 clients, "other")',
+    ["client"],
 )
 CLIENT_VERDICTS = Counter(
     "hpcrl_benchmarker_client_verdicts_total",
-    "Verdicts sent to outside trainers' queues, by client and status", ["client", "status"],
+    "Verdicts sent to outside trainers' queues, by client and status",
+    ["client", "status"],
 )
 CLIENT_LATENCY = Histogram(
     "hpcrl_benchmarker_client_latency_seconds",
     "From a reward request's creation (the client's clock) to its verdict, by client",
-    ["client"], buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600),
+    ["client"],
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600),
 )

@@ -103,9 +103,16 @@ class _Findings:
             self.durations[step] = time.monotonic() - started
 
     def verdict(self, host: HostInfo, failure: StepFailure | None) -> Verdict:
-        verdict = Verdict(status="success", host=host, techniques=sorted(self.techniques),
-                          generalizes=self.generalizes, error=self.note, source=self.source,
-                          compile_flags=self.compile_flags, durations_s=self.durations)
+        verdict = Verdict(
+            status="success",
+            host=host,
+            techniques=sorted(self.techniques),
+            generalizes=self.generalizes,
+            error=self.note,
+            source=self.source,
+            compile_flags=self.compile_flags,
+            durations_s=self.durations,
+        )
         if failure is not None:
             verdict.status, verdict.error = failure.status, failure.error[:ERROR_CHARS]
         elif self.measurement is not None:
@@ -121,8 +128,13 @@ class _Plan:
 
 
 class Benchmarker:
-    def __init__(self, settings: BenchmarkerSection | None = None,
-                 host: HostProfile | None = None, *, keep_scratch: bool = False) -> None:
+    def __init__(
+        self,
+        settings: BenchmarkerSection | None = None,
+        host: HostProfile | None = None,
+        *,
+        keep_scratch: bool = False,
+    ) -> None:
         self.settings = settings or BenchmarkerSection()
         self.host = host or detect()
         reuse_freed_memory()
@@ -135,8 +147,15 @@ class Benchmarker:
 
     # --- the pipeline -----------------------------------------------------------------
 
-    def evaluate(self, completion: str, *, stage: int, opt_level: str, task: TaskSpec,
-                 events: Events | None = None) -> Verdict:
+    def evaluate(
+        self,
+        completion: str,
+        *,
+        stage: int,
+        opt_level: str,
+        task: TaskSpec,
+        events: Events | None = None,
+    ) -> Verdict:
         flags = task.compile_flags(opt_level)
         candidate = _Candidate(task, stage_of(stage), flags, events or Events())
         found = _Findings()
@@ -150,8 +169,9 @@ class Benchmarker:
                 # must only be ready after it (the harness's sandbox, the references).
                 began = time.monotonic()
                 compiling = stack.enter_context(self.start_compile(scratch, code, task, flags))
-                harness = stack.enter_context(self.start_run(scratch, task, two_phases=True,
-                                                             threads=candidate.threads))
+                harness = stack.enter_context(
+                    self.start_run(scratch, task, two_phases=True, threads=candidate.threads)
+                )
                 plan = self._plan(task)
                 stack.callback(plan.expected.cancel)  # an early verdict makes it useless
                 self._compile_and_check(scratch, candidate, found, compiling, began)
@@ -176,21 +196,40 @@ class Benchmarker:
             found.techniques = checks.detect_techniques(code)
             steps.check_source(code, found.techniques, candidate.policy)
 
-    def _compile_and_check(self, scratch: Path, candidate: _Candidate, found: _Findings,
-                           compiling: sandbox.Pending, began: float) -> None:
+    def _compile_and_check(
+        self,
+        scratch: Path,
+        candidate: _Candidate,
+        found: _Findings,
+        compiling: sandbox.Pending,
+        began: float,
+    ) -> None:
         """Compile, then the checks again on the preprocessed lines and the object."""
         task = candidate.task
         compiled = self.finish_compile(compiling, scratch, task, candidate.events)
         found.durations["compile"] = time.monotonic() - began
         preprocessed = steps.within_limit(compiled.preprocessed)
         found.techniques |= steps.compiled_techniques(preprocessed, compiled.listing)
-        steps.check_compiled(preprocessed, compiled.listing, compiled.error, found.techniques,
-                             candidate.policy, function=task.function,
-                             runtime_symbols=build.runtime_symbols())
+        steps.check_compiled(
+            preprocessed,
+            compiled.listing,
+            compiled.error,
+            found.techniques,
+            candidate.policy,
+            function=task.function,
+            runtime_symbols=build.runtime_symbols(),
+        )
 
-    def _run(self, scratch: Path, candidate: _Candidate, plan: _Plan,
-             expected: list[verify.Expected], watch: steps.EarlyVerdict, found: _Findings,
-             harness: sandbox.Pending) -> HarnessRun:
+    def _run(
+        self,
+        scratch: Path,
+        candidate: _Candidate,
+        plan: _Plan,
+        expected: list[verify.Expected],
+        watch: steps.EarlyVerdict,
+        found: _Findings,
+        harness: sandbox.Pending,
+    ) -> HarnessRun:
         """Verification at every size, then warm-up, timed runs and a last verification,
         in one harness process under the node's timing lock: one sandbox and one process
         start fewer than two processes, and no verification of another candidate on these
@@ -198,14 +237,28 @@ class Benchmarker:
         fails the reward-size verification is stopped before it is timed. The sandbox was
         set up during the compile (``start_run``)."""
         with self.exclusive_timing():
-            run = self.run(scratch, candidate.task, plan.verify + plan.timing,
-                           candidate.events, verify_runs=len(plan.verify), watch=watch,
-                           harness=harness, expected=expected, threads=candidate.threads)
+            run = self.run(
+                scratch,
+                candidate.task,
+                plan.verify + plan.timing,
+                candidate.events,
+                verify_runs=len(plan.verify),
+                watch=watch,
+                harness=harness,
+                expected=expected,
+                threads=candidate.threads,
+            )
         found.durations["verify"] = run.phase_one_s
         return run
 
-    def _verify(self, candidate: _Candidate, plan: _Plan, run: HarnessRun,
-                watch: steps.EarlyVerdict, found: _Findings) -> Phase | None:
+    def _verify(
+        self,
+        candidate: _Candidate,
+        plan: _Plan,
+        run: HarnessRun,
+        watch: steps.EarlyVerdict,
+        found: _Findings,
+    ) -> Phase | None:
         """Judge the verification phase; the timing phase (None if the run never got to it)."""
         steps.check_clocks(run.frames)
         verification, timing = run.phases(len(plan.verify))
@@ -216,22 +269,43 @@ class Benchmarker:
             found.durations["time"] = run.phase_two_s
         return timing
 
-    def _time(self, scratch: Path, candidate: _Candidate, plan: _Plan, timing: Phase | None,
-              expected: list[verify.Expected], found: _Findings) -> None:
+    def _time(
+        self,
+        scratch: Path,
+        candidate: _Candidate,
+        plan: _Plan,
+        timing: Phase | None,
+        expected: list[verify.Expected],
+        found: _Findings,
+    ) -> None:
         if timing is None:
             # It ended at an extra size, which only decides `generalizes`: time it in a
             # process of its own, as if the verification had been separate.
             with self.exclusive_timing():
-                run = self.run(scratch, candidate.task, plan.timing, candidate.events,
-                               threads=candidate.threads)
+                run = self.run(
+                    scratch,
+                    candidate.task,
+                    plan.timing,
+                    candidate.events,
+                    threads=candidate.threads,
+                )
             found.durations["time"] = run.wall_s
             timing = run.whole()
-        attempts = [steps.measure(candidate.task, plan.timing, timing,
-                                  expected[len(plan.verify):], self.peak_gflops())]
+        attempts = [
+            steps.measure(
+                candidate.task,
+                plan.timing,
+                timing,
+                expected[len(plan.verify) :],
+                self.peak_gflops(),
+            )
+        ]
         # Runs that disagree were disturbed (a busy node): time the verified kernel again,
         # in a fresh run with every check of the first, and keep the steadiest attempt.
-        while (attempts[-1].timing.cv > self.settings.max_timing_cv
-               and len(attempts) < self.settings.timing_attempts):
+        while (
+            attempts[-1].timing.cv > self.settings.max_timing_cv
+            and len(attempts) < self.settings.timing_attempts
+        ):
             RETIMED.inc()
             attempts.append(self._retime(scratch, candidate, found))
         candidate.events.timings.extend(attempt.timing for attempt in attempts)
@@ -246,21 +320,25 @@ class Benchmarker:
         jobs = self._timing_jobs(task)
         expected = self._expect(task, jobs)
         with self.exclusive_timing():
-            run = self.run(scratch, task, jobs, candidate.events, expected=expected,
-                           threads=candidate.threads)
+            run = self.run(
+                scratch, task, jobs, candidate.events, expected=expected, threads=candidate.threads
+            )
         found.durations["retime"] = found.durations.get("retime", 0.0) + run.wall_s
         return steps.measure(task, jobs, run.whole(), expected, self.peak_gflops())
 
     # --- the steps that run untrusted code (public: the tests drive them directly) -----
 
-    def compile(self, scratch: Path, code: str, task: TaskSpec, flags: list[str],
-                events: Events) -> Compiled:
+    def compile(
+        self, scratch: Path, code: str, task: TaskSpec, flags: list[str], events: Events
+    ) -> Compiled:
         """Compile ``code`` as kernel.c in ``scratch``, list its object, link the harness."""
-        return self.finish_compile(self.start_compile(scratch, code, task, flags), scratch,
-                                   task, events)
+        return self.finish_compile(
+            self.start_compile(scratch, code, task, flags), scratch, task, events
+        )
 
-    def finish_compile(self, compiling: sandbox.Pending, scratch: Path, task: TaskSpec,
-                       events: Events) -> Compiled:
+    def finish_compile(
+        self, compiling: sandbox.Pending, scratch: Path, task: TaskSpec, events: Events
+    ) -> Compiled:
         """Run the compile that ``start_compile`` set up and read what it left behind."""
         with compiling:
             outcome = compiling.run()
@@ -268,23 +346,37 @@ class Benchmarker:
             events.sandbox_kills.append("compile_timeout")
         return build.result(outcome, scratch, task)
 
-    def start_compile(self, scratch: Path, code: str, task: TaskSpec,
-                      flags: list[str]) -> sandbox.Pending:
+    def start_compile(
+        self, scratch: Path, code: str, task: TaskSpec, flags: list[str]
+    ) -> sandbox.Pending:
         """Write ``code`` as kernel.c in ``scratch`` and set up the compile's sandbox, for
         ``finish_compile``; killed unrun on leaving a ``with`` block."""
         (scratch / build.KERNEL_FILE).write_text(code)
         harness = self.harness_object(task)
         return sandbox.start(
-            ["/bin/sh", "-c", build.script(task.compile.compiler, flags, harness,
-                                           build.Outputs.of(scratch))],
-            build.spec(scratch, task, harness, self.settings.address_space_mb,
-                       cpus=self.cpus or None))
+            [
+                "/bin/sh",
+                "-c",
+                build.script(task.compile.compiler, flags, harness, build.Outputs.of(scratch)),
+            ],
+            build.spec(
+                scratch, task, harness, self.settings.address_space_mb, cpus=self.cpus or None
+            ),
+        )
 
-    def run(self, scratch: Path, task: TaskSpec, jobs: list[protocol.Job], events: Events,
-            *, verify_runs: int = 0, watch: FrameWatch | None = None,
-            harness: sandbox.Pending | None = None,
-            expected: Sequence[verify.Expected] | None = None,
-            threads: bool = True) -> HarnessRun:
+    def run(
+        self,
+        scratch: Path,
+        task: TaskSpec,
+        jobs: list[protocol.Job],
+        events: Events,
+        *,
+        verify_runs: int = 0,
+        watch: FrameWatch | None = None,
+        harness: sandbox.Pending | None = None,
+        expected: Sequence[verify.Expected] | None = None,
+        threads: bool = True,
+    ) -> HarnessRun:
         """Run ``jobs`` in one harness process. With ``verify_runs`` (0 < n < len(jobs)) the
         run has two phases, the first n jobs and the rest, each with the task's full wall
         limit and CPU budget; ``watch`` sees each frame of the first phase as it arrives and
@@ -297,48 +389,62 @@ class Benchmarker:
         # No thread but the main one and OpenMP's pool may outlive a call: the run's OpenMP
         # threads, which OMP_THREAD_LIMIT caps (harness_env); none without threads.
         count = runner.ThreadCount(self._cpu_set()[0] if threads else 1)
-        spec = self._run_spec(scratch, task, phases=2 if 0 < verify_runs < len(jobs) else 1,
-                              threads=threads)
+        spec = self._run_spec(
+            scratch, task, phases=2 if 0 < verify_runs < len(jobs) else 1, threads=threads
+        )
         # The spec's HPCRL_READY=1 makes the harness wait for a go before every call: no
         # thread may work between a job's line and that go (runner.IdleThreads).
         idle = runner.IdleThreads(count) if spec.env.get(READY_ENV) == "1" else None
-        talk = runner.Conversation(jobs, verify_runs, watch, count,
-                                   on_result=self._checker(task, expected), idle=idle)
+        conversation = runner.Conversation(
+            jobs, verify_runs, watch, count, on_result=self._checker(task, expected), idle=idle
+        )
         if harness is None:
             harness = sandbox.start(HARNESS_ARGV, spec)
         elif harness.spec != spec:
             harness.cancel()
             raise InternalError("the harness sandbox was set up for another run")
         started = time.monotonic()
-        outcome = harness.run(stdin=talk.opening(), watch=talk.on_event,
-                              started=count.started)
+        outcome = harness.run(
+            stdin=conversation.opening(), watch=conversation.on_event, started=count.started
+        )
         if outcome.start_s is not None:
             SANDBOX_START.observe(outcome.start_s)
-        failure = runner.ending(outcome, talk, task.timing.time_limit_s, threads=threads)
+        failure = runner.run_failure(
+            outcome, conversation, task.timing.time_limit_s, threads=threads
+        )
         if failure is not None and failure.status == "timeout":
             events.sandbox_kills.append("timeout")
-        return HarnessRun(talk.frames, failure, started, outcome.wall_s, outcome.phase_started)
+        return HarnessRun(
+            conversation.frames, failure, started, outcome.wall_s, outcome.phase_started
+        )
 
     @staticmethod
-    def _checker(task: TaskSpec, expected: Sequence[verify.Expected] | None,
-                 ) -> Callable[[int, np.ndarray], None] | None:
+    def _checker(
+        task: TaskSpec,
+        expected: Sequence[verify.Expected] | None,
+    ) -> Callable[[int, np.ndarray], None] | None:
         if expected is None:
             return None
         tolerance = task.verification.rel_tolerance
 
         def check(job: int, output: np.ndarray) -> None:
             verify.check_expected(output, expected[job], tolerance)  # kept for the verdict
+
         return check
 
-    def start_run(self, scratch: Path, task: TaskSpec, *, two_phases: bool,
-                  threads: bool = True) -> sandbox.Pending:
+    def start_run(
+        self, scratch: Path, task: TaskSpec, *, two_phases: bool, threads: bool = True
+    ) -> sandbox.Pending:
         """Set up a harness run's sandbox now, for ``run(harness=...)`` to let it begin
         (``./run`` need not exist yet); killed unrun on leaving a ``with`` block."""
-        return sandbox.start(HARNESS_ARGV, self._run_spec(
-            scratch, task, phases=2 if two_phases else 1, threads=threads))
+        return sandbox.start(
+            HARNESS_ARGV,
+            self._run_spec(scratch, task, phases=2 if two_phases else 1, threads=threads),
+        )
 
-    def _run_spec(self, scratch: Path, task: TaskSpec, phases: int,
-                  threads: bool = True) -> sandbox.Spec:
+    def _run_spec(
+        self, scratch: Path, task: TaskSpec, phases: int, threads: bool = True
+    ) -> sandbox.Spec:
         allow_threads = threads
         threads, cpus, allowed = self._cpu_set()
         limits = sandbox.Limits(
@@ -351,25 +457,33 @@ class Benchmarker:
         )
         confine = bool(self.cpus) or len(cpus) < len(allowed)
         env = {**self.harness_env(threads=allow_threads), READY_ENV: "1"}
-        return sandbox.Spec(scratch, limits, env=env,
-                            cpus=tuple(cpus) if confine else None,
-                            extra_pipe=True, marks=True, marks_after_data=True,
-                            start_limit_s=runner.START_LIMIT_S)
+        return sandbox.Spec(
+            scratch,
+            limits,
+            env=env,
+            cpus=tuple(cpus) if confine else None,
+            extra_pipe=True,
+            marks=True,
+            marks_after_data=True,
+            start_limit_s=runner.START_LIMIT_S,
+        )
 
     # --- what the steps share -----------------------------------------------------------
 
     def harness_object(self, task: TaskSpec) -> Path:
         """The harness template compiled once per (task harness, function, compiler)."""
-        return build.harness_object(task, self.settings.work_dir, self.host.compiler,
-                                    self._harness_lock)
+        return build.harness_object(
+            task, self.settings.work_dir, self.host.compiler, self._harness_lock
+        )
 
     def _plan(self, task: TaskSpec) -> _Plan:
         """Fresh seeds for every run, and their references computed in the background (they
         depend only on the seeds, so this overlaps with the compilation)."""
         harness = harnesses.for_task(task)
         reward = task.sizes.reward
-        verifying = [harness.job("v", s, secrets.randbits(63))
-                     for s in [reward, *task.sizes.verify]]
+        verifying = [
+            harness.job("v", s, secrets.randbits(63)) for s in [reward, *task.sizes.verify]
+        ]
         timing = self._timing_jobs(task)
         jobs = verifying + timing
         return _Plan(verifying, timing, self._references.submit(self._expect, task, jobs))
@@ -379,10 +493,12 @@ class Benchmarker:
         """One timing attempt, with fresh seeds: warm-up, timed runs, final verification."""
         harness = harnesses.for_task(task)
         reward = task.sizes.reward
-        jobs = [harness.job("w", reward, secrets.randbits(63))
-                for _ in range(task.timing.warmup_runs)]
-        jobs += [harness.job("t", reward, secrets.randbits(63))
-                 for _ in range(task.timing.timed_runs)]
+        jobs = [
+            harness.job("w", reward, secrets.randbits(63)) for _ in range(task.timing.warmup_runs)
+        ]
+        jobs += [
+            harness.job("t", reward, secrets.randbits(63)) for _ in range(task.timing.timed_runs)
+        ]
         jobs.append(harness.job("v", reward, secrets.randbits(63)))
         return jobs
 
@@ -391,8 +507,12 @@ class Benchmarker:
         # The check points are drawn here, in the trusted process, and never leave it.
         rng = np.random.default_rng(secrets.randbits(64))
         points = task.verification
-        return [harnesses.get(job.harness.name).expect(
-            job, points.random_points, points.corners_and_centre, rng) for job in jobs]
+        return [
+            harnesses.get(job.harness.name).expect(
+                job, points.random_points, points.corners_and_centre, rng
+            )
+            for job in jobs
+        ]
 
     def _expected(self, task: TaskSpec, plan: _Plan) -> list[verify.Expected]:
         if plan.expected.cancel():  # not started yet (the pool is busy): do it here
@@ -449,10 +569,14 @@ class Benchmarker:
         count, cpus, _ = self._cpu_set()
         # No team, nested ones included, gets more threads than the run has CPUs: a kernel
         # cannot oversubscribe its cores (num_threads(64) gets `threads`).
-        env = {"OMP_NUM_THREADS": str(count if threads else 1), "OMP_THREAD_LIMIT": str(count),
-               # Idle OpenMP threads sleep at once rather than spin for a while: a thread
-               # that runs between calls is then the kernel's doing (runner.IdleThreads).
-               "OMP_WAIT_POLICY": "passive", "GOMP_SPINCOUNT": "0"}
+        env = {
+            "OMP_NUM_THREADS": str(count if threads else 1),
+            "OMP_THREAD_LIMIT": str(count),
+            # Idle OpenMP threads sleep at once rather than spin for a while: a thread
+            # that runs between calls is then the kernel's doing (runner.IdleThreads).
+            "OMP_WAIT_POLICY": "passive",
+            "GOMP_SPINCOUNT": "0",
+        }
         if not threads:
             env["HPCRL_NO_THREADS"] = "1"
         if self.settings.pin_threads:
@@ -472,9 +596,9 @@ class Benchmarker:
         """
         settings = self.settings
         try:
-            with timinglock.timing_locks(settings.lock_path, self.cpus,
-                                         settings.timing_lock_timeout_s,
-                                         waiting=self._waiting) as waited:
+            with timinglock.timing_locks(
+                settings.lock_path, self.cpus, settings.timing_lock_timeout_s, waiting=self._waiting
+            ) as waited:
                 # The lock moves, so no one is stalled now; another waiter marks itself again.
                 self.lock_wait_since = None
                 LOCK_WAIT.observe(waited)
@@ -511,8 +635,14 @@ class Benchmarker:
 _DEFAULT: Benchmarker | None = None
 
 
-def evaluate(completion: str, *, stage: int, opt_level: str, task: TaskSpec,
-             benchmarker: Benchmarker | None = None) -> Verdict:
+def evaluate(
+    completion: str,
+    *,
+    stage: int,
+    opt_level: str,
+    task: TaskSpec,
+    benchmarker: Benchmarker | None = None,
+) -> Verdict:
     """Judge one completion with a process-wide default Benchmarker."""
     global _DEFAULT
     if benchmarker is None:
@@ -531,8 +661,10 @@ def private_dir(path: Path) -> None:
     if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
         raise InternalError(f"work_dir {path} is not a directory (a symlink?)")
     if info.st_uid != os.geteuid():
-        raise InternalError(f"work_dir {path} belongs to uid {info.st_uid}, not to this "
-                            f"service (uid {os.geteuid()}): choose a private directory")
+        raise InternalError(
+            f"work_dir {path} belongs to uid {info.st_uid}, not to this "
+            f"service (uid {os.geteuid()}): choose a private directory"
+        )
     if stat.S_IMODE(info.st_mode) != 0o700:
         path.chmod(0o700)
 

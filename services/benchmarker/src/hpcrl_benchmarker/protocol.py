@@ -97,13 +97,17 @@ class Frame:
         tol = CLOCK_TOLERANCE_NS
         dispatch = max(self.sent_ns, self.go_ns)  # with the handshake, the go
         if not dispatch - tol <= self.t0_ns <= self.begin_ns + tol:
-            return (f"the reported start of the call is not between the job's dispatch and "
-                    f"its start message ({(self.t0_ns - dispatch) / 1e6:.3f} ms after "
-                    f"dispatch, {(self.t0_ns - self.begin_ns) / 1e6:.3f} ms after the message)")
+            return (
+                f"the reported start of the call is not between the job's dispatch and "
+                f"its start message ({(self.t0_ns - dispatch) / 1e6:.3f} ms after "
+                f"dispatch, {(self.t0_ns - self.begin_ns) / 1e6:.3f} ms after the message)"
+            )
         if not self.t0_ns <= self.t1_ns <= self.result_ns + tol:
-            return (f"the reported end of the call is not between its start and its result "
-                    f"message ({(self.t1_ns - self.t0_ns) / 1e6:.3f} ms after the start, "
-                    f"{(self.t1_ns - self.result_ns) / 1e6:.3f} ms after the message)")
+            return (
+                f"the reported end of the call is not between its start and its result "
+                f"message ({(self.t1_ns - self.t0_ns) / 1e6:.3f} ms after the start, "
+                f"{(self.t1_ns - self.result_ns) / 1e6:.3f} ms after the message)"
+            )
         return ""
 
     def effective_seconds(self, slack_ns: int = END_SLACK_NS) -> float:
@@ -149,9 +153,14 @@ class RunReader:
     beyond the announced output, an early or late end.
     """
 
-    def __init__(self, nonce: int, jobs: list[Job],
-                 on_result: Callable[[int, np.ndarray], None] | None = None,
-                 *, handshake: bool = False) -> None:
+    def __init__(
+        self,
+        nonce: int,
+        jobs: list[Job],
+        on_result: Callable[[int, np.ndarray], None] | None = None,
+        *,
+        handshake: bool = False,
+    ) -> None:
         self.nonce = nonce
         self.jobs = jobs
         self.on_result = on_result
@@ -192,8 +201,12 @@ class RunReader:
         if nonce != self.nonce:
             raise ProtocolError("result stream corrupted (wrong nonce)")
         if kind == MARK_END:
-            if (self._expect != self._first or job != len(self.frames)
-                    or len(self.frames) != len(self.jobs) or self._payload):
+            if (
+                self._expect != self._first
+                or job != len(self.frames)
+                or len(self.frames) != len(self.jobs)
+                or self._payload
+            ):
                 raise ProtocolError("result stream corrupted (bad end marker)")
             self.finished = True
             return []
@@ -229,8 +242,11 @@ class RunReader:
         # the output may be here before its RESULT mark: bound it by the current job's size.
         job = len(self.frames)
         limit = 8 * self.jobs[job].output_count if job < len(self.jobs) else 0
-        if (self.finished or self._output is not None  # all of this output came already
-                or len(self._payload) + len(chunk) > limit):
+        if (
+            self.finished
+            or self._output is not None  # all of this output came already
+            or len(self._payload) + len(chunk) > limit
+        ):
             raise ProtocolError("result stream corrupted (unexpected data)")
         self._payload += chunk
         self._result_complete()
@@ -238,15 +254,15 @@ class RunReader:
 
     def _result_complete(self) -> None:
         """Make the output once its RESULT mark and all of its data are here, and show it."""
-        if (self._output is not None or not self._count
-                or len(self._payload) < 8 * self._count):
+        if self._output is not None or not self._count or len(self._payload) < 8 * self._count:
             return
         job = len(self.frames)
         # The output owns this buffer from now on: the next job's data starts a new one.
         # Read-only: its check is remembered (verify.check_expected) for the array it was
         # made on.
         self._output = np.frombuffer(self._payload, dtype="<f8").reshape(
-            self.jobs[job].output_shape)
+            self.jobs[job].output_shape
+        )
         self._output.flags.writeable = False
         self._payload = bytearray()
         if self.on_result is not None:
@@ -256,9 +272,17 @@ class RunReader:
         if self._expect != -1 or self._output is None:
             return []
         job, cur = len(self.frames), self._current
-        frame = Frame(job, cur["flags"], self._output, t0_ns=cur["t0"], t1_ns=cur["t1"],
-                      sent_ns=self._sent[job], go_ns=self._go[job] if self.handshake else 0,
-                      begin_ns=cur["begin"], result_ns=cur["result"])
+        frame = Frame(
+            job,
+            cur["flags"],
+            self._output,
+            t0_ns=cur["t0"],
+            t1_ns=cur["t1"],
+            sent_ns=self._sent[job],
+            go_ns=self._go[job] if self.handshake else 0,
+            begin_ns=cur["begin"],
+            result_ns=cur["result"],
+        )
         self.frames.append(frame)
         self._output = None
         self._count = 0

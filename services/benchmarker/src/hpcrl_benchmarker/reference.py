@@ -53,11 +53,12 @@ class Reference:
         return asdict(self)
 
     def text(self) -> str:
-        bandwidth = (f", {self.gbytes_per_s:.1f} GB/s" if self.gbytes_per_s is not None
-                     else "")
-        return (f"OpenBLAS {self.routine} {self.gflops:.2f} GFLOPS{bandwidth} ({self.core} "
-                f"kernels, {self.threads} thread{'s' if self.threads != 1 else ''}, median "
-                f"of {len(self.runs_s)} calls, this node, now)")
+        bandwidth = f", {self.gbytes_per_s:.1f} GB/s" if self.gbytes_per_s is not None else ""
+        return (
+            f"OpenBLAS {self.routine} {self.gflops:.2f} GFLOPS{bandwidth} ({self.core} "
+            f"kernels, {self.threads} thread{'s' if self.threads != 1 else ''}, median "
+            f"of {len(self.runs_s)} calls, this node, now)"
+        )
 
 
 class ReferenceUnavailable(RuntimeError):
@@ -71,28 +72,47 @@ def time_reference(task: TaskSpec, *, threads: int, cpus: list[int], runs: int =
     harness = harnesses.for_task(task)
     sizes = task.sizes.reward
     core = openblas_coretype()
-    env = {**os.environ, "OPENBLAS_NUM_THREADS": str(threads),
-           **({"OPENBLAS_CORETYPE": core} if core else {})}
+    env = {
+        **os.environ,
+        "OPENBLAS_NUM_THREADS": str(threads),
+        **({"OPENBLAS_CORETYPE": core} if core else {}),
+    }
     counts = sorted({1, threads})
-    argv = [sys.executable, "-m", "hpcrl_benchmarker.reference", harness.name,
-            json.dumps(sizes), str(runs), ",".join(map(str, counts)), ",".join(map(str, cpus))]
+    argv = [
+        sys.executable,
+        "-m",
+        "hpcrl_benchmarker.reference",
+        harness.name,
+        json.dumps(sizes),
+        str(runs),
+        ",".join(map(str, counts)),
+        ",".join(map(str, cpus)),
+    ]
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
     except subprocess.TimeoutExpired:
         raise ReferenceUnavailable(
-            f"{harness.routine} did not finish within {TIMEOUT_S:g} s") from None
+            f"{harness.routine} did not finish within {TIMEOUT_S:g} s"
+        ) from None
     if done.returncode != 0:
-        raise ReferenceUnavailable(f"{harness.routine} could not be timed: "
-                             f"{done.stderr.strip()[-500:]}")
+        raise ReferenceUnavailable(
+            f"{harness.routine} could not be timed: {done.stderr.strip()[-500:]}"
+        )
     measured = json.loads(done.stdout)
     timed = {int(n): [float(r) for r in runs_s] for n, runs_s in measured["runs_s"].items()}
     best = min(timed, key=lambda n: statistics.median(timed[n]))
     median = statistics.median(timed[best])
     moved = harness.bytes_moved(sizes)
-    return Reference(routine=harness.routine, sizes=dict(sizes),
-                     gflops=task.flop_count(sizes) / median / 1e9,
-                     gbytes_per_s=None if moved is None else moved / median / 1e9,
-                     median_s=median, runs_s=timed[best], core=measured["core"], threads=best)
+    return Reference(
+        routine=harness.routine,
+        sizes=dict(sizes),
+        gflops=task.flop_count(sizes) / median / 1e9,
+        gbytes_per_s=None if moved is None else moved / median / 1e9,
+        median_s=median,
+        runs_s=timed[best],
+        core=measured["core"],
+        threads=best,
+    )
 
 
 def _measure(name: str, sizes: Sizes, runs: int, counts: list[int]) -> dict[str, Any]:
@@ -121,8 +141,11 @@ def main(argv: list[str]) -> int:
     name, sizes, runs, counts, cpus = argv
     if cpus:
         os.sched_setaffinity(0, [int(c) for c in cpus.split(",")])
-    print(json.dumps(_measure(name, json.loads(sizes), int(runs),
-                              [int(n) for n in counts.split(",")])))
+    print(
+        json.dumps(
+            _measure(name, json.loads(sizes), int(runs), [int(n) for n in counts.split(",")])
+        )
+    )
     return 0
 
 

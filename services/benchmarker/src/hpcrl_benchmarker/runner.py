@@ -92,8 +92,11 @@ class HarnessRun:
         verify = [f for f in self.frames if f.job < verify_runs]
         if len(verify) < verify_runs:
             return Phase(verify, self.failure), None
-        rest = [dataclasses.replace(f, job=f.job - verify_runs) for f in self.frames
-                if f.job >= verify_runs]
+        rest = [
+            dataclasses.replace(f, job=f.job - verify_runs)
+            for f in self.frames
+            if f.job >= verify_runs
+        ]
         return Phase(verify, None), Phase(rest, self.failure)
 
 
@@ -222,10 +225,15 @@ class Conversation:
     ``on_result`` sees each output as soon as it is here (``protocol.RunReader``): work done
     then is off the run's critical path."""
 
-    def __init__(self, jobs: list[protocol.Job], verify_runs: int,
-                 watch: FrameWatch | None, threads: ThreadCount | None = None,
-                 on_result: Callable[[int, np.ndarray], None] | None = None,
-                 idle: IdleThreads | None = None) -> None:
+    def __init__(
+        self,
+        jobs: list[protocol.Job],
+        verify_runs: int,
+        watch: FrameWatch | None,
+        threads: ThreadCount | None = None,
+        on_result: Callable[[int, np.ndarray], None] | None = None,
+        idle: IdleThreads | None = None,
+    ) -> None:
         self.jobs = jobs
         self.verify_runs = verify_runs
         self.two_phases = 0 < verify_runs < len(jobs)
@@ -234,8 +242,7 @@ class Conversation:
         self.idle = idle
         self.nonce = secrets.randbits(64)
         self.on_result = on_result
-        self.reader = protocol.RunReader(self.nonce, jobs, self._result,
-                                         handshake=idle is not None)
+        self.reader = protocol.RunReader(self.nonce, jobs, self._result, handshake=idle is not None)
         self.tampered = ""
         self.worked_outside = ""  # why the run was stopped at a READY, if it was
 
@@ -277,7 +284,8 @@ class Conversation:
                 f"{IDLE_LIMIT_NS / 1e6:g} ms is allowed: idle OpenMP threads sleep). A "
                 f"thread may work only within a call, at any stage: one left running (an "
                 f"OpenMP region never closed, a thread made by hand) is refused, whatever "
-                f"the thread count and omp_in_parallel() say")
+                f"the thread count and omp_in_parallel() say"
+            )
             return sandbox.Reply(stop=True)
         self.reader.go(job, time.monotonic_ns())
         # The call runs now: read no marks until its C comes (not on the kernel's cores).
@@ -305,61 +313,86 @@ class Conversation:
                 return sandbox.Reply(stop=True)
             new_phase = self.two_phases and frame.job == self.verify_runs - 1
             # With the handshake the next mark is READY, which must be read as it comes.
-            return sandbox.Reply(new_phase=new_phase, send=self.dispatch(frame.job + 1),
-                                 marks_after_data=(frame.job + 1 < len(self.jobs)
-                                                   and self.idle is None))
+            return sandbox.Reply(
+                new_phase=new_phase,
+                send=self.dispatch(frame.job + 1),
+                marks_after_data=(frame.job + 1 < len(self.jobs) and self.idle is None),
+            )
         return None
 
 
-def ending(outcome: sandbox.Outcome, talk: Conversation,
-           time_limit_s: float, *, threads: bool = True) -> StepFailure | None:
+def run_failure(
+    outcome: sandbox.Outcome,
+    conversation: Conversation,
+    time_limit_s: float,
+    *,
+    threads: bool = True,
+) -> StepFailure | None:
     """None when the run ended as planned (all jobs done, or stopped by the watcher), else
     why it did not. A harness that refuses to start is the benchmarker's failure. Without
     ``threads`` (a stage that forbids OpenMP), SIGSYS is the seccomp filter killing the
     process as it tried to create a thread: a stage violation."""
-    if talk.tampered:
-        return StepFailure("runtime_error",
-                           f"the harness's output was tampered with: {talk.tampered}")
-    if talk.worked_outside:
+    if conversation.tampered:
+        return StepFailure(
+            "runtime_error", f"the harness's output was tampered with: {conversation.tampered}"
+        )
+    if conversation.worked_outside:
         # A rule broken, not a wrong result: no OpenMP pragma leaves a thread working after
         # its call; it takes libgomp's entry points called by hand, its thread-local state
         # rewritten or a thread made by hand. Like threads at a stage that forbids them.
-        return StepFailure("stage_violation", talk.worked_outside)
-    reader = talk.reader
-    if outcome.stopped or (reader.finished and outcome.returncode == 0
-                           and not outcome.timed_out):
+        return StepFailure("stage_violation", conversation.worked_outside)
+    reader = conversation.reader
+    if outcome.stopped or (reader.finished and outcome.returncode == 0 and not outcome.timed_out):
         return None
     if outcome.never_started:
         # Not one mark: the kernel never ran (the harness marks each call before making
         # it). The node could not even start the sandbox in time; the candidate goes back.
-        raise InternalError(f"the sandbox did not start the harness within "
-                            f"{START_LIMIT_S:g} s (the node's cores are saturated?)")
-    where = _where(talk)
-    if outcome.timed_out and outcome.schedule is not None and outcome.schedule.starved(
-            time_limit_s):
+        raise InternalError(
+            f"the sandbox did not start the harness within "
+            f"{START_LIMIT_S:g} s (the node's cores are saturated?)"
+        )
+    where = _where(conversation)
+    if (
+        outcome.timed_out
+        and outcome.schedule is not None
+        and outcome.schedule.starved(time_limit_s)
+    ):
         # Not the kernel's timeout: the node's other work had the CPUs. The candidate goes
         # back (retried, up to the broker's delivery limit).
-        raise InternalError(f"the harness was starved of CPU {where}"
-                            f"{_cpu_share(outcome.schedule)}: the node's cores are saturated")
+        raise InternalError(
+            f"the harness was starved of CPU {where}"
+            f"{_cpu_share(outcome.schedule)}: the node's cores are saturated"
+        )
     if outcome.timed_out:
-        return StepFailure("timeout", f"did not finish within {time_limit_s:g} s {where}; "
-                           f"the process group was killed{_cpu_share(outcome.schedule)}")
+        return StepFailure(
+            "timeout",
+            f"did not finish within {time_limit_s:g} s {where}; "
+            f"the process group was killed{_cpu_share(outcome.schedule)}",
+        )
     if (sig := outcome.signal) == signal.SIGSYS and not threads:
-        return StepFailure("stage_violation", f"tried to create a thread {where}, at a stage "
-                           "that forbids OpenMP (threads are refused there however they are "
-                           "reached: pragmas, libgomp or libc called by hand, raw clone)")
+        return StepFailure(
+            "stage_violation",
+            f"tried to create a thread {where}, at a stage "
+            "that forbids OpenMP (threads are refused there however they are "
+            "reached: pragmas, libgomp or libc called by hand, raw clone)",
+        )
     if sig is not None:
         hint = " (CPU time limit)" if sig == signal.SIGXCPU else ""
         return StepFailure("runtime_error", f"killed by {_signal_name(sig)}{hint} {where}")
     if outcome.returncode == HarnessExit.OUT_OF_MEMORY:
         return StepFailure("runtime_error", f"out of memory {where}")
-    if outcome.returncode in HARNESS_REFUSALS and not talk.reader.kernel_ran:
+    if outcome.returncode in HARNESS_REFUSALS and not conversation.reader.kernel_ran:
         # Once a call began, the kernel could have called exit() with the harness's own
         # refusal status: handed back, it would never be judged (nor penalised).
-        raise InternalError(f"harness refused to start (rc {outcome.returncode}): "
-                            f"{outcome.stderr[-1000:].decode(errors='replace')}")
-    return StepFailure("runtime_error", f"the process exited early with status "
-                       f"{outcome.returncode} {where} (exit() in the kernel?)")
+        raise InternalError(
+            f"harness refused to start (rc {outcome.returncode}): "
+            f"{outcome.stderr[-1000:].decode(errors='replace')}"
+        )
+    return StepFailure(
+        "runtime_error",
+        f"the process exited early with status "
+        f"{outcome.returncode} {where} (exit() in the kernel?)",
+    )
 
 
 def _cpu_share(got: sandbox.Schedule | None) -> str:
@@ -370,14 +403,18 @@ def _cpu_share(got: sandbox.Schedule | None) -> str:
     return f" ({got.text()})"
 
 
-def _where(talk: Conversation, when: str = "during") -> str:
+def _where(conversation: Conversation, when: str = "during") -> str:
     """Which call of which phase the process was in when it ended."""
-    jobs, done = talk.jobs, len(talk.reader.frames)
-    first, total = ((0, talk.verify_runs) if done < talk.verify_runs
-                    else (talk.verify_runs, len(jobs)))
+    jobs, done = conversation.jobs, len(conversation.reader.frames)
+    first, total = (
+        (0, conversation.verify_runs)
+        if done < conversation.verify_runs
+        else (conversation.verify_runs, len(jobs))
+    )
     current = min(done, len(jobs) - 1)
-    return (f"{when} run {current - first + 1} of {total - first} "
-            f"({sizes_text(jobs[current].sizes)})")
+    return (
+        f"{when} run {current - first + 1} of {total - first} ({sizes_text(jobs[current].sizes)})"
+    )
 
 
 def _signal_name(number: int) -> str:

@@ -28,8 +28,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-_SYSTEM_RO = ("/usr/bin", "/usr/lib", "/usr/lib64", "/usr/libexec", "/usr/include",
-              "/etc/ld.so.cache")
+_SYSTEM_RO = (
+    "/usr/bin",
+    "/usr/lib",
+    "/usr/lib64",
+    "/usr/libexec",
+    "/usr/include",
+    "/etc/ld.so.cache",
+)
 OUTPUT_LIMIT = 256 * 1024  # bytes of stdout/stderr kept; the rest is drained and dropped
 # A timed-out command whose threads (summed) waited for a CPU through more than STARVED_WAIT
 # of its wall limit and ran for less than STARVED_SHARE of it was starved (Schedule.starved).
@@ -86,16 +92,17 @@ class Schedule:
     threads: int
 
     def text(self) -> str:
-        return (f"its {self.threads} threads: {self.cpu_s:.2f} s on a CPU, "
-                f"{self.waiting_s:.2f} s waiting for one")
+        return (
+            f"its {self.threads} threads: {self.cpu_s:.2f} s on a CPU, "
+            f"{self.waiting_s:.2f} s waiting for one"
+        )
 
     def starved(self, limit_s: float) -> bool:
         """The threads waited for a CPU through most of the limit and ran for little of it:
         other work had the CPUs, so the time limit says nothing about the command. Its own
         threads cannot make this so: whatever they spin on is time on a CPU, and a sleeping
         or blocked thread does not wait for one."""
-        return (self.waiting_s > STARVED_WAIT * limit_s
-                and self.cpu_s < STARVED_SHARE * limit_s)
+        return self.waiting_s > STARVED_WAIT * limit_s and self.cpu_s < STARVED_SHARE * limit_s
 
 
 @dataclass
@@ -148,8 +155,14 @@ _SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)
 _MARK_SIZE = 4096
 
 
-def run(argv: Sequence[str], spec: Spec, *, stdin: bytes = b"",
-        watch: Watcher | None = None, started: Callable[[int], None] | None = None) -> Outcome:
+def run(
+    argv: Sequence[str],
+    spec: Spec,
+    *,
+    stdin: bytes = b"",
+    watch: Watcher | None = None,
+    started: Callable[[int], None] | None = None,
+) -> Outcome:
     """Run ``argv`` in the sandbox that ``spec`` describes. ``watch`` is shown every chunk of
     the extra pipe and every mark as they arrive, and may send more input (stdin then stays
     open until the run ends), restart the wall clock once (a run of two phases, each with
@@ -176,8 +189,11 @@ class Pending:
         hold, self._go = os.pipe()
         try:
             self.proc = subprocess.Popen(
-                command(self.channels.argv(argv), spec, block_fd=hold), stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                command(self.channels.argv(argv), spec, block_fd=hold),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
                 pass_fds=(*self.channels.pass_fds, hold),
             )
         except BaseException:
@@ -190,8 +206,13 @@ class Pending:
         self.channels.close_child_ends()
         self._done = False
 
-    def run(self, *, stdin: bytes = b"", watch: Watcher | None = None,
-            started: Callable[[int], None] | None = None) -> Outcome:
+    def run(
+        self,
+        *,
+        stdin: bytes = b"",
+        watch: Watcher | None = None,
+        started: Callable[[int], None] | None = None,
+    ) -> Outcome:
         """``sandbox.run`` for this sandbox: the wall limit (or the start limit) runs from
         now, not from its set-up."""
         if self._done:
@@ -312,7 +333,7 @@ def unsettled_threads(pid: int) -> list[int]:
             with open(f"/proc/{pid}/task/{tid}/stat", "rb") as stat:
                 text = stat.read()
             # "tid (comm) state ...": comm may hold anything but its last ')'
-            running = text[text.rindex(b")") + 2:][:1] == b"R"
+            running = text[text.rindex(b")") + 2 :][:1] == b"R"
             if not running and wchan:
                 with open(f"/proc/{pid}/task/{tid}/wchan", "rb") as channel:
                     running = channel.read().strip() in (b"", b"0")
@@ -398,7 +419,7 @@ def _children_by_scan(pid: int) -> list[int]:
         except (FileNotFoundError, ProcessLookupError):
             continue
         # "pid (comm) state ppid ...": comm may hold anything but its last ')'
-        if int(stat[stat.rindex(")") + 2:].split()[1]) == pid:
+        if int(stat[stat.rindex(")") + 2 :].split()[1]) == pid:
             children.append(int(entry.name))
     return sorted(children)
 
@@ -416,25 +437,72 @@ def prlimit_argv(limits: Limits) -> list[str]:
     # util-linux prlimit rather than a preexec_fn: the service forks from several threads,
     # where preexec_fn is unsafe.
     mb = 1024 * 1024
-    return ["prlimit", f"--cpu={limits.cpu_s}:{limits.cpu_s + 1}",
-            f"--as={limits.address_space_mb * mb}", f"--fsize={limits.file_size_mb * mb}",
-            f"--nofile={limits.open_files}", "--core=0", "--"]
+    return [
+        "prlimit",
+        f"--cpu={limits.cpu_s}:{limits.cpu_s + 1}",
+        f"--as={limits.address_space_mb * mb}",
+        f"--fsize={limits.file_size_mb * mb}",
+        f"--nofile={limits.open_files}",
+        "--core=0",
+        "--",
+    ]
 
 
 def bwrap_argv(argv: Sequence[str], spec: Spec, block_fd: int | None = None) -> list[str]:
-    cmd = ["bwrap", "--unshare-all", "--unshare-user", "--uid", "65534", "--gid", "65534",
-           "--cap-drop", "ALL", "--die-with-parent", "--new-session", "--hostname", "sandbox"]
+    cmd = [
+        "bwrap",
+        "--unshare-all",
+        "--unshare-user",
+        "--uid",
+        "65534",
+        "--gid",
+        "65534",
+        "--cap-drop",
+        "ALL",
+        "--die-with-parent",
+        "--new-session",
+        "--hostname",
+        "sandbox",
+    ]
     for path in _SYSTEM_RO:
         if os.path.exists(path):
             cmd += ["--ro-bind", path, path]
-    cmd += ["--symlink", "usr/lib", "/lib", "--symlink", "usr/lib64", "/lib64",
-            "--symlink", "usr/bin", "/bin", "--dev", "/dev",
-            "--size", str(spec.limits.tmp_mb * 1024 * 1024), "--tmpfs", "/tmp"]
+    cmd += [
+        "--symlink",
+        "usr/lib",
+        "/lib",
+        "--symlink",
+        "usr/lib64",
+        "/lib64",
+        "--symlink",
+        "usr/bin",
+        "/bin",
+        "--dev",
+        "/dev",
+        "--size",
+        str(spec.limits.tmp_mb * 1024 * 1024),
+        "--tmpfs",
+        "/tmp",
+    ]
     for source, target in spec.ro_binds:
         cmd += ["--ro-bind", str(source), target]
-    cmd += ["--bind" if spec.writable else "--ro-bind", str(spec.scratch), "/scratch",
-            "--chdir", "/scratch", "--clearenv", "--setenv", "PATH", "/usr/bin",
-            "--setenv", "LC_ALL", "C", "--setenv", "TMPDIR", "/tmp"]
+    cmd += [
+        "--bind" if spec.writable else "--ro-bind",
+        str(spec.scratch),
+        "/scratch",
+        "--chdir",
+        "/scratch",
+        "--clearenv",
+        "--setenv",
+        "PATH",
+        "/usr/bin",
+        "--setenv",
+        "LC_ALL",
+        "C",
+        "--setenv",
+        "TMPDIR",
+        "/tmp",
+    ]
     for key, value in spec.env.items():
         cmd += ["--setenv", key, value]
     if block_fd is not None:
@@ -456,8 +524,7 @@ class _Channels:
             with contextlib.suppress(OSError):
                 fcntl.fcntl(self.write_end, fcntl.F_SETPIPE_SZ, PIPE_SIZE)
         if spec.marks:
-            self.marks, self._mark_child = socket.socketpair(socket.AF_UNIX,
-                                                             socket.SOCK_SEQPACKET)
+            self.marks, self._mark_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             self.marks.setsockopt(socket.SOL_SOCKET, _SO_TIMESTAMPNS, 1)
             self.marks.setblocking(False)
 
@@ -492,13 +559,20 @@ class _Session:
     """One running sandbox: reads its output within the wall limit, shows the watcher each
     event and does what it replies, and collects the outcome."""
 
-    def __init__(self, proc: subprocess.Popen, channels: _Channels, spec: Spec,
-                 watch: Watcher | None, started: float) -> None:
+    def __init__(
+        self,
+        proc: subprocess.Popen,
+        channels: _Channels,
+        spec: Spec,
+        watch: Watcher | None,
+        started: float,
+    ) -> None:
         assert proc.stdin and proc.stdout and proc.stderr
         self.proc, self.channels, self.spec, self.watch = proc, channels, spec, watch
         self.started = started
-        self.deadline = started + (spec.limits.wall_s if spec.start_limit_s is None
-                                   else spec.start_limit_s)
+        self.deadline = started + (
+            spec.limits.wall_s if spec.start_limit_s is None else spec.start_limit_s
+        )
         self.begun: float | None = None  # when the first mark or output came
         self.out_fd, self.err_fd = proc.stdout.fileno(), proc.stderr.fileno()
         self.buffers: dict[int, bytearray] = {self.out_fd: bytearray(), self.err_fd: bytearray()}
@@ -526,8 +600,9 @@ class _Session:
         # Until the first mark, marks are read as they come: it starts the wall clock. (That
         # wakes this process once, as the first call begins: a verification or warm-up
         # call, unless a task has no warm-up runs and a re-timing run starts timed.)
-        self.pause_marks(self.spec.marks_after_data and self.stdin_open
-                         and self.spec.start_limit_s is None)
+        self.pause_marks(
+            self.spec.marks_after_data and self.stdin_open and self.spec.start_limit_s is None
+        )
         self.open_pipes = len(self.selector.get_map()) - (self.marks_open and not self.marks_paused)
 
     def pump(self) -> None:
@@ -646,13 +721,19 @@ class _Session:
         proc.stdout.close()
         proc.stderr.close()
         self.channels.close()
-        return Outcome(returncode, bytes(self.buffers[self.out_fd]),
-                       bytes(self.buffers[self.err_fd]), self.timed_out,
-                       time.monotonic() - self.started, bytes(self.extra),
-                       self.phase_started, self.stopped,
-                       None if self.begun is None else self.begun - self.started,
-                       self.timed_out and self.begun is None
-                       and self.spec.start_limit_s is not None, self.schedule)
+        return Outcome(
+            returncode,
+            bytes(self.buffers[self.out_fd]),
+            bytes(self.buffers[self.err_fd]),
+            self.timed_out,
+            time.monotonic() - self.started,
+            bytes(self.extra),
+            self.phase_started,
+            self.stopped,
+            None if self.begun is None else self.begun - self.started,
+            self.timed_out and self.begun is None and self.spec.start_limit_s is not None,
+            self.schedule,
+        )
 
 
 def _send(proc: subprocess.Popen, data: bytes) -> bool:

@@ -44,7 +44,6 @@ from hpcrl_common.topology import BENCH_RESULTS, CODE_TO_BENCH, REWARD_REQUESTS,
 log = structlog.get_logger("hpcrl.benchmarker")
 
 
-
 class HandedBack(RuntimeError):
     """A confirmation given back to the queue for another replica (not a failure)."""
 
@@ -60,8 +59,9 @@ class TaskCatalogue:
 
     def get(self, name: str) -> TaskSpec:
         if name not in self._allowed:
-            raise Reject(f"unknown task {name!r} (this replica accepts: "
-                         f"{', '.join(sorted(self._allowed))})")
+            raise Reject(
+                f"unknown task {name!r} (this replica accepts: {', '.join(sorted(self._allowed))})"
+            )
         with self._lock:
             if name not in self._cache:
                 try:
@@ -74,10 +74,15 @@ class TaskCatalogue:
 
 
 class BenchHandler:
-    def __init__(self, benchmarker: Benchmarker, section: BenchmarkerSection,
-                 results_queue: str, name: str,
-                 stopping: Callable[[], bool] = lambda: False,
-                 hand_back: Callable[[Delivery, Exception], None] | None = None) -> None:
+    def __init__(
+        self,
+        benchmarker: Benchmarker,
+        section: BenchmarkerSection,
+        results_queue: str,
+        name: str,
+        stopping: Callable[[], bool] = lambda: False,
+        hand_back: Callable[[Delivery, Exception], None] | None = None,
+    ) -> None:
         self.benchmarker = benchmarker
         self.hand_back = hand_back
         self.section = section
@@ -89,8 +94,8 @@ class BenchHandler:
     def __call__(self, message: Message, delivery: Delivery) -> list[Publish] | object:
         assert isinstance(message, Candidate)
         if self.hand_back is not None and confirmation.prefer_another(
-                message.generator, self.name, self.benchmarker.host.host_class,
-                delivery.attempt):
+            message.generator, self.name, self.benchmarker.host.host_class, delivery.attempt
+        ):
             # A scheduler's re-measurement of a winner this replica (or another class of
             # host) measured: once back to the queue, for another replica of the class.
             log.info("confirmation handed back for another replica", candidate=message.id)
@@ -103,8 +108,12 @@ class BenchHandler:
         INFLIGHT.inc()
         try:
             verdict = self.benchmarker.evaluate(
-                message.completion, stage=message.bench.stage,
-                opt_level=message.bench.opt_level, task=task, events=events)
+                message.completion,
+                stage=message.bench.stage,
+                opt_level=message.bench.opt_level,
+                task=task,
+                events=events,
+            )
         except InternalError:
             log.exception("benchmarker failure", candidate=message.id)
             raise  # not the candidate's fault: retried (the Consumer bounds the tries)
@@ -117,8 +126,12 @@ class BenchHandler:
             # included: a failure that ends during shutdown may be ours, not the kernel's.
             raise InternalError(f"shutting down: {verdict.status} not trusted; handed back")
         self._observe(message, verdict)
-        return [Publish(self.results_queue, result_message(message, verdict, self.name,
-                                                           self.section.include_source))]
+        return [
+            Publish(
+                self.results_queue,
+                result_message(message, verdict, self.name, self.section.include_source),
+            )
+        ]
 
     def _shutting_down(self, verdict: Verdict) -> bool:
         """True when the service is stopping. A kernel killed by a stop signal may have got
@@ -143,15 +156,19 @@ class BenchHandler:
         if verdict.timing is not None and verdict.timing.noisy:
             NOISY.inc()
         if verdict.gflops is not None and not again:
-            GFLOPS.labels(str(message.bench.stage), message.bench.opt_level).observe(
-                verdict.gflops)
+            GFLOPS.labels(str(message.bench.stage), message.bench.opt_level).observe(verdict.gflops)
         for step, seconds in verdict.durations_s.items():
             STEP_SECONDS.labels(step).observe(seconds)
         timing = verdict.timing
-        log.info("benchmarked", candidate=message.id, status=verdict.status,
-                 gflops=verdict.gflops, techniques=verdict.techniques,
-                 cv=None if timing is None else round(timing.cv, 4),
-                 attempts=None if timing is None else timing.attempts)
+        log.info(
+            "benchmarked",
+            candidate=message.id,
+            status=verdict.status,
+            gflops=verdict.gflops,
+            techniques=verdict.techniques,
+            cv=None if timing is None else round(timing.cv, 4),
+            attempts=None if timing is None else timing.attempts,
+        )
 
 
 class RewardHandler:
@@ -190,17 +207,27 @@ class RewardHandler:
         label = self.label(client)
         if delivery.attempt <= 1:
             CLIENT_REQUESTS.labels(label).inc()
-        candidate = Candidate(id=message.id, group_id=message.group_id, index=message.index,
-                              completion=message.completion, bench=message.bench)
+        candidate = Candidate(
+            id=message.id,
+            group_id=message.group_id,
+            index=message.index,
+            completion=message.completion,
+            bench=message.bench,
+        )
         outputs = self.inner(candidate, delivery)
         if outputs is DEFER:
             return DEFER
         for item in outputs:  # type: ignore[union-attr]
             CLIENT_VERDICTS.labels(label, item.message.status).inc()  # type: ignore[attr-defined]
             CLIENT_LATENCY.labels(label).observe(max(0.0, time.time() - message.created_at))
-        return [Publish(self.topology.reply_queue(client), item.message,
-                        exchange=self.topology.reward_verdicts_exchange)
-                for item in outputs]  # type: ignore[union-attr]
+        return [
+            Publish(
+                self.topology.reply_queue(client),
+                item.message,
+                exchange=self.topology.reward_verdicts_exchange,
+            )
+            for item in outputs
+        ]  # type: ignore[union-attr]
 
 
 MAX_CLIENT_LABELS = 100
@@ -210,19 +237,31 @@ _STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP")
 
 def killed_by_stop_signal(verdict: Verdict) -> bool:
     return verdict.status == "runtime_error" and any(
-        f"killed by {name} " in verdict.error for name in _STOP_SIGNALS)
+        f"killed by {name} " in verdict.error for name in _STOP_SIGNALS
+    )
 
 
-def result_message(candidate: Candidate, verdict: Verdict, benchmarker: str,
-                   include_source: bool = True) -> BenchResult:
+def result_message(
+    candidate: Candidate, verdict: Verdict, benchmarker: str, include_source: bool = True
+) -> BenchResult:
     return BenchResult(
-        id=candidate.id, group_id=candidate.group_id, index=candidate.index,
+        id=candidate.id,
+        group_id=candidate.group_id,
+        index=candidate.index,
         status=verdict.status,  # type: ignore[arg-type]
-        reward=verdict.reward, gflops=verdict.gflops, timing=verdict.timing,
-        techniques=verdict.techniques, generalizes=verdict.generalizes, error=verdict.error,
-        source=verdict.source if include_source else None, bench=candidate.bench,
-        compile_flags=verdict.compile_flags, host=verdict.host, benchmarker=benchmarker,
-        durations_s=verdict.durations_s, rollout=candidate.rollout,
+        reward=verdict.reward,
+        gflops=verdict.gflops,
+        timing=verdict.timing,
+        techniques=verdict.techniques,
+        generalizes=verdict.generalizes,
+        error=verdict.error,
+        source=verdict.source if include_source else None,
+        bench=candidate.bench,
+        compile_flags=verdict.compile_flags,
+        host=verdict.host,
+        benchmarker=benchmarker,
+        durations_s=verdict.durations_s,
+        rollout=candidate.rollout,
         completion_sha256=text_sha256(candidate.completion),  # what was judged
     )
 
@@ -235,13 +274,27 @@ def build_consumer(config: BenchmarkerConfig, benchmarker: Benchmarker) -> Consu
     section = config.benchmarker
     name = replica_name()
     consumer = Consumer(config.broker, name, concurrency=section.concurrency)
-    handler = BenchHandler(benchmarker, section, consumer.topology.name(BENCH_RESULTS), name,
-                           stopping=lambda: consumer.stopping, hand_back=consumer.fail)
+    handler = BenchHandler(
+        benchmarker,
+        section,
+        consumer.topology.name(BENCH_RESULTS),
+        name,
+        stopping=lambda: consumer.stopping,
+        hand_back=consumer.fail,
+    )
     consumer.subscribe(CODE_TO_BENCH, handler)
-    consumer.subscribe(REWARD_REQUESTS, RewardHandler(
-        handler, consumer.topology, config.broker.authenticate_publishers))
-    HOST.info({"host_class": benchmarker.host.host_class, "cpu_model": benchmarker.host.cpu_model,
-               "isa": ",".join(benchmarker.host.isa), "compiler": benchmarker.host.compiler,
-               "cores": str(benchmarker.host.cores),
-               "peak_gflops": f"{benchmarker.host.peak_gflops:.1f}"})
+    consumer.subscribe(
+        REWARD_REQUESTS,
+        RewardHandler(handler, consumer.topology, config.broker.authenticate_publishers),
+    )
+    HOST.info(
+        {
+            "host_class": benchmarker.host.host_class,
+            "cpu_model": benchmarker.host.cpu_model,
+            "isa": ",".join(benchmarker.host.isa),
+            "compiler": benchmarker.host.compiler,
+            "cores": str(benchmarker.host.cores),
+            "peak_gflops": f"{benchmarker.host.peak_gflops:.1f}",
+        }
+    )
     return consumer

@@ -74,9 +74,13 @@ def within_limit(preprocessed: str) -> str:
     if len(preprocessed) > PREPROCESSED_LIMIT:
         # The checks read every character of it (~1 s per MB, outside the sandbox's
         # limits): a macro bomb must not buy itself a minute of this process.
-        raise StepFailure("compile_error", (
-            f"the kernel expands to {len(preprocessed) / 2**20:.1f} MiB after "
-            f"preprocessing, above the {PREPROCESSED_LIMIT // 2**20} MiB limit"))
+        raise StepFailure(
+            "compile_error",
+            (
+                f"the kernel expands to {len(preprocessed) / 2**20:.1f} MiB after "
+                f"preprocessing, above the {PREPROCESSED_LIMIT // 2**20} MiB limit"
+            ),
+        )
     return preprocessed
 
 
@@ -86,19 +90,31 @@ def compiled_techniques(preprocessed: str, listing: checks.ObjectListing | None)
     return found | (checks.object_techniques(listing.undefined) if listing else set())
 
 
-def check_compiled(preprocessed: str, listing: checks.ObjectListing | None, error: str,
-                   techniques: set[str], policy: Stage, *, function: str,
-                   runtime_symbols: frozenset[str]) -> None:
+def check_compiled(
+    preprocessed: str,
+    listing: checks.ObjectListing | None,
+    error: str,
+    techniques: set[str],
+    policy: Stage,
+    *,
+    function: str,
+    runtime_symbols: frozenset[str],
+) -> None:
     """The rules again on what the compiler made of the code (macros expanded, the object's
     symbols and sections), then the compiler's own verdict."""
     reasons = checks.source_violations("", preprocessed)
     if listing is not None:
         if listing.unreadable:
-            reasons.append(f"the object's symbol table could not be read: "
-                           f"{listing.unreadable[0][:200]}")
+            reasons.append(
+                f"the object's symbol table could not be read: {listing.unreadable[0][:200]}"
+            )
         reasons += checks.object_violations(
-            listing.undefined, listing.defined, checks.parse_sections(listing.readelf),
-            function=function, runtime_symbols=runtime_symbols)
+            listing.undefined,
+            listing.defined,
+            checks.parse_sections(listing.readelf),
+            function=function,
+            runtime_symbols=runtime_symbols,
+        )
         reasons += checks.layout_violations(listing.readelf)
     _obey(reasons, techniques, policy)
     if error:
@@ -109,8 +125,10 @@ def _obey(reasons: list[str], techniques: set[str], policy: Stage) -> None:
     if reasons:
         raise StepFailure("library_violation", "; ".join(reasons))
     if broken := policy.violations(techniques):
-        raise StepFailure("stage_violation", f"stage {policy.number} forbids "
-                          f"{', '.join(broken)}, which the code uses")
+        raise StepFailure(
+            "stage_violation",
+            f"stage {policy.number} forbids {', '.join(broken)}, which the code uses",
+        )
 
 
 # --- verify ----------------------------------------------------------------------------------
@@ -122,16 +140,22 @@ def frame_message(frame: protocol.Frame, expected: verify.Expected, tolerance: f
     if frame.flags & protocol.FLAG_INPUTS_MODIFIED:
         return f"the kernel modified its inputs {names.inputs}"
     if frame.flags & protocol.FLAG_OUTSIDE_WRITTEN:
-        return (f"the kernel wrote outside its arrays (just before or after {names.arrays}: "
-                "out-of-bounds writes)")
+        return (
+            f"the kernel wrote outside its arrays (just before or after {names.arrays}: "
+            "out-of-bounds writes)"
+        )
     if frame.flags & protocol.FLAG_CHANGED_AFTER_RETURN:
         return f"{names.output} was still being written after the kernel returned"
     if frame.flags & protocol.FLAG_PARALLEL_LEFT_OPEN:
-        return ("the kernel returned with a parallel region still open (threads left "
-                "running after the call)")
+        return (
+            "the kernel returned with a parallel region still open (threads left "
+            "running after the call)"
+        )
     if frame.stray_threads:
-        return (f"{frame.stray_threads} thread(s) that the kernel started were still running "
-                "after the call returned (beyond the main thread and OpenMP's thread pool)")
+        return (
+            f"{frame.stray_threads} thread(s) that the kernel started were still running "
+            "after the call returned (beyond the main thread and OpenMP's thread pool)"
+        )
     return verify.check_expected(frame.output, expected, tolerance)
 
 
@@ -151,8 +175,7 @@ class EarlyVerdict:
         self.messages[frame.job] = self.message(frame)
         if frame.job == 0:
             return bool(self.messages[0])  # the verdict is a verification error: stop
-        return (frame.job == self.sizes - 1 and self.penalize
-                and any(self.messages.values()))
+        return frame.job == self.sizes - 1 and self.penalize and any(self.messages.values())
 
     def message(self, frame: protocol.Frame) -> str:
         # A frame that arrived in the same read as the one that stopped the run was not
@@ -176,10 +199,14 @@ def verification_problems(jobs: list[protocol.Job], phase: Phase, watch: EarlyVe
         raise phase.failure
     messages = [watch.message(frame) for frame in phase.frames]
     if messages[0]:
-        raise StepFailure("verification_error",
-                          f"wrong result at {sizes_text(jobs[0].sizes)}: {messages[0]}")
-    problems = [f"{sizes_text(jobs[f.job].sizes)}: {m}"
-                for f, m in zip(phase.frames, messages, strict=True) if m]
+        raise StepFailure(
+            "verification_error", f"wrong result at {sizes_text(jobs[0].sizes)}: {messages[0]}"
+        )
+    problems = [
+        f"{sizes_text(jobs[f.job].sizes)}: {m}"
+        for f, m in zip(phase.frames, messages, strict=True)
+        if m
+    ]
     if phase.failure is not None:
         if phase.failure.status in RULES_BROKEN:
             # A rule broken at any size (a thread at a stage without OpenMP, work outside a
@@ -205,16 +232,23 @@ def generalization_note(task: TaskSpec, problems: list[str]) -> str:
 _PHASES = {"w": "warm-up", "t": "timed", "v": "final verification"}
 
 
-def measure(task: TaskSpec, jobs: list[protocol.Job], phase: Phase,
-            expected: Sequence[verify.Expected], peak_gflops: float) -> Measurement:
+def measure(
+    task: TaskSpec,
+    jobs: list[protocol.Job],
+    phase: Phase,
+    expected: Sequence[verify.Expected],
+    peak_gflops: float,
+) -> Measurement:
     """The timing phase's verdict: every run right, clocks untampered, a possible speed."""
     if phase.failure is not None:
         raise phase.failure
     tolerance = task.verification.rel_tolerance
     for frame in phase.frames:
         if message := frame_message(frame, expected[frame.job], tolerance):
-            raise StepFailure("verification_error", f"wrong result in the "
-                              f"{_PHASES[jobs[frame.job].kind]} run: {message}")
+            raise StepFailure(
+                "verification_error",
+                f"wrong result in the {_PHASES[jobs[frame.job].kind]} run: {message}",
+            )
     check_clocks(phase.frames)
     runs = [f.effective_seconds() for f in phase.frames if jobs[f.job].kind == "t"]
     if not all(protocol.is_finite_positive(r) for r in runs):
@@ -222,9 +256,13 @@ def measure(task: TaskSpec, jobs: list[protocol.Job], phase: Phase,
     timing = timing_stats(runs)
     gflops = task.flop_count(task.sizes.reward) / timing.mean_s / 1e9
     if gflops > peak_gflops:
-        raise StepFailure("verification_error", (
-            f"measured {gflops:.1f} GFLOPS, above this host's theoretical peak of "
-            f"{peak_gflops:.1f} GFLOPS; such a measurement cannot be genuine"))
+        raise StepFailure(
+            "verification_error",
+            (
+                f"measured {gflops:.1f} GFLOPS, above this host's theoretical peak of "
+                f"{peak_gflops:.1f} GFLOPS; such a measurement cannot be genuine"
+            ),
+        )
     return Measurement(timing, gflops)
 
 
@@ -232,8 +270,9 @@ def steadiest(attempts: Sequence[Measurement], max_cv: float) -> Measurement:
     """The timing attempt to keep: the one whose timed runs agree best (lowest CV; the
     earliest on a tie), with the number of attempts and whether it is still noisy."""
     best = min(attempts, key=lambda attempt: attempt.timing.cv)
-    timing = Timing(**{**best.timing.model_dump(), "attempts": len(attempts),
-                       "noisy": best.timing.cv > max_cv})
+    timing = Timing(
+        **{**best.timing.model_dump(), "attempts": len(attempts), "noisy": best.timing.cv > max_cv}
+    )
     return Measurement(timing, best.gflops)
 
 

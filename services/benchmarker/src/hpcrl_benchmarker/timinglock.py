@@ -30,8 +30,10 @@ def lock_files(lock_path: Path, cpus: Sequence[int]) -> list[tuple[Path, int]]:
     """(file, flock operation) in the order they are taken."""
     if not cpus:
         return [(lock_path, fcntl.LOCK_EX)]
-    return [(lock_path, fcntl.LOCK_SH),
-            *((cpu_lock_path(lock_path, cpu), fcntl.LOCK_EX) for cpu in sorted(set(cpus)))]
+    return [
+        (lock_path, fcntl.LOCK_SH),
+        *((cpu_lock_path(lock_path, cpu), fcntl.LOCK_EX) for cpu in sorted(set(cpus))),
+    ]
 
 
 class LockTimeout(Exception):
@@ -43,8 +45,13 @@ class LockTimeout(Exception):
 
 
 @contextlib.contextmanager
-def timing_locks(lock_path: Path, cpus: Sequence[int], timeout_s: float, *,
-                 waiting: Callable[[float], None] | None = None) -> Iterator[float]:
+def timing_locks(
+    lock_path: Path,
+    cpus: Sequence[int],
+    timeout_s: float,
+    *,
+    waiting: Callable[[float], None] | None = None,
+) -> Iterator[float]:
     """Hold the timing locks of ``cpus`` (none: the whole node); yields the seconds waited.
 
     Each lock is a fresh open file description, so threads of one process exclude each
@@ -82,6 +89,8 @@ def open_lock_file(path: Path) -> int:
     info = os.fstat(fd)
     if info.st_uid != os.geteuid():
         os.close(fd)
-        raise InternalError(f"timing lock {path} belongs to uid {info.st_uid}, not to this "
-                            f"service: anyone who owns it can stall every timing")
+        raise InternalError(
+            f"timing lock {path} belongs to uid {info.st_uid}, not to this "
+            f"service: anyone who owns it can stall every timing"
+        )
     return fd

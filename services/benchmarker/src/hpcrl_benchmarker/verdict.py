@@ -13,8 +13,14 @@ from hpcrl_common.rewards import reward_for_status
 def timing_stats(runs_s: list[float]) -> Timing:
     mean = statistics.fmean(runs_s)
     cv = statistics.pstdev(runs_s) / mean if len(runs_s) > 1 else 0.0
-    return Timing(runs_s=runs_s, mean_s=mean, median_s=statistics.median(runs_s),
-                  min_s=min(runs_s), max_s=max(runs_s), cv=cv)
+    return Timing(
+        runs_s=runs_s,
+        mean_s=mean,
+        median_s=statistics.median(runs_s),
+        min_s=min(runs_s),
+        max_s=max(runs_s),
+        cv=cv,
+    )
 
 
 @dataclass

@@ -46,7 +46,8 @@ class Expected:
     # The last check_expected: (output, tolerance, message); an output is checked as it
     # arrives, and its frame's verdict, asked for later, is this one.
     checked: list[tuple[np.ndarray, float, str]] = field(
-        default_factory=list, compare=False, repr=False)
+        default_factory=list, compare=False, repr=False
+    )
 
 
 def floored_scale(ref: np.ndarray, terms: np.ndarray) -> np.ndarray:
@@ -54,8 +55,9 @@ def floored_scale(ref: np.ndarray, terms: np.ndarray) -> np.ndarray:
     return np.maximum(np.maximum(np.abs(ref), 1e-3 * terms), 1e-300)
 
 
-def sample_points(shape: tuple[int, ...], random_points: int, corners_and_centre: bool,
-                  rng: np.random.Generator) -> Points:
+def sample_points(
+    shape: tuple[int, ...], random_points: int, corners_and_centre: bool, rng: np.random.Generator
+) -> Points:
     """The task's check points: every corner and the centre (a vector's ends and middle),
     then ``random_points`` positions drawn in the trusted process."""
     fixed: list[tuple[int, ...]] = []
@@ -63,9 +65,15 @@ def sample_points(shape: tuple[int, ...], random_points: int, corners_and_centre
         corners = itertools.product(*[(0, n - 1) for n in shape])
         fixed = [*corners, tuple(n // 2 for n in shape)]
     drawn = [rng.integers(0, n, size=random_points) for n in shape]
-    return tuple(np.concatenate([np.fromiter((p[d] for p in fixed), dtype=np.intp,
-                                             count=len(fixed)), drawn[d].astype(np.intp)])
-                 for d in range(len(shape)))
+    return tuple(
+        np.concatenate(
+            [
+                np.fromiter((p[d] for p in fixed), dtype=np.intp, count=len(fixed)),
+                drawn[d].astype(np.intp),
+            ]
+        )
+        for d in range(len(shape))
+    )
 
 
 def element(name: str, index: tuple[int, ...]) -> str:
@@ -73,8 +81,10 @@ def element(name: str, index: tuple[int, ...]) -> str:
 
 
 def _mismatch(got: float, want: float, error: float, tolerance: float, where: str) -> str:
-    return (f"{where} = {got!r} but the reference gives {want!r} (relative error "
-            f"{error:.3g} > {tolerance:g})")
+    return (
+        f"{where} = {got!r} but the reference gives {want!r} (relative error "
+        f"{error:.3g} > {tolerance:g})"
+    )
 
 
 def check_expected(out: np.ndarray, expected: Expected, tolerance: float) -> str:
@@ -101,8 +111,13 @@ def _check(out: np.ndarray, expected: Expected, tolerance: float) -> str:
     if bad.any():
         p = int(np.argmax(bad))
         index = tuple(int(axis[p]) for axis in expected.points)
-        return _mismatch(float(got[p]), float(expected.values[p]), float(error[p]), tolerance,
-                         element(names.output, index))
+        return _mismatch(
+            float(got[p]),
+            float(expected.values[p]),
+            float(error[p]),
+            tolerance,
+            element(names.output, index),
+        )
     full = expected.full
     if full is None:
         return _unwritten(out, names)
@@ -125,15 +140,24 @@ def _check(out: np.ndarray, expected: Expected, tolerance: float) -> str:
         return ""
     p = int(np.argmax(error))
     index = tuple(int(axis[p]) for axis in where)
-    return (_mismatch(float(out[index]), float(full[index]), float(error[p]), tolerance,
-                      element(names.output, index))
-            + f"; {wrong} of {out.size} elements are wrong ({names.full_check}; "
-            f"{names.points} {len(expected.values)} check points passed)")
+    return (
+        _mismatch(
+            float(out[index]),
+            float(full[index]),
+            float(error[p]),
+            tolerance,
+            element(names.output, index),
+        )
+        + f"; {wrong} of {out.size} elements are wrong ({names.full_check}; "
+        f"{names.points} {len(expected.values)} check points passed)"
+    )
 
 
 def _unwritten(out: np.ndarray, names: Names) -> str:
     unwritten = int(out.size - np.count_nonzero(np.isfinite(out)))
     if unwritten:
-        return (f"{unwritten} of {out.size} elements of {names.output} were not written "
-                "(still NaN) or not finite")
+        return (
+            f"{unwritten} of {out.size} elements of {names.output} were not written "
+            "(still NaN) or not finite"
+        )
     return ""

@@ -40,8 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--top-p", type=float, default=1.0)
     sample.add_argument("--max-tokens", type=int, default=256)
     sample.add_argument("--seed", type=int, default=None)
-    sample.add_argument("--version-dir", type=Path, default=None,
-                        help="load this full checkpoint directory before sampling")
+    sample.add_argument(
+        "--version-dir",
+        type=Path,
+        default=None,
+        help="load this full checkpoint directory before sampling",
+    )
     return parser
 
 
@@ -64,8 +68,13 @@ def serve(config_path: Path | None) -> int:
     generator = Generator(sampler, section, consumer.topology)
     generator.start()
     generator.attach(consumer)
-    log.info("generator ready", backend=sampler.backend, model=str(section.model_path),
-             policy_version=generator.tracker.loaded, replica=generator.replica)
+    log.info(
+        "generator ready",
+        backend=sampler.backend,
+        model=str(section.model_path),
+        policy_version=generator.tracker.loaded,
+        replica=generator.replica,
+    )
     try:
         run_consumer(consumer, "generator", section, generator.health)
     finally:
@@ -87,13 +96,21 @@ def sample(args: argparse.Namespace) -> int:
             sampler.load_weights(args.version_dir, 1)
         ids = render_prompt(sampler.tokenizer, [ChatMessage(role="user", content=args.prompt)])
         budget = completion_budget(len(ids), args.max_tokens, sampler.max_model_len)
-        params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
-                                max_tokens=budget, seed=args.seed)
+        params = SamplingParams(
+            temperature=args.temperature, top_p=args.top_p, max_tokens=budget, seed=args.seed
+        )
         for item in sampler.generate(ids, args.n, params):
-            print(json.dumps({"text": item.text, "tokens": len(item.token_ids),
-                              "finish_reason": item.finish_reason,
-                              "logprob": round(sum(item.logprobs), 4),
-                              "policy_version": sampler.version}))
+            print(
+                json.dumps(
+                    {
+                        "text": item.text,
+                        "tokens": len(item.token_ids),
+                        "finish_reason": item.finish_reason,
+                        "logprob": round(sum(item.logprobs), 4),
+                        "policy_version": sampler.version,
+                    }
+                )
+            )
     finally:
         sampler.close()
     return 0

@@ -23,9 +23,7 @@ class Sample:
 
     def __post_init__(self) -> None:
         if len(self.token_ids) != len(self.logprobs):
-            raise ValueError(
-                f"{len(self.token_ids)} tokens but {len(self.logprobs)} log-probs"
-            )
+            raise ValueError(f"{len(self.token_ids)} tokens but {len(self.logprobs)} log-probs")
 
 
 @dataclass(frozen=True)

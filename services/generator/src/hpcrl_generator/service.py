@@ -117,16 +117,20 @@ class Generator:
         except Exception as exc:
             self.tracker.refused(target.version)
             metrics.RELOADS.labels("failed").inc()
-            log.exception("loading policy version failed", version=target.version,
-                          error=repr(exc))
+            log.exception("loading policy version failed", version=target.version, error=repr(exc))
             return
         loaded = self._clock()
         metrics.RELOAD_SECONDS.labels("load").observe(loaded - validated)
         self.tracker.loaded_ok(target.version)
         metrics.POLICY_VERSION.set(target.version)
         metrics.RELOADS.labels("loaded").inc()
-        log.info("policy version loaded", version=target.version, format=target.format,
-                 validate_s=round(validated - started, 3), load_s=round(loaded - validated, 3))
+        log.info(
+            "policy version loaded",
+            version=target.version,
+            format=target.format,
+            validate_s=round(validated - started, 3),
+            load_s=round(loaded - validated, 3),
+        )
 
     def start(self) -> None:
         """A replica that starts late begins from the newest valid version in the manifest."""
@@ -151,8 +155,7 @@ class Generator:
             log.error("weight announcement refused", version=update.version, reason=str(exc))
             # Dead-lettered, not acked as handled: a forged "v10" sent before the learner
             # committed v10 must not make the genuine announcement a duplicate.
-            raise Reject(f"weight-update v{update.version} refused ({exc.reason}): "
-                         f"{exc}") from None
+            raise Reject(f"weight-update v{update.version} refused ({exc.reason}): {exc}") from None
         if self.tracker.offer(target):
             log.info("policy version announced", version=update.version, uri=update.uri)
             # Load now if the engine is idle; otherwise the sampling thread loads it
@@ -242,14 +245,16 @@ class Generator:
         except Exception as exc:
             log.exception("engine call failed", groups=len(jobs), error=repr(exc))
             for waiting in ready:  # each request's own exception: one traceback per thread
-                waiting.fail(SamplingFailed(f"the engine call for {len(jobs)} group(s) "
-                                            f"failed: {exc!r}"))
+                waiting.fail(
+                    SamplingFailed(f"the engine call for {len(jobs)} group(s) failed: {exc!r}")
+                )
             return
         elapsed = self._clock() - started
         metrics.BATCH_GROUPS.observe(len(jobs))
         for waiting, job, samples in zip(ready, jobs, groups, strict=True):
-            waiting.finish(Sampled(job.prompt_token_ids, samples, self.sampler.version,
-                                   elapsed, len(jobs)))
+            waiting.finish(
+                Sampled(job.prompt_token_ids, samples, self.sampler.version, elapsed, len(jobs))
+            )
 
     def _job(self, request: GenerateRequest) -> GroupJob:
         prompt_ids = render_prompt(self.sampler.tokenizer, request.prompt)
@@ -265,18 +270,24 @@ class Generator:
     def _publish(self, request: GenerateRequest, sampled: Sampled) -> list[Publish]:
         backend = self.sampler.backend
         samples = sampled.samples
-        candidates = build_candidates(request, sampled.prompt_ids, samples, sampled.version,
-                                      self.replica)
+        candidates = build_candidates(
+            request, sampled.prompt_ids, samples, sampled.version, self.replica
+        )
         metrics.REQUEST_SECONDS.labels(backend).observe(sampled.seconds)
         metrics.PROMPT_TOKENS.labels(backend).inc(len(sampled.prompt_ids))
         for sample in samples:
             metrics.TOKENS.labels(backend).inc(len(sample.token_ids))
             metrics.COMPLETIONS.labels(backend, sample.finish_reason or "none").inc()
         metrics.REQUESTS.labels("done").inc()
-        log.info("group sampled", group_id=request.group_id, group_size=request.group_size,
-                 policy_version=sampled.version, seconds=round(sampled.seconds, 3),
-                 groups_in_call=sampled.groups_in_call,
-                 tokens=sum(len(s.token_ids) for s in samples))
+        log.info(
+            "group sampled",
+            group_id=request.group_id,
+            group_size=request.group_size,
+            policy_version=sampled.version,
+            seconds=round(sampled.seconds, 3),
+            groups_in_call=sampled.groups_in_call,
+            tokens=sum(len(s.token_ids) for s in samples),
+        )
         queue = self.topology.name(CODE_TO_BENCH)
         return [Publish(queue, candidate) for candidate in candidates]
 
@@ -285,8 +296,9 @@ class Generator:
     def attach(self, consumer: Consumer) -> None:
         self.busy = consumer.busy
         consumer.subscribe(GENERATE_REQUESTS, self.on_request)
-        consumer.subscribe_fanout(WEIGHT_UPDATES, self.replica, self.on_weight_update,
-                                  durable=False)
+        consumer.subscribe_fanout(
+            WEIGHT_UPDATES, self.replica, self.on_weight_update, durable=False
+        )
 
     def health(self) -> tuple[bool, dict[str, Any]]:
         return True, {

@@ -57,21 +57,31 @@ class Target:
         refused with a :class:`Refused` reason.
         """
         if store is None:
-            raise Refused("no_store", "generator.checkpoint_dir is not set: announcements "
-                          "cannot be checked, so none is loaded")
+            raise Refused(
+                "no_store",
+                "generator.checkpoint_dir is not set: announcements "
+                "cannot be checked, so none is loaded",
+            )
         _experiment, announced_run = split_run(update.run)
         if store.run_id is not None and announced_run != store.run_id:
-            raise Refused("other_run", f"version {update.version} belongs to run "
-                          f"{update.run!r}, this store is run {store.run_id!r}")
+            raise Refused(
+                "other_run",
+                f"version {update.version} belongs to run "
+                f"{update.run!r}, this store is run {store.run_id!r}",
+            )
         try:
             info = store.get(update.version)
         except KeyError:
-            raise Refused("not_in_store", f"version {update.version} is not in the manifest of "
-                          f"{store.root}") from None
+            raise Refused(
+                "not_in_store", f"version {update.version} is not in the manifest of {store.root}"
+            ) from None
         if info.checksum != update.checksum or info.format != update.format:
-            raise Refused("mismatch", f"version {update.version}: the announcement's "
-                          f"{update.format} {update.checksum} differs from the manifest's "
-                          f"{info.format} {info.checksum}")
+            raise Refused(
+                "mismatch",
+                f"version {update.version}: the announcement's "
+                f"{update.format} {update.checksum} differs from the manifest's "
+                f"{info.format} {info.checksum}",
+            )
         return cls.from_info(info, store)
 
 

@@ -83,12 +83,16 @@ def prepare_group(
         if not np.isfinite(logprobs).all():
             raise BadBatch(f"{sample.candidate_id}: non-finite sampling log-probs")
         if len(prompt) + len(ids) > max_sequence_tokens:
-            raise BadBatch(f"{sample.candidate_id}: {len(prompt) + len(ids)} tokens > "
-                           f"max_sequence_tokens {max_sequence_tokens}")
+            raise BadBatch(
+                f"{sample.candidate_id}: {len(prompt) + len(ids)} tokens > "
+                f"max_sequence_tokens {max_sequence_tokens}"
+            )
         for name, array in (("prompt", prompt), ("completion", ids)):
             if len(array) and (array.min() < 0 or array.max() >= vocab_size):
-                raise BadBatch(f"{sample.candidate_id}: {name} token id outside the "
-                               f"vocabulary [0, {vocab_size})")
+                raise BadBatch(
+                    f"{sample.candidate_id}: {name} token id outside the "
+                    f"vocabulary [0, {vocab_size})"
+                )
         sequences.append(TrainSequence(prompt, ids, logprobs, float(advantage), fresh=lag == 0))
     return PreparedGroup(batch.id, sequences, rewards, advantages, lag)
 
@@ -135,8 +139,9 @@ def padded_width(length: int, multiple: int = PAD_MULTIPLE) -> int:
     return -(-length // multiple) * multiple
 
 
-def collate(sequences: Sequence[TrainSequence], pad_id: int = 0,
-            multiple: int = PAD_MULTIPLE) -> Collated:
+def collate(
+    sequences: Sequence[TrainSequence], pad_id: int = 0, multiple: int = PAD_MULTIPLE
+) -> Collated:
     if not sequences:
         raise ValueError("no sequences to collate")
     length = padded_width(max(s.length for s in sequences), multiple)
@@ -148,7 +153,7 @@ def collate(sequences: Sequence[TrainSequence], pad_id: int = 0,
     flat_rows, flat_cols, flat_slots = [], [], []
     for row, seq in enumerate(sequences):
         tokens = np.concatenate([seq.prompt_ids, seq.completion_ids])
-        input_ids[row, :len(tokens)] = torch.from_numpy(tokens)
+        input_ids[row, : len(tokens)] = torch.from_numpy(tokens)
         count, start = len(seq.completion_ids), len(seq.prompt_ids)
         if count:
             completion_mask[row, :count] = 1.0
@@ -170,8 +175,9 @@ def collate(sequences: Sequence[TrainSequence], pad_id: int = 0,
     )
 
 
-def micro_batches(sequences: Sequence[TrainSequence], max_rows: int, max_tokens: int,
-                  multiple: int = PAD_MULTIPLE) -> list[list[TrainSequence]]:
+def micro_batches(
+    sequences: Sequence[TrainSequence], max_rows: int, max_tokens: int, multiple: int = PAD_MULTIPLE
+) -> list[list[TrainSequence]]:
     """Length-sorted micro-batches of at most ``max_rows`` sequences and ``max_tokens``
     padded tokens (rows x padded width; a longer sequence goes alone)."""
     ordered = sorted(sequences, key=lambda s: s.length)  # similar lengths pad less
@@ -198,8 +204,9 @@ def by_prompt(sequences: Sequence[TrainSequence]) -> list[list[TrainSequence]]:
     return list(groups.values())
 
 
-def collate_completions(sequences: Sequence[TrainSequence], pad_id: int = 0,
-                        multiple: int = PAD_MULTIPLE) -> Collated:
+def collate_completions(
+    sequences: Sequence[TrainSequence], pad_id: int = 0, multiple: int = PAD_MULTIPLE
+) -> Collated:
     """Like :func:`collate` for sequences that share one prompt, which the model has already
     run (its keys and values cached): rows are the completions alone, right-padded.
 
@@ -213,8 +220,7 @@ def collate_completions(sequences: Sequence[TrainSequence], pad_id: int = 0,
         raise ValueError("collate_completions needs sequences that share their prompt")
     width = max(len(s.completion_ids) for s in sequences)
     rows = len(sequences)
-    input_ids = torch.full((rows, padded_width(max(width, 1), multiple)), pad_id,
-                           dtype=torch.long)
+    input_ids = torch.full((rows, padded_width(max(width, 1), multiple)), pad_id, dtype=torch.long)
     completion_mask = torch.zeros((rows, width), dtype=torch.float32)
     sampling = torch.zeros((rows, width), dtype=torch.float32)
     flat_rows, flat_slots = [], []

@@ -27,8 +27,9 @@ from hpcrl_learner.config import LossSettings
 _STAT_LOG_RATIO_LIMIT = 20.0
 
 
-def group_advantages(rewards: Sequence[float] | torch.Tensor, eps: float = 1e-4,
-                     *, scale: bool = True) -> torch.Tensor:
+def group_advantages(
+    rewards: Sequence[float] | torch.Tensor, eps: float = 1e-4, *, scale: bool = True
+) -> torch.Tensor:
     """A_i = (R_i - mean R) / (std R + eps) for one group, in float64; with ``scale`` False,
     A_i = R_i - mean R (Dr. GRPO: a group whose rewards barely differ is not amplified).
 
@@ -98,8 +99,9 @@ class LossStats:
             "masked_fraction": self.masked_tokens / tokens,
             # NaN where not measured (beta = 0: no reference is loaded)
             "kl": self.kl_sum / self.kl_tokens if self.kl_tokens else math.nan,
-            "entropy": (self.entropy_sum / self.entropy_tokens if self.entropy_tokens
-                        else math.nan),
+            "entropy": (
+                self.entropy_sum / self.entropy_tokens if self.entropy_tokens else math.nan
+            ),
             "sampler_kl": self.sampler_kl_sum / tokens,
             "ratio_mean": self.ratio_sum / max(self.used_tokens, 1.0),
         }

@@ -45,7 +45,7 @@ TOKENS_PER_SECOND = Gauge(
 STEPS = Counter("hpcrl_learner_steps_total", "Optimizer steps committed by this process")
 SKIPPED_STEPS = Counter(
     "hpcrl_learner_skipped_updates_total",
-    "Steps not taken (non-finite gradient): no version, their groups handed back for retry"
+    "Steps not taken (non-finite gradient): no version, their groups handed back for retry",
 )
 STEP_SECONDS = Histogram(
     "hpcrl_learner_step_seconds",

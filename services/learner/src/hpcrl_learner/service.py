@@ -68,8 +68,11 @@ class Learner:
         self.version = latest.version if latest else 0
         loaded = self.states.load(self.version) if self.version else None
         if loaded is None and self.version:
-            log.warning("no learner state for the latest version; fresh optimizer, and "
-                        "redelivered batches cannot be recognised", version=self.version)
+            log.warning(
+                "no learner state for the latest version; fresh optimizer, and "
+                "redelivered batches cannot be recognised",
+                version=self.version,
+            )
         self.state, state_dir = loaded or (LearnerState(version=self.version), None)
         self.states.tidy(self.version, self.settings.keep_state_versions)
         resume = self.store.path_of(latest) if latest else None
@@ -82,8 +85,13 @@ class Learner:
         self._lock = threading.Lock()
         metrics.POLICY_VERSION.set(self.version)
         metrics.GROUPS_TRAINED.set(self.state.groups_trained)
-        log.info("learner ready", version=self.version, groups_trained=self.state.groups_trained,
-                 backend=self.settings.backend, store=str(self.store.root))
+        log.info(
+            "learner ready",
+            version=self.version,
+            groups_trained=self.state.groups_trained,
+            backend=self.settings.backend,
+            store=str(self.store.root),
+        )
 
     # --- consumer side ------------------------------------------------------------------
 
@@ -98,8 +106,9 @@ class Learner:
         return Publish(
             routing_key="",
             exchange=self.consumer.topology.name(WEIGHT_UPDATES),
-            message=info.weight_update(self.store.root,
-                                       run=run_label(self.experiment, self.store.run_id)),
+            message=info.weight_update(
+                self.store.root, run=run_label(self.experiment, self.store.run_id)
+            ),
             mandatory=False,  # no generator listening yet is fine: they read the manifest
         )
 
@@ -118,12 +127,18 @@ class Learner:
             if lag > self.settings.max_staleness:
                 metrics.STALE_DROPPED.inc()
                 self.dropped_since_commit += 1
-                log.info("stale group dropped", batch=batch.id, staleness=lag,
-                         max_staleness=self.settings.max_staleness)
+                log.info(
+                    "stale group dropped",
+                    batch=batch.id,
+                    staleness=lag,
+                    max_staleness=self.settings.max_staleness,
+                )
                 return []
             try:
                 group = prepare_group(
-                    batch, self.version, adv_eps=self.settings.adv_eps,
+                    batch,
+                    self.version,
+                    adv_eps=self.settings.adv_eps,
                     scale_advantages=self.settings.scale_advantages,
                     vocab_size=self.backend.vocab_size,
                     max_sequence_tokens=self.settings.max_sequence_tokens,
@@ -146,9 +161,11 @@ class Learner:
             return DEFER
 
     def health(self) -> tuple[bool, dict[str, Any]]:
-        return self.failed is None, {"policy_version": self.version,
-                                     "pending_groups": len(self.pending),
-                                     "failed": self.failed}
+        return self.failed is None, {
+            "policy_version": self.version,
+            "pending_groups": len(self.pending),
+            "failed": self.failed,
+        }
 
     # --- the step -----------------------------------------------------------------------
 
@@ -171,8 +188,7 @@ class Learner:
     def _step(self) -> None:
         started = time.perf_counter()
         groups = [group for group, _ in self.pending]
-        sequences = [seq for group in groups if not self._skipped(group)
-                     for seq in group.sequences]
+        sequences = [seq for group in groups if not self._skipped(group) for seq in group.sequences]
         try:
             train = self.backend.step(sequences)
         except Exception:
@@ -206,8 +222,11 @@ class Learner:
         """A step that changed nothing consumes nothing: no version, every group retried
         (and dead-lettered with ``reason`` if it keeps failing)."""
         metrics.SKIPPED_STEPS.inc()
-        log.error("step not taken; groups handed back", reason=reason,
-                  groups=[group.batch_id for group, _ in self.pending])
+        log.error(
+            "step not taken; groups handed back",
+            reason=reason,
+            groups=[group.batch_id for group, _ in self.pending],
+        )
         for _, delivery in self.pending:
             self.consumer.fail(delivery, RuntimeError(reason))
         self.pending = []
@@ -218,8 +237,9 @@ class Learner:
         batch_ids = [group.batch_id for group in groups]
         # Drops since the last commit become durable with this one (a crash before it loses
         # their count, which only narrows the scheduler's window by as many groups).
-        state = self.state.advanced(version, batch_ids, self.settings.trained_ids_memory,
-                                    dropped=self.dropped_since_commit)
+        state = self.state.advanced(
+            version, batch_ids, self.settings.trained_ids_memory, dropped=self.dropped_since_commit
+        )
         staging = self.store.staging_dir(version)
         self.backend.save_version(staging)
         self.states.write(state, self.backend.save_optimizer)
@@ -230,17 +250,32 @@ class Learner:
             "groups_per_step": float(self.settings.groups_per_step),
             # Not every backend measures every figure; NaN (e.g. no fresh sample, no reference
             # for the KL when beta = 0) is left out below.
-            **{k: getattr(train, k) for k in ("loss", "kl", "clip_fraction", "grad_norm",
-                                              "learning_rate", "sampler_kl", "tokens",
-                                              "sampler_kl_fresh", "entropy")},
+            **{
+                k: getattr(train, k)
+                for k in (
+                    "loss",
+                    "kl",
+                    "clip_fraction",
+                    "grad_norm",
+                    "learning_rate",
+                    "sampler_kl",
+                    "tokens",
+                    "sampler_kl_fresh",
+                    "entropy",
+                )
+            },
             "groups_skipped": float(sum(self._skipped(g) for g in groups)),
             **summary,
         }
         # Weight-update messages carry these and refuse NaN/inf; a skipped step can have them.
         finite = {k: v for k, v in checkpoint_metrics.items() if math.isfinite(v)}
         info = self.store.commit(
-            staging, version, self.version, self.backend.format,
-            base_model=str(self.settings.model_path.resolve()), metrics=finite,
+            staging,
+            version,
+            self.version,
+            self.backend.format,
+            base_model=str(self.settings.model_path.resolve()),
+            metrics=finite,
         )
         self.version, self.state = version, state
         self.dropped_since_commit = 0
@@ -249,8 +284,9 @@ class Learner:
             self.trained = set(state.trained_ids)
         return info
 
-    def _observe(self, groups: list[PreparedGroup], train: StepResult,
-                 info: CheckpointInfo, elapsed: float) -> None:
+    def _observe(
+        self, groups: list[PreparedGroup], train: StepResult, info: CheckpointInfo, elapsed: float
+    ) -> None:
         metrics.LOSS.set(train.loss)  # NaN is a legitimate gauge value: it shows the trouble
         metrics.KL.set(train.kl)
         metrics.ENTROPY.set(train.entropy)
@@ -271,9 +307,13 @@ class Learner:
         metrics.PENDING_GROUPS.set(0)
         metrics.STEPS.inc()
         metrics.STEP_SECONDS.observe(elapsed)
-        log.info("step committed", version=self.version, groups=len(groups),
-                 seconds=round(elapsed, 3),
-                 **{k: round(v, 6) for k, v in info.metrics.items()})
+        log.info(
+            "step committed",
+            version=self.version,
+            groups=len(groups),
+            seconds=round(elapsed, 3),
+            **{k: round(v, 6) for k, v in info.metrics.items()},
+        )
 
 
 class StoreBusy(RuntimeError):
@@ -299,8 +339,9 @@ def hold_store(checkpoint_dir: Path) -> None:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        raise StoreBusy(f"another learner is writing the checkpoint store {root}: one "
-                        f"learner per store") from None
+        raise StoreBusy(
+            f"another learner is writing the checkpoint store {root}: one learner per store"
+        ) from None
     _HELD_STORES[root] = fd
 
 
@@ -309,14 +350,19 @@ def effective_broker(config: LearnerConfig) -> LearnerConfig:
     need = config.learner.groups_per_step
     if config.broker.prefetch >= need:
         return config
-    log.warning("raising broker.prefetch to groups_per_step", prefetch=config.broker.prefetch,
-                groups_per_step=need)
+    log.warning(
+        "raising broker.prefetch to groups_per_step",
+        prefetch=config.broker.prefetch,
+        groups_per_step=need,
+    )
     broker = config.broker.model_copy(update={"prefetch": need})
     return config.model_copy(update={"broker": broker})
 
 
-def build(config: LearnerConfig, backend_factory: BackendFactory | None = None,
-          ) -> tuple[Consumer, Learner]:
+def build(
+    config: LearnerConfig,
+    backend_factory: BackendFactory | None = None,
+) -> tuple[Consumer, Learner]:
     """The consumer and learner of `hpcrl-learner serve`, wired but not running."""
     from hpcrl_common.topology import ROLLOUT_BATCHES
 

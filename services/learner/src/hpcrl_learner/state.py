@@ -32,11 +32,16 @@ class LearnerState:
     # counts them as done, or each drop would narrow its window for good.
     groups_dropped: int = 0
 
-    def advanced(self, version: int, batch_ids: list[str], memory: int,
-                 dropped: int = 0) -> LearnerState:
+    def advanced(
+        self, version: int, batch_ids: list[str], memory: int, dropped: int = 0
+    ) -> LearnerState:
         ids = [*self.trained_ids, *batch_ids]
-        return LearnerState(version, self.groups_trained + len(batch_ids), ids[-memory:],
-                            self.groups_dropped + dropped)
+        return LearnerState(
+            version,
+            self.groups_trained + len(batch_ids),
+            ids[-memory:],
+            self.groups_dropped + dropped,
+        )
 
 
 def _version_name(version: int) -> str:
@@ -61,8 +66,9 @@ class StateStore:
     def write(self, state: LearnerState, write_extra: Callable[[Path], None]) -> Path:
         """Write ``state`` plus whatever ``write_extra(dir)`` adds, then rename it into place."""
         self.root.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".staging-{_version_name(state.version)}-",
-                                        dir=self.root))
+        staging = Path(
+            tempfile.mkdtemp(prefix=f".staging-{_version_name(state.version)}-", dir=self.root)
+        )
         write_extra(staging)
         with (staging / STATE_FILE).open("w") as handle:
             json.dump(asdict(state), handle)

@@ -54,21 +54,22 @@ class TextCheck:
                         f"{sample.candidate_id}: no completion_sha256 (the hash of the text the "
                         f"benchmarker judged), so its tokens cannot be tied to the verdict; "
                         f"learner.require_judged_text = false trains such samples (results of "
-                        f"older benchmarkers, during a rolling upgrade)")
+                        f"older benchmarkers, during a rolling upgrade)"
+                    )
                 continue
             ids = sample.completion_token_ids.numpy().astype(np.int64).tolist()
             try:
                 text = self.tokenizer().decode(ids, skip_special_tokens=True)
             except Exception as exc:  # ids the tokenizer cannot map
-                raise BadBatch(f"{sample.candidate_id}: token ids do not decode: "
-                               f"{exc!r}") from None
+                raise BadBatch(f"{sample.candidate_id}: token ids do not decode: {exc!r}") from None
             if matches(text, sample.completion_sha256):
                 continue
             raise BadBatch(
                 f"{sample.candidate_id}: its {len(ids)} token ids decode to a text (sha256 "
                 f"{text_sha256(text)[:16]}…, {len(text)} characters) other than the one the "
                 f"benchmarker judged (sha256 {sample.completion_sha256[:16]}…): the tokens "
-                f"are not those of the judged completion")
+                f"are not those of the judged completion"
+            )
 
 
 def matches(decoded: str, judged_sha256: str) -> bool:

@@ -24,19 +24,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve = commands.add_parser(
-        "serve", help="run (or resume) the experiment's T iterations over the broker; exits 0 "
+        "serve",
+        help="run (or resume) the experiment's T iterations over the broker; exits 0 "
         "when all are complete",
     )
     add_config_argument(serve)
     status = commands.add_parser(
-        "status", help="print the pool (per stage: count, best/median GFLOPS, status shares), "
+        "status",
+        help="print the pool (per stage: count, best/median GFLOPS, status shares), "
         "the iterations and what is in flight",
     )
     add_config_argument(status)
     status.add_argument("--db", type=Path, help="scheduler database (default: from the config)")
     status.add_argument("--json", action="store_true", help="print machine-readable JSON")
     export = commands.add_parser(
-        "export", help="write the best program of each stage and the lineage of the overall "
+        "export",
+        help="write the best program of each stage and the lineage of the overall "
         "best as .c files with index.json and index.md",
     )
     add_config_argument(export)
@@ -73,8 +76,12 @@ def serve(args: argparse.Namespace) -> int:
     consumer = Consumer(config.broker, "scheduler", concurrency=2)
     update = _progress_updater(progress, scheduler) if progress is not None else None
     service = SchedulerService(scheduler, consumer, on_tick=update)
-    log.info("serving", db=str(config.db_path), iteration=scheduler.iteration(),
-             iterations=config.scheduler.iterations)
+    log.info(
+        "serving",
+        db=str(config.db_path),
+        iteration=scheduler.iteration(),
+        iterations=config.scheduler.iterations,
+    )
     try:
         run_consumer(consumer, "scheduler", config.scheduler, service.health)
     finally:
@@ -91,8 +98,13 @@ def _progress():  # -> rich.progress.Progress
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                        console=Console(stderr=True), redirect_stderr=True)
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        console=Console(stderr=True),
+        redirect_stderr=True,
+    )
     progress.start()
     return progress
 
@@ -105,8 +117,12 @@ def _progress_updater(progress, scheduler: Scheduler) -> Callable[[], None]:
         t = scheduler.iteration()
         states = scheduler.store.count_groups_by_state(t)
         progress.update(iterations, completed=scheduler.iterations_done())
-        progress.update(groups, description=f"groups of iteration {t}",
-                        total=max(sum(states.values()), 1), completed=states["closed"])
+        progress.update(
+            groups,
+            description=f"groups of iteration {t}",
+            total=max(sum(states.values()), 1),
+            completed=states["closed"],
+        )
 
     return update
 
@@ -134,8 +150,10 @@ def export(args: argparse.Namespace) -> int:
         index = write_export(store, args.dir)
     finally:
         store.close()
-    print(f"wrote {len(index['best_per_stage'])} stage bests and a lineage of "
-          f"{len(index['lineage'])} programs to {args.dir}")
+    print(
+        f"wrote {len(index['best_per_stage'])} stage bests and a lineage of "
+        f"{len(index['lineage'])} programs to {args.dir}"
+    )
     return 0
 
 

@@ -16,8 +16,9 @@ from hpcrl_scheduler.selection import Ratios
 class SchedulerSection(ServiceSection):
     metrics_port: int = Field(9104, ge=0, le=65535, description="0 picks a free port")
     iterations: int = Field(9, ge=1, le=10_000, description="T: SQD iterations to run")
-    group_size: int = Field(16, ge=1, le=1024, description="G: completions per node (the "
-                            "paper: 64)")
+    group_size: int = Field(
+        16, ge=1, le=1024, description="G: completions per node (the paper: 64)"
+    )
     node_budget: int = Field(
         32, ge=0, description="nodes expanded per iteration besides the seed (0 = unbounded)"
     )
@@ -51,8 +52,9 @@ class SchedulerSection(ServiceSection):
         None, description="C file of the seed program (default: the built-in one of the task)"
     )
     prompt_templates: Path | None = Field(
-        None, description="TOML with the prompt templates: keys system, user, "
-        "modes.{seed,deepen,improve,repair} (default: built-in)"
+        None,
+        description="TOML with the prompt templates: keys system, user, "
+        "modes.{seed,deepen,improve,repair} (default: built-in)",
     )
     temperature: float = Field(1.0, ge=0, le=10, description="sampling temperature")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling")
@@ -61,12 +63,14 @@ class SchedulerSection(ServiceSection):
         64, ge=0, description="requests published but not yet closed (0 = no bound)"
     )
     max_staleness: int = Field(
-        related_default("scheduler.max_staleness"), ge=0,
-        description="steps generation may run ahead of learning (0 = off)"
+        related_default("scheduler.max_staleness"),
+        ge=0,
+        description="steps generation may run ahead of learning (0 = off)",
     )
     initial_groups_per_step: int = Field(
-        related_default("scheduler.initial_groups_per_step"), ge=1,
-        description="the learner's groups per step, assumed until its first update"
+        related_default("scheduler.initial_groups_per_step"),
+        ge=1,
+        description="the learner's groups per step, assumed until its first update",
     )
     version_floor: bool = Field(
         True, description="requests ask for at least the latest policy version seen"
@@ -76,45 +80,77 @@ class SchedulerSection(ServiceSection):
         description="the learner's checkpoint store (manifest.json): a weight-update sets the "
         "floor and the pacing figures only if this store's manifest holds its version, run "
         "and checksum (others are dead-lettered); unset: learner.checkpoint_dir of the same "
-        "config file, and without one every weight-update is refused")
+        "config file, and without one every weight-update is refused",
+    )
     max_version_jump: int = Field(
-        64, ge=1, description="a weight-update more than this many versions above the floor "
+        64,
+        ge=1,
+        description="a weight-update more than this many versions above the floor "
         "is dead-lettered even when the store holds it (announcements arrive one per version "
-        "on the scheduler's durable queue)")
+        "on the scheduler's durable queue)",
+    )
     pacing_hold_deadline_s: float = Field(
-        1800.0, gt=0, description="pacing that holds every pending request this long with "
-        "no group in flight makes /healthz 503, the reason in its detail")
+        1800.0,
+        gt=0,
+        description="pacing that holds every pending request this long with "
+        "no group in flight makes /healthz 503, the reason in its detail",
+    )
     group_deadline_s: float = Field(
         1800.0, gt=0, description="a group with no new result for this long is closed short"
     )
-    tick_s: float = Field(0.5, gt=0, le=60, description="period of the scheduling loop "
-                          "(plan, admit, deadlines, outbox)")
+    tick_s: float = Field(
+        0.5,
+        gt=0,
+        le=60,
+        description="period of the scheduling loop (plan, admit, deadlines, outbox)",
+    )
     exit_when_done: bool = Field(True, description="serve exits 0 once all T iterations end")
     host_peaks: dict[str, Annotated[float, Field(gt=0)]] = Field(
-        {}, description="the operator's peak GFLOPS per host class (key: the class, or the CPU "
+        {},
+        description="the operator's peak GFLOPS per host class (key: the class, or the CPU "
         "model for all its classes); wins over what results report. Unlisted classes: the "
         "lowest peak reported, capped by cores x max_clock_ghz x FLOPs/cycle of the ISA; a "
-        "result above its class's peak is dead-lettered")
-    max_clock_ghz: float = Field(6.0, gt=0, le=20, description="clock of the peak formula for "
-                                 "host classes not in host_peaks (an upper bound)")
-    max_host_cores: int = Field(1024, ge=1, description="cores counted at most by the peak "
-                                "formula, whatever a result reports")
+        "result above its class's peak is dead-lettered",
+    )
+    max_clock_ghz: float = Field(
+        6.0,
+        gt=0,
+        le=20,
+        description="clock of the peak formula for host classes not in host_peaks (an upper bound)",
+    )
+    max_host_cores: int = Field(
+        1024,
+        ge=1,
+        description="cores counted at most by the peak formula, whatever a result reports",
+    )
     confirm_winners: bool = Field(
-        True, description="a group's best success is benchmarked again (another replica "
+        True,
+        description="a group's best success is benchmarked again (another replica "
         "first, then any) before the group's rewards, pool and lineage take it, at the lower "
         "of its two measurements; a disagreement drops it and marks both results and the "
-        "host suspect")
+        "host suspect",
+    )
     confirm_tolerance: float = Field(
-        2.0, ge=0, description="a winner is suspect (dropped, host marked) when its GFLOPS "
+        2.0,
+        ge=0,
+        description="a winner is suspect (dropped, host marked) when its GFLOPS "
         "exceed the second measurement's by more than this share (2.0: 3x; timing on a busy "
-        "node differs up to 2x); within it, the winner counts at the lower measurement")
-    confirm_rounds: int = Field(3, ge=1, le=16, description="re-measurements per group at "
-                                "most (each dropped winner's successor is confirmed too)")
+        "node differs up to 2x); within it, the winner counts at the lower measurement",
+    )
+    confirm_rounds: int = Field(
+        3,
+        ge=1,
+        le=16,
+        description="re-measurements per group at "
+        "most (each dropped winner's successor is confirmed too)",
+    )
     confirm_without_source: Literal["drop", "count"] = Field(
-        "drop", description="a group winner that came without its source cannot be measured "
+        "drop",
+        description="a group winner that came without its source cannot be measured "
         "again: drop it (its successor is confirmed instead); count: take it unconfirmed "
         "(only for benchmarkers run with include_source = false, whose every result lacks "
-        "it: then one benchmarker credential can set a group's maximum)")
+        "it: then one benchmarker credential can set a group's maximum)",
+    )
 
     @model_validator(mode="after")
     def _ratios(self) -> SchedulerSection:

@@ -109,22 +109,30 @@ def confirmation(winner: BenchResult, group_id: str, round_: int) -> Candidate:
     """The candidate that re-measures ``winner`` (whose ``source`` is set)."""
     assert winner.source is not None
     group = confirm_group_id(group_id, round_)
-    return Candidate(id=candidate_id(group, 0), group_id=group, index=0,
-                     completion=f"```c\n{winner.source}\n```\n", bench=winner.bench,
-                     generator=label.label(winner.benchmarker, winner.host.host_class))
+    return Candidate(
+        id=candidate_id(group, 0),
+        group_id=group,
+        index=0,
+        completion=f"```c\n{winner.source}\n```\n",
+        bench=winner.bench,
+        generator=label.label(winner.benchmarker, winner.host.host_class),
+    )
 
 
 def judge(first: BenchResult, second: BenchResult, tolerance: float) -> tuple[Verdict, str]:
     """Whether ``second`` confirms ``first`` (a success), and why not."""
     if second.host.host_class != first.host.host_class:
-        return "inconclusive", (f"measured on host class {second.host.host_class!r}, not "
-                                f"{first.host.host_class!r}")
+        return "inconclusive", (
+            f"measured on host class {second.host.host_class!r}, not {first.host.host_class!r}"
+        )
     if second.status != "success" or second.gflops is None:
         return "disagreed", f"the second measurement is {second.status}: {second.error[:200]}"
     assert first.gflops is not None
     if first.gflops > second.gflops * (1.0 + tolerance):
-        return "disagreed", (f"{first.gflops:g} GFLOPS claimed, {second.gflops:g} measured "
-                             f"again (beyond the tolerance {tolerance:g})")
+        return "disagreed", (
+            f"{first.gflops:g} GFLOPS claimed, {second.gflops:g} measured "
+            f"again (beyond the tolerance {tolerance:g})"
+        )
     return "agreed", f"{first.gflops:g} GFLOPS claimed, {second.gflops:g} measured again"
 
 

@@ -78,8 +78,9 @@ def majority_class(results: Sequence[BenchResult]) -> str:
     return min(counts, key=lambda c: (-counts[c], -successes[c], c))
 
 
-def compute_rewards(results: Sequence[BenchResult], mode: RewardMode,
-                    parent: Parent | None = None) -> dict[str, float]:
+def compute_rewards(
+    results: Sequence[BenchResult], mode: RewardMode, parent: Parent | None = None
+) -> dict[str, float]:
     """Reward of each result; ``parent`` matters only in ``parent_relative`` mode."""
     score = _success_score(results, mode, parent)
     return {r.id: score(r) if r.status == "success" else float(r.reward) for r in results}
@@ -91,8 +92,9 @@ def parent_relative_reward(gflops: float, parent_gflops: float) -> float:
     return min(PARENT_RELATIVE_CEILING, max(PARENT_RELATIVE_FLOOR, relative))
 
 
-def _success_score(results: Sequence[BenchResult], mode: RewardMode,
-                   parent: Parent | None) -> Callable[[BenchResult], float]:
+def _success_score(
+    results: Sequence[BenchResult], mode: RewardMode, parent: Parent | None
+) -> Callable[[BenchResult], float]:
     if mode == "raw":
         return lambda r: float(r.gflops or 0.0)
     if mode == "parent_relative" and parent is not None and _comparable(results, parent):
@@ -103,8 +105,11 @@ def _success_score(results: Sequence[BenchResult], mode: RewardMode,
 
 def _comparable(results: Sequence[BenchResult], parent: Parent) -> bool:
     # GFLOPS from another class of host are not comparable (see the module docstring).
-    return (parent.gflops is not None and parent.gflops > 0
-            and all(r.host.host_class == parent.host_class for r in results))
+    return (
+        parent.gflops is not None
+        and parent.gflops > 0
+        and all(r.host.host_class == parent.host_class for r in results)
+    )
 
 
 def _relative_to(result: BenchResult, parent: Parent) -> float:
@@ -157,5 +162,4 @@ def close_group(
             reward_mode=reward_mode,
             host_class=host_class,
         )
-    return ClosedGroup(kept, rewards, excluded, host_class, batch,
-                       len(kept) - len(with_rollout))
+    return ClosedGroup(kept, rewards, excluded, host_class, batch, len(kept) - len(with_rollout))

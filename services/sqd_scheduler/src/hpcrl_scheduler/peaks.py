@@ -53,8 +53,9 @@ class PeakBound:
 class PeakBook:
     """Per host class peaks, kept in the scheduler's store (``meta`` rows)."""
 
-    def __init__(self, registry: Mapping[str, float], *, max_clock_ghz: float,
-                 max_cores: int) -> None:
+    def __init__(
+        self, registry: Mapping[str, float], *, max_clock_ghz: float, max_cores: int
+    ) -> None:
         self.registry = dict(registry)
         self.max_clock_ghz = max_clock_ghz
         self.max_cores = max_cores
@@ -76,9 +77,11 @@ class PeakBook:
         host = result.host
         bound = self.bound(store, host)
         if result.gflops is not None and result.gflops > bound.gflops:
-            return (f"gflops {result.gflops:g} is above the peak of host class "
-                    f"{host.host_class!r}, {bound.gflops:g} GFLOPS ({bound.source}; the "
-                    f"result claims {host.peak_gflops:g})")
+            return (
+                f"gflops {result.gflops:g} is above the peak of host class "
+                f"{host.host_class!r}, {bound.gflops:g} GFLOPS ({bound.source}; the "
+                f"result claims {host.peak_gflops:g})"
+            )
         if bound.source != "registry":
             key = _KEY_PREFIX + host.host_class
             seen = store.get(key)

@@ -33,19 +33,23 @@ def snapshot(store: Store) -> dict[str, Any]:
         pool = dedupe(store.pool(i))
         rewards = store.rewards_of_iteration(i)
         states = Counter(g.state for g in groups)
-        iterations.append({
-            "iteration": i,
-            "groups": len(groups),
-            "pending": states.get("pending", 0),
-            "in_flight": states.get("published", 0),
-            "closed": states.get("closed", 0),
-            "complete": bool(groups) and states.get("closed", 0) == len(groups),
-            "batches_sent": sum(g.outcome == "sent" for g in groups),
-            "reward_mean": statistics.fmean(rewards) if rewards else None,
-            "reward_max": max(rewards) if rewards else None,
-            "pool": {str(s): _stage_summary([p for p in pool if p.stage == s])
-                     for s in sorted({p.stage for p in pool})},
-        })
+        iterations.append(
+            {
+                "iteration": i,
+                "groups": len(groups),
+                "pending": states.get("pending", 0),
+                "in_flight": states.get("published", 0),
+                "closed": states.get("closed", 0),
+                "complete": bool(groups) and states.get("closed", 0) == len(groups),
+                "batches_sent": sum(g.outcome == "sent" for g in groups),
+                "reward_mean": statistics.fmean(rewards) if rewards else None,
+                "reward_max": max(rewards) if rewards else None,
+                "pool": {
+                    str(s): _stage_summary([p for p in pool if p.stage == s])
+                    for s in sorted({p.stage for p in pool})
+                },
+            }
+        )
     current_complete = bool(iterations) and iterations[-1]["complete"]
     best = _best_overall(store)
     return {
@@ -64,9 +68,14 @@ def snapshot(store: Store) -> dict[str, Any]:
         "outbox_unsent": store.count_unsent(),
         "pool": iterations[-1]["pool"] if iterations else {},
         "iterations": iterations,
-        "best": None if best is None else {
-            "id": best.id, "stage": best.stage, "gflops": best.gflops,
-            "iteration": best.iteration},
+        "best": None
+        if best is None
+        else {
+            "id": best.id,
+            "stage": best.stage,
+            "gflops": best.gflops,
+            "iteration": best.iteration,
+        },
     }
 
 
@@ -94,16 +103,23 @@ def render(data: dict[str, Any]) -> None:
         pool.add_column(column)
     for stage, row in data["pool"].items():
         shares = ", ".join(f"{k} {v:.0%}" for k, v in row["status_share"].items())
-        pool.add_row(stage, str(row["count"]), _num(row["best_gflops"]),
-                     _num(row["median_gflops"]), shares)
+        pool.add_row(
+            stage, str(row["count"]), _num(row["best_gflops"]), _num(row["median_gflops"]), shares
+        )
     console.print(pool)
     its = Table(title="iterations")
     for column in ("t", "groups", "in flight", "closed", "batches", "reward mean", "reward max"):
         its.add_column(column)
     for it in data["iterations"]:
-        its.add_row(str(it["iteration"]), str(it["groups"]), str(it["in_flight"]),
-                    str(it["closed"]), str(it["batches_sent"]), _num(it["reward_mean"]),
-                    _num(it["reward_max"]))
+        its.add_row(
+            str(it["iteration"]),
+            str(it["groups"]),
+            str(it["in_flight"]),
+            str(it["closed"]),
+            str(it["batches_sent"]),
+            _num(it["reward_mean"]),
+            _num(it["reward_max"]),
+        )
     console.print(its)
     if data["best"]:
         best = data["best"]
@@ -133,16 +149,21 @@ def _file_name(prefix: str, program: Program) -> str:
 
 def _header(program: Program) -> str:
     gflops = "-" if program.gflops is None else f"{program.gflops:.3f}"
-    return (f"/* hpcrl program {program.id}: stage {program.stage}, iteration "
-            f"{program.iteration}, mode {program.mode}, status {program.status}, GFLOPS "
-            f"{gflops}, parent {program.parent_id} */\n")
+    return (
+        f"/* hpcrl program {program.id}: stage {program.stage}, iteration "
+        f"{program.iteration}, mode {program.mode}, status {program.status}, GFLOPS "
+        f"{gflops}, parent {program.parent_id} */\n"
+    )
 
 
 def export(store: Store, out: Path) -> dict[str, Any]:
     """Write the best program of each stage and the overall best's lineage, with an index."""
     out.mkdir(parents=True, exist_ok=True)
-    index: dict[str, Any] = {"experiment": store.get("experiment"), "best_per_stage": {},
-                             "lineage": []}
+    index: dict[str, Any] = {
+        "experiment": store.get("experiment"),
+        "best_per_stage": {},
+        "lineage": [],
+    }
     ok = [p for p in store.all_programs() if p.ok and p.id != SEED_ID and p.source]
     for stage in sorted({p.stage for p in ok}):
         best = max((p for p in ok if p.stage == stage), key=lambda p: (p.gflops or 0.0, p.id))
@@ -156,17 +177,30 @@ def export(store: Store, out: Path) -> dict[str, Any]:
             (out / name).write_text(_header(program) + (program.source or ""))
             index["lineage"].append(_entry(program, name))
     (out / "index.json").write_text(json.dumps(index, indent=2) + "\n")
-    lines = ["# hpcrl scheduler export", "", "| file | program | stage | iteration | mode | "
-             "status | GFLOPS |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "# hpcrl scheduler export",
+        "",
+        "| file | program | stage | iteration | mode | status | GFLOPS |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for entry in [*index["best_per_stage"].values(), *index["lineage"]]:
-        lines.append(f"| {entry['file']} | {entry['id']} | {entry['stage']} | "
-                     f"{entry['iteration']} | {entry['mode']} | {entry['status']} | "
-                     f"{_num(entry['gflops'])} |")
+        lines.append(
+            f"| {entry['file']} | {entry['id']} | {entry['stage']} | "
+            f"{entry['iteration']} | {entry['mode']} | {entry['status']} | "
+            f"{_num(entry['gflops'])} |"
+        )
     (out / "index.md").write_text("\n".join(lines) + "\n")
     return index
 
 
 def _entry(program: Program, name: str) -> dict[str, Any]:
-    return {"file": name, "id": program.id, "stage": program.stage,
-            "iteration": program.iteration, "mode": program.mode, "status": program.status,
-            "gflops": program.gflops, "parent": program.parent_id}
+    return {
+        "file": name,
+        "id": program.id,
+        "stage": program.stage,
+        "iteration": program.iteration,
+        "mode": program.mode,
+        "status": program.status,
+        "gflops": program.gflops,
+        "parent": program.parent_id,
+    }

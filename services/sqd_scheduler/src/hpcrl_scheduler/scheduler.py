@@ -51,8 +51,9 @@ class SchedulerError(RuntimeError):
 def builtin_seed(task_name: str) -> str:
     source = task_seed(task_name)
     if source is None:
-        raise SchedulerError(f"no built-in seed program for task {task_name!r}; "
-                             "set scheduler.seed_program")
+        raise SchedulerError(
+            f"no built-in seed program for task {task_name!r}; set scheduler.seed_program"
+        )
     return source
 
 
@@ -82,24 +83,28 @@ def repair_error(parent: Program) -> str:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, store: Store,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, config: SchedulerConfig, store: Store, clock: Callable[[], float] = time.time
+    ) -> None:
         self.config = config
         self.section = config.scheduler
         self.store = store
         self.clock = clock
         self.task: TaskSpec = load_task(config.experiment.task)
         templates_path = self.section.prompt_templates
-        self.templates: Templates = load_templates(str(templates_path) if templates_path
-                                                   else None)
-        self.ratios = Ratios(self.section.ratio_deepen, self.section.ratio_improve,
-                             self.section.ratio_repair)
+        self.templates: Templates = load_templates(str(templates_path) if templates_path else None)
+        self.ratios = Ratios(
+            self.section.ratio_deepen, self.section.ratio_improve, self.section.ratio_repair
+        )
         # Since when pacing holds every pending request, and why (in memory: a restart
         # starts the deadline again).
         self.held_since: float | None = None
         self.held_reason: str | None = None
-        self.peaks = PeakBook(self.section.host_peaks, max_clock_ghz=self.section.max_clock_ghz,
-                              max_cores=self.section.max_host_cores)
+        self.peaks = PeakBook(
+            self.section.host_peaks,
+            max_clock_ghz=self.section.max_clock_ghz,
+            max_cores=self.section.max_host_cores,
+        )
         self._init_store()
 
     # --- set-up ---------------------------------------------------------------------
@@ -116,8 +121,17 @@ class Scheduler:
                 s.set("created_at", self.clock())
                 path = self.section.seed_program
                 source = Path(path).read_text() if path else builtin_seed(self.task.name)
-                s.add_program(Program(id=SEED_ID, stage=FIRST_STAGE, status="success",
-                                      source=source, mode="seed", iteration=-1), None)
+                s.add_program(
+                    Program(
+                        id=SEED_ID,
+                        stage=FIRST_STAGE,
+                        status="success",
+                        source=source,
+                        mode="seed",
+                        iteration=-1,
+                    ),
+                    None,
+                )
             elif stored != identity:
                 raise SchedulerError(
                     f"{s.path} belongs to {stored}, not {identity}: use another "
@@ -149,8 +163,9 @@ class Scheduler:
 
     def iterations_done(self) -> int:
         """Iterations up to the current one with every group closed."""
-        return sum(1 for i in range(max(self.iteration(), -1) + 1)
-                   if self.store.count_open_groups(i) == 0)
+        return sum(
+            1 for i in range(max(self.iteration(), -1) + 1) if self.store.count_open_groups(i) == 0
+        )
 
     def _advance(self) -> None:
         t = self.iteration()
@@ -163,8 +178,14 @@ class Scheduler:
     def _plan(self, t: int) -> None:
         store, exp = self.store, self.config.experiment
         pool = store.pool(t - 1) if t > 0 else []
-        nodes = select(pool, store.seed_program(), iteration=t, budget=self.section.node_budget,
-                       ratios=self.ratios, seed=exp.seed)
+        nodes = select(
+            pool,
+            store.seed_program(),
+            iteration=t,
+            budget=self.section.node_budget,
+            ratios=self.ratios,
+            seed=exp.seed,
+        )
         for ordinal, node in enumerate(nodes):
             prompt = build_prompt(
                 self.task,
@@ -176,14 +197,20 @@ class Scheduler:
                 templates=self.templates,
             )
             store.plan_group(
-                group_id_of(exp.name, exp.seed, t, ordinal), iteration=t, ordinal=ordinal,
-                parent_id=node.parent.id, mode=node.mode, target_stage=node.target_stage,
+                group_id_of(exp.name, exp.seed, t, ordinal),
+                iteration=t,
+                ordinal=ordinal,
+                parent_id=node.parent.id,
+                mode=node.mode,
+                target_stage=node.target_stage,
                 group_size=self.section.group_size,
                 prompt=[message.model_dump() for message in prompt],
             )
         store.set("iteration", t)
-        modes = {mode: sum(n.mode == mode for n in nodes) for mode in
-                 ("seed", "deepen", "improve", "repair")}
+        modes = {
+            mode: sum(n.mode == mode for n in nodes)
+            for mode in ("seed", "deepen", "improve", "repair")
+        }
         log.info("iteration planned", iteration=t, nodes=len(nodes), pool=len(pool), **modes)
 
     def pacing_state(self) -> PacingState:
@@ -199,8 +226,11 @@ class Scheduler:
         pending = self.store.pending_groups()
         held: dict[str, int] = {"in_flight": 0, "staleness": 0}
         for index, group in enumerate(pending):
-            reason = hold_reason(self.pacing_state(), max_staleness=self.section.max_staleness,
-                                 max_groups_in_flight=self.section.max_groups_in_flight)
+            reason = hold_reason(
+                self.pacing_state(),
+                max_staleness=self.section.max_staleness,
+                max_groups_in_flight=self.section.max_groups_in_flight,
+            )
             if reason is not None:
                 held[reason] = len(pending) - index
                 break
@@ -212,8 +242,7 @@ class Scheduler:
     def _note_hold(self, pending: list[GroupRow], held: dict[str, int], now: float) -> None:
         """Remember since when pacing holds every pending request with no group in flight:
         nothing moves until the learner reports (a group in flight has its own deadline)."""
-        reason = next((r for r, count in held.items() if pending and count == len(pending)),
-                      None)
+        reason = next((r for r, count in held.items() if pending and count == len(pending)), None)
         if reason is None or self.store.count_groups_in_flight():
             self.held_since, self.held_reason = None, None
         elif self.held_since is None or self.held_reason != reason:
@@ -228,12 +257,16 @@ class Scheduler:
         if held_for < self.section.pacing_hold_deadline_s:
             return None
         state = self.pacing_state()
-        return {"reason": self.held_reason, "held_for_s": round(held_for, 1),
-                "deadline_s": self.section.pacing_hold_deadline_s,
-                "outstanding": outstanding(state), "groups_trained": state.groups_trained,
-                "groups_per_step": state.groups_per_step,
-                "groups_in_flight": state.groups_in_flight,
-                "policy_version": int(self.store.get("policy_version", 0))}
+        return {
+            "reason": self.held_reason,
+            "held_for_s": round(held_for, 1),
+            "deadline_s": self.section.pacing_hold_deadline_s,
+            "outstanding": outstanding(state),
+            "groups_trained": state.groups_trained,
+            "groups_per_step": state.groups_per_step,
+            "groups_in_flight": state.groups_in_flight,
+            "policy_version": int(self.store.get("policy_version", 0)),
+        }
 
     def _publish_request(self, group: GroupRow, now: float) -> None:
         exp, section = self.config.experiment, self.section
@@ -247,8 +280,12 @@ class Scheduler:
             mode=group.mode,  # type: ignore[arg-type]
             prompt=[ChatMessage(**message) for message in group.prompt],  # type: ignore[arg-type]
             group_size=group.group_size,
-            sampling=SamplingParams(temperature=section.temperature, top_p=section.top_p,
-                                    max_tokens=section.max_tokens, seed=seed),
+            sampling=SamplingParams(
+                temperature=section.temperature,
+                top_p=section.top_p,
+                max_tokens=section.max_tokens,
+                seed=seed,
+            ),
             min_policy_version=floor,
             bench=BenchSpec(task=exp.task, stage=group.target_stage, opt_level=exp.opt_level),
             created_at=now,
@@ -259,8 +296,12 @@ class Scheduler:
 
     def _close_overdue(self, now: float) -> None:
         for group in self.store.overdue_groups(now - self.section.group_deadline_s):
-            log.warning("group deadline passed; closing it short", group=group.id,
-                        results=self.store.count_results(group.id), expected=group.group_size)
+            log.warning(
+                "group deadline passed; closing it short",
+                group=group.id,
+                results=self.store.count_results(group.id),
+                expected=group.group_size,
+            )
             self._close(group, now, "deadline", overdue=True)
 
     # --- messages -------------------------------------------------------------------
@@ -284,9 +325,13 @@ class Scheduler:
             refused = self.peaks.admit(s, result)
             if refused is not None:
                 metrics.RESULTS_IGNORED.labels("above_peak").inc()
-                log.warning("result above its host class's peak refused", result=result.id,
-                            host=result.host.hostname, benchmarker=result.benchmarker,
-                            reason=refused)
+                log.warning(
+                    "result above its host class's peak refused",
+                    result=result.id,
+                    host=result.host.hostname,
+                    benchmarker=result.benchmarker,
+                    reason=refused,
+                )
                 raise Reject(refused)
             self._note_publisher(result, publisher)
             late = group.state == "closed"
@@ -314,17 +359,24 @@ class Scheduler:
         with self.store.tx() as s:
             pinned = s.get("learner_run", None)
             if pinned is not None and learner_run != pinned:
-                self._refuse(update, "other_run", f"run {learner_run!r} is not the learner run "
-                             f"{pinned!r} this scheduler follows")
+                self._refuse(
+                    update,
+                    "other_run",
+                    f"run {learner_run!r} is not the learner run {pinned!r} this scheduler follows",
+                )
             floor = int(s.get("policy_version", 0))
             if update.version <= floor:
                 metrics.UPDATES_IGNORED.labels("old").inc()
                 return  # an older or repeated announcement changes nothing
             info = self._stored_version(update, learner_run)
             if update.version > floor + self.section.max_version_jump:
-                self._refuse(update, "too_far", f"version {update.version} is more than "
-                             f"max_version_jump {self.section.max_version_jump} above the "
-                             f"floor {floor}")
+                self._refuse(
+                    update,
+                    "too_far",
+                    f"version {update.version} is more than "
+                    f"max_version_jump {self.section.max_version_jump} above the "
+                    f"floor {floor}",
+                )
             pacing = self._pacing_of(update, info)
             s.set("learner_run", learner_run)
             s.set("policy_version", update.version)
@@ -336,35 +388,53 @@ class Scheduler:
 
     def _refuse(self, update: WeightUpdate, reason: str, why: str) -> NoReturn:
         metrics.UPDATES_IGNORED.labels(reason).inc()
-        log.warning("weight update refused", version=update.version, run=update.run,
-                    reason=reason, detail=why)
+        log.warning(
+            "weight update refused",
+            version=update.version,
+            run=update.run,
+            reason=reason,
+            detail=why,
+        )
         raise Reject(f"weight-update v{update.version} refused ({reason}): {why}")
 
     def _stored_version(self, update: WeightUpdate, learner_run: str) -> CheckpointInfo:
         """The checkpoint store's entry of the announced version, or a refusal."""
         root = self.section.checkpoint_dir
         if root is None:
-            self._refuse(update, "no_store", "scheduler.checkpoint_dir is not set: "
-                         "announcements cannot be checked, so none is taken")
+            self._refuse(
+                update,
+                "no_store",
+                "scheduler.checkpoint_dir is not set: "
+                "announcements cannot be checked, so none is taken",
+            )
         store = CheckpointStore(root)
         try:
             run_id = store.run_id
             info = store.get(update.version)
         except KeyError:
-            self._refuse(update, "not_in_store", f"version {update.version} is not in the "
-                         f"manifest of {root}")
+            self._refuse(
+                update, "not_in_store", f"version {update.version} is not in the manifest of {root}"
+            )
         except (OSError, ValueError, TypeError) as exc:
             # An unreadable manifest: a passing fault (retried), not the message's.
             raise RuntimeError(f"cannot read the checkpoint manifest of {root}: {exc!r}") from exc
         if run_id != learner_run:
-            self._refuse(update, "mismatch", f"run {learner_run!r} is not the store's run "
-                         f"{run_id!r}")
+            self._refuse(
+                update, "mismatch", f"run {learner_run!r} is not the store's run {run_id!r}"
+            )
         if (info.checksum, info.format, info.parent_version) != (
-                update.checksum, update.format, update.parent_version):
-            self._refuse(update, "mismatch", f"the announcement's {update.format} "
-                         f"{update.checksum} (parent {update.parent_version}) is not the "
-                         f"manifest's {info.format} {info.checksum} "
-                         f"(parent {info.parent_version})")
+            update.checksum,
+            update.format,
+            update.parent_version,
+        ):
+            self._refuse(
+                update,
+                "mismatch",
+                f"the announcement's {update.format} "
+                f"{update.checksum} (parent {update.parent_version}) is not the "
+                f"manifest's {info.format} {info.checksum} "
+                f"(parent {info.parent_version})",
+            )
         return info
 
     def _pacing_of(self, update: WeightUpdate, info: CheckpointInfo) -> tuple[int, int] | None:
@@ -373,38 +443,57 @@ class Scheduler:
         if update.groups_trained is None:
             return None
         stored = info.pacing()
-        announced = {"groups_trained": update.groups_trained,
-                     "groups_dropped": update.groups_dropped,
-                     "groups_per_step": update.groups_per_step}
-        differ = {k: (v, stored[k]) for k, v in announced.items()
-                  if k in stored and stored[k] != v}
+        announced = {
+            "groups_trained": update.groups_trained,
+            "groups_dropped": update.groups_dropped,
+            "groups_per_step": update.groups_per_step,
+        }
+        differ = {k: (v, stored[k]) for k, v in announced.items() if k in stored and stored[k] != v}
         if differ:
-            self._refuse(update, "pacing", f"pacing figures differ from the manifest's "
-                         f"(announced, stored): {differ}")
+            self._refuse(
+                update,
+                "pacing",
+                f"pacing figures differ from the manifest's (announced, stored): {differ}",
+            )
         # Groups the learner dropped as stale are done too: they never come back.
         done = update.groups_trained + update.groups_dropped
         before = int(self.store.get("groups_trained", 0))
         sent = self.store.count_batches_sent()
         if done < before:
-            self._refuse(update, "pacing", f"{done} groups done is fewer than the {before} "
-                         f"of an earlier version (they only grow within a run)")
+            self._refuse(
+                update,
+                "pacing",
+                f"{done} groups done is fewer than the {before} "
+                f"of an earlier version (they only grow within a run)",
+            )
         if done > sent:
             # More than were sent: batches not of this scheduler (forged with its credential,
             # or dead letters replayed) were counted. The version is the store's, so it is
             # taken; refusing it would hold every request for good. Pacing counts at most
             # what was sent, so no request runs further ahead than it should.
             metrics.PACING_CLAMPED.inc()
-            log.warning("learner reports more groups done than were sent; counting the sent",
-                        version=update.version, done=done, sent=sent)
+            log.warning(
+                "learner reports more groups done than were sent; counting the sent",
+                version=update.version,
+                done=done,
+                sent=sent,
+            )
             done = sent
         per_step = update.groups_per_step or int(
-            self.store.get("groups_per_step", self.section.initial_groups_per_step))
+            self.store.get("groups_per_step", self.section.initial_groups_per_step)
+        )
         return done, per_step
 
     # --- winners confirmed (see confirm.py) -------------------------------------------
 
-    def _confirming(self, group: GroupRow, results: list[BenchResult], now: float,
-                    reason: CloseReason, overdue: bool) -> bool:
+    def _confirming(
+        self,
+        group: GroupRow,
+        results: list[BenchResult],
+        now: float,
+        reason: CloseReason,
+        overdue: bool,
+    ) -> bool:
         """True while the group waits for its winner's second measurement (or one was just
         requested); False once it may close with ``results`` less those dropped."""
         s, key = self.store, confirm.STATE_PREFIX + group.id
@@ -426,8 +515,14 @@ class Scheduler:
         if state.waiting == winner.id or state.round >= self.section.confirm_rounds:
             outcome = "timed_out" if state.waiting == winner.id else "unconfirmed"
             metrics.CONFIRMATIONS.labels(outcome).inc()
-            log.warning("group winner dropped unconfirmed", group=group.id, result=winner.id,
-                        gflops=winner.gflops, why=outcome, rounds=state.round)
+            log.warning(
+                "group winner dropped unconfirmed",
+                group=group.id,
+                result=winner.id,
+                gflops=winner.gflops,
+                why=outcome,
+                rounds=state.round,
+            )
             state.dropped.append(winner.id)
             state.waiting = None
             s.set(key, state.to_json())
@@ -439,8 +534,13 @@ class Scheduler:
             metrics.CONFIRMATIONS.labels("no_source").inc()
             if self.section.confirm_without_source == "count":
                 return False
-            log.warning("group winner without its source dropped", group=group.id,
-                        result=winner.id, gflops=winner.gflops, benchmarker=winner.benchmarker)
+            log.warning(
+                "group winner without its source dropped",
+                group=group.id,
+                result=winner.id,
+                gflops=winner.gflops,
+                benchmarker=winner.benchmarker,
+            )
             state.dropped.append(winner.id)
             s.set(key, state.to_json())
             return self._confirming(group, results, now, reason, overdue)
@@ -454,9 +554,14 @@ class Scheduler:
         s.enqueue(CODE_TO_BENCH, candidate)
         s.note_progress(group.id, now)  # the deadline runs from the request
         metrics.CONFIRMATIONS.labels("requested").inc()
-        log.info("group winner sent for a second measurement", group=group.id,
-                 result=winner.id, gflops=winner.gflops, round=state.round,
-                 benchmarker=winner.benchmarker)
+        log.info(
+            "group winner sent for a second measurement",
+            group=group.id,
+            result=winner.id,
+            gflops=winner.gflops,
+            round=state.round,
+            benchmarker=winner.benchmarker,
+        )
         return True
 
     def _note_publisher(self, result: BenchResult, publisher: str | None) -> None:
@@ -470,14 +575,19 @@ class Scheduler:
         if publisher not in users and len(users) < confirm.MAX_CLASS_USERS:
             s.set(key, [*users, publisher])
 
-    def _handle_confirmation(self, group_id: str, result: BenchResult, now: float,
-                             publisher: str | None = None) -> None:
+    def _handle_confirmation(
+        self, group_id: str, result: BenchResult, now: float, publisher: str | None = None
+    ) -> None:
         s = self.store
         key = confirm.STATE_PREFIX + group_id
         state = confirm.ConfirmState.of(s.get(key))
         group = s.group(group_id)
-        if (group is None or group.state == "closed" or state.waiting is None
-                or state.confirm_group != result.group_id):
+        if (
+            group is None
+            or group.state == "closed"
+            or state.waiting is None
+            or state.confirm_group != result.group_id
+        ):
             metrics.RESULTS_IGNORED.labels("duplicate").inc()  # answered already, or superseded
             return
         refused = self.peaks.admit(s, result)
@@ -490,12 +600,21 @@ class Scheduler:
         self._note_publisher(result, publisher)
         verdict, why = confirm.judge(first, result, self.section.confirm_tolerance)
         first_user = s.get(confirm.PUBLISHER_PREFIX + first.id)
-        if (verdict == "agreed" and publisher is not None and publisher == first_user
-                and len(s.get(confirm.CLASS_USERS_PREFIX + first.host.host_class, [])) > 1):
+        if (
+            verdict == "agreed"
+            and publisher is not None
+            and publisher == first_user
+            and len(s.get(confirm.CLASS_USERS_PREFIX + first.host.host_class, [])) > 1
+        ):
             # Another broker user has hosts of this class: a benchmarker credential must
             # not be the one to confirm its own claim (it reads code-to-bench too).
-            verdict, why = "inconclusive", (f"confirmed by the same broker user {publisher!r} "
-                                            f"while another user has hosts of the class")
+            verdict, why = (
+                "inconclusive",
+                (
+                    f"confirmed by the same broker user {publisher!r} "
+                    f"while another user has hosts of the class"
+                ),
+            )
         metrics.CONFIRMATIONS.labels(verdict).inc()
         if verdict == "agreed":
             # It counts at the lower of its two measurements, so no claim above what was
@@ -504,44 +623,66 @@ class Scheduler:
             state.confirmed.append(first.id)
             if result.gflops is not None and first.gflops is not None:
                 state.adjusted[first.id] = min(first.gflops, result.gflops)
-            log.info("group winner confirmed", group=group_id, result=first.id, detail=why,
-                     by=result.benchmarker)
+            log.info(
+                "group winner confirmed",
+                group=group_id,
+                result=first.id,
+                detail=why,
+                by=result.benchmarker,
+            )
         elif verdict == "disagreed":
             state.dropped.append(first.id)
             self._mark_suspect(first, result, why, now)
         else:
-            log.info("group winner's second measurement not comparable; another round",
-                     group=group_id, result=first.id, detail=why)
+            log.info(
+                "group winner's second measurement not comparable; another round",
+                group=group_id,
+                result=first.id,
+                detail=why,
+            )
         state.waiting = None
         s.set(key, state.to_json())
         s.note_progress(group_id, now)
         self._close(group, now, state.reason)  # type: ignore[arg-type]
 
-    def _mark_suspect(self, first: BenchResult, second: BenchResult, why: str,
-                      now: float) -> None:
+    def _mark_suspect(self, first: BenchResult, second: BenchResult, why: str, now: float) -> None:
         s = self.store
         metrics.SUSPECT_RESULTS.inc(2)
         suspects: dict[str, dict] = s.get(confirm.SUSPECTS_KEY, {})
         host = confirm.host_key(first)
         entry = suspects.get(host, {"count": 0})
-        entry.update(count=int(entry["count"]) + 1, last_result=first.id,
-                     second_result=second.id, second_by=confirm.host_key(second),
-                     reason=why[:500], at=now)
+        entry.update(
+            count=int(entry["count"]) + 1,
+            last_result=first.id,
+            second_result=second.id,
+            second_by=confirm.host_key(second),
+            reason=why[:500],
+            at=now,
+        )
         suspects[host] = entry
         if len(suspects) > confirm.MAX_SUSPECT_HOSTS:
             del suspects[min(suspects, key=lambda h: suspects[h].get("at", 0))]
         s.set(confirm.SUSPECTS_KEY, suspects)
         metrics.SUSPECT_HOSTS.set(len(suspects))
-        log.warning("a winner's second measurement disagrees: both results and the reporting "
-                    "host are suspect", result=first.id, gflops=first.gflops, host=host,
-                    second=second.id, second_status=second.status, second_gflops=second.gflops,
-                    second_host=confirm.host_key(second), reason=why)
+        log.warning(
+            "a winner's second measurement disagrees: both results and the reporting "
+            "host are suspect",
+            result=first.id,
+            gflops=first.gflops,
+            host=host,
+            second=second.id,
+            second_status=second.status,
+            second_gflops=second.gflops,
+            second_host=confirm.host_key(second),
+            reason=why,
+        )
 
     def suspect_hosts(self) -> dict[str, dict]:
         return dict(self.store.get(confirm.SUSPECTS_KEY, {}))
 
-    def _close(self, group: GroupRow, now: float, reason: CloseReason,
-               overdue: bool = False) -> None:
+    def _close(
+        self, group: GroupRow, now: float, reason: CloseReason, overdue: bool = False
+    ) -> None:
         s, exp = self.store, self.config.experiment
         results = s.results_of(group.id)
         dropped = 0
@@ -550,18 +691,34 @@ class Scheduler:
                 return
             state = confirm.ConfirmState.of(s.get(confirm.STATE_PREFIX + group.id))
             dropped, results = len(state.dropped), state.apply(results)
-        closed = close_group(group.id, results, experiment=exp.name,
-                             iteration=group.iteration, reward_mode=self.section.reward_mode,
-                             parent=parent_of(s.program(group.parent_id)))
+        closed = close_group(
+            group.id,
+            results,
+            experiment=exp.name,
+            iteration=group.iteration,
+            reward_mode=self.section.reward_mode,
+            parent=parent_of(s.program(group.parent_id)),
+        )
         for result in closed.kept:
             reward = closed.rewards[result.id]
             s.record_reward(result.id, reward)
-            s.add_program(Program(
-                id=result.id, stage=group.target_stage, status=result.status,
-                source=result.source, gflops=result.gflops, reward=reward, error=result.error,
-                parent_id=group.parent_id, mode=group.mode, iteration=group.iteration,
-                host_class=result.host.host_class, techniques=tuple(result.techniques),
-            ), group.id)
+            s.add_program(
+                Program(
+                    id=result.id,
+                    stage=group.target_stage,
+                    status=result.status,
+                    source=result.source,
+                    gflops=result.gflops,
+                    reward=reward,
+                    error=result.error,
+                    parent_id=group.parent_id,
+                    mode=group.mode,
+                    iteration=group.iteration,
+                    host_class=result.host.host_class,
+                    techniques=tuple(result.techniques),
+                ),
+                group.id,
+            )
             if result.gflops is not None:
                 metrics.GFLOPS.labels(str(group.target_stage)).observe(result.gflops)
         outcome: BatchOutcome
@@ -570,25 +727,41 @@ class Scheduler:
             outcome = "sent"
         else:
             outcome = "no_rollout" if closed.kept else "empty"
-        s.mark_closed(group.id, at=now, reason=reason, outcome=outcome,
-                      host_class=closed.host_class,
-                      excluded=len(closed.excluded) + dropped,
-                      reward_mean=closed.reward_mean, reward_max=closed.reward_max)
+        s.mark_closed(
+            group.id,
+            at=now,
+            reason=reason,
+            outcome=outcome,
+            host_class=closed.host_class,
+            excluded=len(closed.excluded) + dropped,
+            reward_mean=closed.reward_mean,
+            reward_max=closed.reward_max,
+        )
         metrics.GROUPS_CLOSED.labels(reason).inc()
         metrics.BATCHES.labels(outcome).inc()
         metrics.EXCLUDED.inc(len(closed.excluded))
         metrics.NO_ROLLOUT.inc(closed.skipped_no_rollout)
         if closed.excluded:
-            log.warning("mixed host classes in a group; minority excluded", group=group.id,
-                        kept=closed.host_class,
-                        excluded=sorted({r.host.host_class for r in closed.excluded}))
+            log.warning(
+                "mixed host classes in a group; minority excluded",
+                group=group.id,
+                kept=closed.host_class,
+                excluded=sorted({r.host.host_class for r in closed.excluded}),
+            )
         if closed.reward_mean is not None:
             metrics.GROUP_REWARD_MEAN.observe(closed.reward_mean)
             metrics.GROUP_REWARD_MAX.observe(closed.reward_max or 0.0)
         if group.published_at is not None:
             metrics.GROUP_SECONDS.observe(max(0.0, now - group.published_at))
-        log.info("group closed", group=group.id, reason=reason, kept=len(closed.kept),
-                 outcome=outcome, reward_mean=closed.reward_mean, reward_max=closed.reward_max)
+        log.info(
+            "group closed",
+            group=group.id,
+            reason=reason,
+            kept=len(closed.kept),
+            outcome=outcome,
+            reward_mean=closed.reward_mean,
+            reward_max=closed.reward_max,
+        )
 
     # --- metrics from the store (restart-proof gauges) --------------------------------
 

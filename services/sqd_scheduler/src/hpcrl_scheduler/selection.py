@@ -141,8 +141,9 @@ def candidates_of_stage(
     }
 
 
-def allocate(total: int, weights: Sequence[float], caps: Sequence[int],
-             tie_order: Sequence[int]) -> list[int]:
+def allocate(
+    total: int, weights: Sequence[float], caps: Sequence[int], tie_order: Sequence[int]
+) -> list[int]:
     """Split ``total`` units by ``weights`` without exceeding ``caps`` (water-filling).
 
     Each round gives every open bucket its weighted share (largest remainder, ties by
@@ -159,8 +160,9 @@ def allocate(total: int, weights: Sequence[float], caps: Sequence[int],
         exact = {i: left * weights[i] / weight_sum for i in open_}
         given = {i: min(math.floor(exact[i]), caps[i] - shares[i]) for i in open_}
         spare = left - sum(given.values())
-        by_remainder = sorted(open_, key=lambda i: (-(exact[i] - math.floor(exact[i])),
-                                                    tie_order[i]))
+        by_remainder = sorted(
+            open_, key=lambda i: (-(exact[i] - math.floor(exact[i])), tie_order[i])
+        )
         for i in by_remainder:
             if spare == 0:
                 break
@@ -190,8 +192,7 @@ def select(
     by_stage: dict[int, list[Program]] = {}
     for program in dedupe(pool):
         by_stage.setdefault(program.stage, []).append(program)
-    lists = {s: candidates_of_stage(by_stage[s], ratios, seed, iteration)
-             for s in sorted(by_stage)}
+    lists = {s: candidates_of_stage(by_stage[s], ratios, seed, iteration) for s in sorted(by_stage)}
     lists = {s: modes for s, modes in lists.items() if any(modes.values())}
     if not lists:
         return nodes
@@ -224,8 +225,9 @@ def select(
 
 
 def _tie_order(seed: int, iteration: int, labels: Sequence[str]) -> list[int]:
-    digests = [hashlib.sha256(f"{seed}:{iteration}:{label}".encode()).hexdigest()
-               for label in labels]
+    digests = [
+        hashlib.sha256(f"{seed}:{iteration}:{label}".encode()).hexdigest() for label in labels
+    ]
     order = sorted(range(len(labels)), key=lambda i: digests[i])
     rank = [0] * len(labels)
     for position, index in enumerate(order):

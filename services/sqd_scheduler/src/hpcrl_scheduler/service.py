@@ -28,8 +28,9 @@ METRICS_REFRESH_S = 2.0
 
 
 class SchedulerService:
-    def __init__(self, scheduler: Scheduler, consumer: Consumer,
-                 on_tick: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self, scheduler: Scheduler, consumer: Consumer, on_tick: Callable[[], None] | None = None
+    ) -> None:
         self.scheduler = scheduler
         self.consumer = consumer
         self.on_tick = on_tick
@@ -37,8 +38,9 @@ class SchedulerService:
         self._pending: dict[int, Future] = {}
         self._refreshed_at = -METRICS_REFRESH_S
         consumer.subscribe(BENCH_RESULTS, self._on_result)
-        consumer.subscribe_fanout(WEIGHT_UPDATES, SCHEDULER_SUBSCRIBER, self._on_weight_update,
-                                  durable=True)
+        consumer.subscribe_fanout(
+            WEIGHT_UPDATES, SCHEDULER_SUBSCRIBER, self._on_weight_update, durable=True
+        )
         consumer.every(scheduler.section.tick_s, self.tick)
 
     def _on_result(self, message: Message, delivery: Delivery) -> list[Publish]:
@@ -63,8 +65,7 @@ class SchedulerService:
             self._refreshed_at = now
         if self.on_tick is not None:
             self.on_tick()
-        if (self.scheduler.done() and not self._pending
-                and self.scheduler.store.count_unsent() == 0):
+        if self.scheduler.done() and not self._pending and self.scheduler.store.count_unsent() == 0:
             if not self.finished:
                 self.scheduler.refresh_metrics()
                 log.info("all iterations complete", iterations=self.scheduler.section.iterations)
@@ -90,8 +91,11 @@ class SchedulerService:
                 self._pending[seq] = self.consumer.publish(Publish(topology.name(queue), message))
 
     def health(self) -> tuple[bool, dict[str, Any]]:
-        detail: dict[str, Any] = {"iteration": self.scheduler.iteration(),
-                                  "finished": self.finished, "unconfirmed": len(self._pending)}
+        detail: dict[str, Any] = {
+            "iteration": self.scheduler.iteration(),
+            "finished": self.finished,
+            "unconfirmed": len(self._pending),
+        }
         suspects = self.scheduler.suspect_hosts()
         if suspects:  # the operator's to judge: a host whose winners did not reproduce
             detail["suspect_hosts"] = suspects

@@ -102,10 +102,18 @@ class GroupRow:
 
 def program_of(row: sqlite3.Row) -> Program:
     return Program(
-        id=row["id"], stage=row["stage"], status=row["status"], source=row["source"],
-        gflops=row["gflops"], reward=row["reward"], error=row["error"],
-        parent_id=row["parent_id"], mode=row["mode"], iteration=row["iteration"],
-        host_class=row["host_class"], techniques=tuple(json.loads(row["techniques"])),
+        id=row["id"],
+        stage=row["stage"],
+        status=row["status"],
+        source=row["source"],
+        gflops=row["gflops"],
+        reward=row["reward"],
+        error=row["error"],
+        parent_id=row["parent_id"],
+        mode=row["mode"],
+        iteration=row["iteration"],
+        host_class=row["host_class"],
+        techniques=tuple(json.loads(row["techniques"])),
         key=row["key"],
     )
 
@@ -134,10 +142,14 @@ def _group_select(db: sqlite3.Connection) -> str:
     """The select list that reads a groups row into a GroupRow."""
     present = _columns(db, "groups")
     # A read-only open cannot migrate: read an old database's columns under their new names.
-    renamed = {new: old for table, old, new in RENAMED_COLUMNS
-               if table == "groups" and new not in present and old in present}
-    return ", ".join(f"{renamed[f.name]} AS {f.name}" if f.name in renamed else f.name
-                     for f in fields(GroupRow))
+    renamed = {
+        new: old
+        for table, old, new in RENAMED_COLUMNS
+        if table == "groups" and new not in present and old in present
+    }
+    return ", ".join(
+        f"{renamed[f.name]} AS {f.name}" if f.name in renamed else f.name for f in fields(GroupRow)
+    )
 
 
 class Store:
@@ -152,8 +164,9 @@ class Store:
             self._db = sqlite3.connect(uri, uri=True, check_same_thread=False, timeout=30)
         else:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._db = sqlite3.connect(self.path, check_same_thread=False, timeout=30,
-                                       isolation_level=None)
+            self._db = sqlite3.connect(
+                self.path, check_same_thread=False, timeout=30, isolation_level=None
+            )
             self._db.execute("PRAGMA journal_mode=WAL")
             # NORMAL is durable against a killed process (what we must survive); FULL would
             # add an fsync per transaction only to survive power loss.
@@ -208,8 +221,11 @@ class Store:
         return default if value is None else json.loads(value)
 
     def set(self, key: str, value: Any) -> None:
-        self._execute("INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO UPDATE "
-                      "SET value = excluded.value", (key, json.dumps(value)))
+        self._execute(
+            "INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO UPDATE "
+            "SET value = excluded.value",
+            (key, json.dumps(value)),
+        )
 
     # --- programs ---------------------------------------------------------------------
 
@@ -218,10 +234,22 @@ class Store:
             "INSERT OR IGNORE INTO programs (id, iteration, stage, key, source, parent_id, mode,"
             " status, gflops, reward, techniques, error, host_class, group_id)"
             " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (program.id, program.iteration, program.stage, program.key, program.source,
-             program.parent_id, program.mode, program.status, program.gflops, program.reward,
-             json.dumps(list(program.techniques)), program.error, program.host_class,
-             group_id),
+            (
+                program.id,
+                program.iteration,
+                program.stage,
+                program.key,
+                program.source,
+                program.parent_id,
+                program.mode,
+                program.status,
+                program.gflops,
+                program.reward,
+                json.dumps(list(program.techniques)),
+                program.error,
+                program.host_class,
+                group_id,
+            ),
         )
 
     def program(self, program_id: str) -> Program | None:
@@ -235,8 +263,7 @@ class Store:
         return seed
 
     def pool(self, iteration: int) -> list[Program]:
-        rows = self._query("SELECT * FROM programs WHERE iteration = ? ORDER BY id",
-                           (iteration,))
+        rows = self._query("SELECT * FROM programs WHERE iteration = ? ORDER BY id", (iteration,))
         return [program_of(r) for r in rows]
 
     def all_programs(self) -> list[Program]:
@@ -245,34 +272,56 @@ class Store:
     def gflops_by_iteration_and_stage(self) -> dict[tuple[int, int], list[float]]:
         """GFLOPS of every measured child, by (iteration, stage); the seed is left out."""
         out: dict[tuple[int, int], list[float]] = {}
-        for row in self._query("SELECT iteration, stage, gflops FROM programs "
-                               "WHERE iteration >= 0 AND gflops IS NOT NULL"):
+        for row in self._query(
+            "SELECT iteration, stage, gflops FROM programs "
+            "WHERE iteration >= 0 AND gflops IS NOT NULL"
+        ):
             out.setdefault((row[0], row[1]), []).append(row[2])
         return out
 
     def best_gflops_by_stage(self) -> dict[int, float]:
-        rows = self._query("SELECT stage, MAX(gflops) FROM programs WHERE gflops IS NOT NULL "
-                           "GROUP BY stage")
+        rows = self._query(
+            "SELECT stage, MAX(gflops) FROM programs WHERE gflops IS NOT NULL GROUP BY stage"
+        )
         return {row[0]: row[1] for row in rows}
 
     # --- groups: the life cycle -------------------------------------------------------
 
-    def plan_group(self, group_id: str, *, iteration: int, ordinal: int, parent_id: str,
-                   mode: str, target_stage: int, group_size: int,
-                   prompt: list[dict[str, str]]) -> None:
+    def plan_group(
+        self,
+        group_id: str,
+        *,
+        iteration: int,
+        ordinal: int,
+        parent_id: str,
+        mode: str,
+        target_stage: int,
+        group_size: int,
+        prompt: list[dict[str, str]],
+    ) -> None:
         """File a node of iteration ``iteration`` to expand; it starts pending."""
         self._execute(
             "INSERT INTO groups (id, iteration, ordinal, parent_id, mode, target_stage,"
             " group_size, prompt) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-            (group_id, iteration, ordinal, parent_id, mode, target_stage, group_size,
-             json.dumps(prompt)),
+            (
+                group_id,
+                iteration,
+                ordinal,
+                parent_id,
+                mode,
+                target_stage,
+                group_size,
+                json.dumps(prompt),
+            ),
         )
 
     def mark_published(self, group_id: str, *, min_policy_version: int, at: float) -> None:
         """Its request is in the outbox: the group is in flight and its deadline runs."""
-        self._execute("UPDATE groups SET state = 'published', min_policy_version = ?,"
-                      " published_at = ?, last_progress_at = ? WHERE id = ?",
-                      (min_policy_version, at, at, group_id))
+        self._execute(
+            "UPDATE groups SET state = 'published', min_policy_version = ?,"
+            " published_at = ?, last_progress_at = ? WHERE id = ?",
+            (min_policy_version, at, at, group_id),
+        )
 
     def note_progress(self, group_id: str, at: float) -> None:
         """A result arrived: the group's deadline starts again from ``at``."""
@@ -280,12 +329,20 @@ class Store:
 
     def restart_deadlines(self, at: float) -> None:
         """Every group in flight counts its deadline from ``at`` (time spent down is free)."""
-        self._execute("UPDATE groups SET last_progress_at = ? WHERE state = 'published'",
-                      (at,))
+        self._execute("UPDATE groups SET last_progress_at = ? WHERE state = 'published'", (at,))
 
-    def mark_closed(self, group_id: str, *, at: float, reason: CloseReason,
-                    outcome: BatchOutcome, host_class: str, excluded: int,
-                    reward_mean: float | None, reward_max: float | None) -> None:
+    def mark_closed(
+        self,
+        group_id: str,
+        *,
+        at: float,
+        reason: CloseReason,
+        outcome: BatchOutcome,
+        host_class: str,
+        excluded: int,
+        reward_mean: float | None,
+        reward_max: float | None,
+    ) -> None:
         self._execute(
             "UPDATE groups SET state = 'closed', closed_at = ?, close_reason = ?, outcome = ?,"
             " host_class = ?, excluded = ?, reward_mean = ?, reward_max = ? WHERE id = ?",
@@ -295,8 +352,10 @@ class Store:
     # --- groups: reading --------------------------------------------------------------
 
     def _groups(self, where: str, params: tuple[Any, ...] = ()) -> list[GroupRow]:
-        rows = self._query(f"SELECT {self._group_columns} FROM groups WHERE {where} "
-                           "ORDER BY iteration, ordinal", params)
+        rows = self._query(
+            f"SELECT {self._group_columns} FROM groups WHERE {where} ORDER BY iteration, ordinal",
+            params,
+        )
         return [GroupRow.of(r) for r in rows]
 
     def group(self, group_id: str) -> GroupRow | None:
@@ -315,19 +374,23 @@ class Store:
 
     def overdue_groups(self, no_progress_since: float) -> list[GroupRow]:
         """Groups in flight whose last result (or publication) is older than the time given."""
-        return self._groups("state = 'published' AND last_progress_at < ?",
-                            (no_progress_since,))
+        return self._groups("state = 'published' AND last_progress_at < ?", (no_progress_since,))
 
     def count_open_groups(self, iteration: int) -> int:
         """Groups of the iteration not yet closed; 0 means the iteration is complete."""
-        return int(self._scalar("SELECT COUNT(*) FROM groups WHERE iteration = ? "
-                                "AND state != 'closed'", (iteration,)))
+        return int(
+            self._scalar(
+                "SELECT COUNT(*) FROM groups WHERE iteration = ? AND state != 'closed'",
+                (iteration,),
+            )
+        )
 
     def count_groups_by_state(self, iteration: int) -> dict[GroupState, int]:
         """The iteration's groups per state (every state present, 0 where none)."""
         counts: dict[GroupState, int] = dict.fromkeys(GROUP_STATES, 0)
-        for row in self._query("SELECT state, COUNT(*) FROM groups WHERE iteration = ? "
-                               "GROUP BY state", (iteration,)):
+        for row in self._query(
+            "SELECT state, COUNT(*) FROM groups WHERE iteration = ? GROUP BY state", (iteration,)
+        ):
             counts[row[0]] = row[1]
         return counts
 
@@ -350,45 +413,66 @@ class Store:
         self._execute(
             "INSERT INTO results (id, group_id, idx, status, gflops, host_class, late,"
             " received_at, body) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (result.id, result.group_id, result.index, result.status, result.gflops,
-             result.host.host_class, int(late), received_at, encode(result)),
+            (
+                result.id,
+                result.group_id,
+                result.index,
+                result.status,
+                result.gflops,
+                result.host.host_class,
+                int(late),
+                received_at,
+                encode(result),
+            ),
         )
 
     def results_of(self, group_id: str) -> list[BenchResult]:
         """The group's results filed in time (late ones are kept but never count)."""
-        rows = self._query("SELECT body FROM results WHERE group_id = ? AND late = 0 "
-                           "ORDER BY idx", (group_id,))
+        rows = self._query(
+            "SELECT body FROM results WHERE group_id = ? AND late = 0 ORDER BY idx", (group_id,)
+        )
         return [decode(bytes(r["body"]), BenchResult) for r in rows]
 
     def count_results(self, group_id: str) -> int:
-        return int(self._scalar("SELECT COUNT(*) FROM results WHERE group_id = ? AND late = 0",
-                                (group_id,)))
+        return int(
+            self._scalar(
+                "SELECT COUNT(*) FROM results WHERE group_id = ? AND late = 0", (group_id,)
+            )
+        )
 
     def record_reward(self, result_id: str, reward: float) -> None:
         self._execute("UPDATE results SET reward = ? WHERE id = ?", (reward, result_id))
 
     def rewards_of_iteration(self, iteration: int) -> list[float]:
         """Rewards given to the results of the iteration's closed groups."""
-        rows = self._query("SELECT r.reward FROM results r JOIN groups g ON g.id = r.group_id "
-                           "WHERE g.iteration = ? AND r.reward IS NOT NULL", (iteration,))
+        rows = self._query(
+            "SELECT r.reward FROM results r JOIN groups g ON g.id = r.group_id "
+            "WHERE g.iteration = ? AND r.reward IS NOT NULL",
+            (iteration,),
+        )
         return [row[0] for row in rows]
 
     def reward_stats_by_iteration(self) -> dict[int, tuple[float, float]]:
         """Iteration → (mean, max) of its rewards; iterations with none are left out."""
-        rows = self._query("SELECT g.iteration, AVG(r.reward), MAX(r.reward) FROM results r "
-                           "JOIN groups g ON g.id = r.group_id WHERE r.reward IS NOT NULL "
-                           "GROUP BY g.iteration")
+        rows = self._query(
+            "SELECT g.iteration, AVG(r.reward), MAX(r.reward) FROM results r "
+            "JOIN groups g ON g.id = r.group_id WHERE r.reward IS NOT NULL "
+            "GROUP BY g.iteration"
+        )
         return {row[0]: (row[1], row[2]) for row in rows}
 
     # --- outbox -----------------------------------------------------------------------
 
     def enqueue(self, queue: str, message: Message) -> None:
-        self._execute("INSERT INTO outbox (queue, message_id, body) VALUES (?, ?, ?)",
-                      (queue, message.id, encode(message)))
+        self._execute(
+            "INSERT INTO outbox (queue, message_id, body) VALUES (?, ?, ?)",
+            (queue, message.id, encode(message)),
+        )
 
     def unsent(self, limit: int = 500) -> list[tuple[int, str, Message]]:
-        rows = self._query("SELECT seq, queue, body FROM outbox WHERE sent = 0 ORDER BY seq "
-                           "LIMIT ?", (limit,))
+        rows = self._query(
+            "SELECT seq, queue, body FROM outbox WHERE sent = 0 ORDER BY seq LIMIT ?", (limit,)
+        )
         return [(r["seq"], r["queue"], decode(bytes(r["body"]))) for r in rows]
 
     def mark_sent(self, seq: int) -> None:

@@ -15,5 +15,4 @@ from hpcrl_bootstrap.build import (
 )
 from hpcrl_bootstrap.corpus import Kernel
 
-__all__ = ["BootstrapSettings", "Kernel", "default_dir", "ensure_model",
-           "is_ready"]
+__all__ = ["BootstrapSettings", "Kernel", "default_dir", "ensure_model", "is_ready"]

@@ -58,8 +58,9 @@ class BootstrapSettings:
         return self if self.isa != "auto" else dataclasses.replace(self, isa=host_isa())
 
     def key(self) -> str:
-        payload = json.dumps({"format": FORMAT_VERSION, **dataclasses.asdict(self.resolved())},
-                             sort_keys=True)
+        payload = json.dumps(
+            {"format": FORMAT_VERSION, **dataclasses.asdict(self.resolved())}, sort_keys=True
+        )
         return hashlib.sha256(payload.encode()).hexdigest()[:12]
 
 
@@ -102,8 +103,9 @@ def ensure_model(
     try:
         info = _build(settings, staging, out.parent, progress)
         (staging / INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
-        (staging / MARKER).write_text(json.dumps({"key": settings.key(),
-                                                  "built_at": time.time()}) + "\n")
+        (staging / MARKER).write_text(
+            json.dumps({"key": settings.key(), "built_at": time.time()}) + "\n"
+        )
         if out.exists():
             if is_ready(out) and not force:  # another builder finished first: keep theirs
                 return out
@@ -115,8 +117,12 @@ def ensure_model(
     return out
 
 
-def _build(settings: BootstrapSettings, where: Path, cache_dir: Path,
-           progress: Callable[[str, dict[str, Any]], None] | None) -> dict[str, Any]:
+def _build(
+    settings: BootstrapSettings,
+    where: Path,
+    cache_dir: Path,
+    progress: Callable[[str, dict[str, Any]], None] | None,
+) -> dict[str, Any]:
     # Imported here: the cached path (a model already built) needs neither torch nor the corpus.
     import torch
     from transformers.utils import logging as hf_logging
@@ -136,42 +142,74 @@ def _build(settings: BootstrapSettings, where: Path, cache_dir: Path,
     started = time.monotonic()
     settings = settings.resolved()
     task = load_task(settings.task)
-    plan = catalogue.plan(settings.seed, settings.isa,
-                          dict(enumerate(settings.kernels_per_stage, start=1)))
+    plan = catalogue.plan(
+        settings.seed, settings.isa, dict(enumerate(settings.kernels_per_stage, start=1))
+    )
     kernels = plan.all()
-    report("catalogue", kernels=len({catalogue.verdict_key(k) for k in kernels}),
-           isa=settings.isa)
+    report("catalogue", kernels=len({catalogue.verdict_key(k) for k in kernels}), isa=settings.isa)
     measured, cache = catalogue.measure(
-        kernels, task, settings.opt_level, cache_dir,
-        progress=lambda done, total: report("measure", done=done, total=total))
+        kernels,
+        task,
+        settings.opt_level,
+        cache_dir,
+        progress=lambda done, total: report("measure", done=done, total=total),
+    )
     verdicts = {catalogue.verdict_key(m.kernel): m for m in measured}
     pairs = pairs_from(plan, verdicts)
-    report("pairs", **{mode: sum(map(len, table.values())) for mode, table in
-                       (("correct", pairs.correct), ("deepen", pairs.deepen),
-                        ("improve", pairs.improve), ("repair", pairs.repair))},
-           left_out=dict(pairs.left_out) or "none")
-    examples = make_examples(settings.seed, settings.examples, task, pairs, settings.isa,
-                             seed_source=builtin_seed(settings.task))
+    report(
+        "pairs",
+        **{
+            mode: sum(map(len, table.values()))
+            for mode, table in (
+                ("correct", pairs.correct),
+                ("deepen", pairs.deepen),
+                ("improve", pairs.improve),
+                ("repair", pairs.repair),
+            )
+        },
+        left_out=dict(pairs.left_out) or "none",
+    )
+    examples = make_examples(
+        settings.seed,
+        settings.examples,
+        task,
+        pairs,
+        settings.isa,
+        seed_source=builtin_seed(settings.task),
+    )
     report("tokenizer", vocab_size=settings.vocab_size)
     tokenizer = train_tokenizer(chat_texts(examples[:6000]), vocab_size=settings.vocab_size)
-    shape = ModelShape(hidden_size=settings.hidden_size, layers=settings.layers,
-                       heads=settings.heads, kv_heads=settings.kv_heads,
-                       intermediate_size=settings.intermediate_size,
-                       max_positions=settings.max_positions)
+    shape = ModelShape(
+        hidden_size=settings.hidden_size,
+        layers=settings.layers,
+        heads=settings.heads,
+        kv_heads=settings.kv_heads,
+        intermediate_size=settings.intermediate_size,
+        max_positions=settings.max_positions,
+    )
     bf16 = settings.precision == "bf16" or (settings.precision == "auto" and cpu_has_bf16())
-    train_settings = TrainSettings(steps=settings.steps, batch_size=settings.batch_size,
-                                   learning_rate=settings.learning_rate,
-                                   warmup_steps=settings.warmup_steps,
-                                   max_tokens=settings.max_positions, bf16=bf16,
-                                   seed=settings.seed)
+    train_settings = TrainSettings(
+        steps=settings.steps,
+        batch_size=settings.batch_size,
+        learning_rate=settings.learning_rate,
+        warmup_steps=settings.warmup_steps,
+        max_tokens=settings.max_positions,
+        bf16=bf16,
+        seed=settings.seed,
+    )
     encoded, too_long = encode_examples(examples, tokenizer, train_settings.max_tokens)
     if too_long:
         report("examples", kept=len(encoded), left_out_longer_than_max_positions=too_long)
     model = build_model(shape, tokenizer, settings.seed)
     params = sum(p.numel() for p in model.parameters())
     report("train", steps=settings.steps, parameters=params, examples=len(encoded), bf16=bf16)
-    summary = train(model, encoded, train_settings, tokenizer.pad_token_id,
-                    on_step=lambda info: report("step", info=info))
+    summary = train(
+        model,
+        encoded,
+        train_settings,
+        tokenizer.pad_token_id,
+        on_step=lambda info: report("step", info=info),
+    )
     where.mkdir(parents=True)
     save_model(model, tokenizer, where)
     (where / CORPUS_FILE).write_text(json.dumps(catalogue.export(measured), indent=1) + "\n")

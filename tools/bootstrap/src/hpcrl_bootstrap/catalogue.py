@@ -79,10 +79,15 @@ def plan(seed: int, isa: str, per_stage: dict[int, int] | None = None) -> Plan:
                 seen.add(kernel.source)
                 targets.append(kernel)
                 found += 1
-    parents = {index: cp.render_kernel(cp.downgrade(rng, k.spec, k.stage - 1), k.stage - 1, isa)
-               for index, k in enumerate(targets) if k.stage > 1}
-    broken = {index: cp.render_kernel(cp.with_mistake(rng, k.spec, k.stage, isa), k.stage, isa)
-              for index, k in enumerate(targets)}
+    parents = {
+        index: cp.render_kernel(cp.downgrade(rng, k.spec, k.stage - 1), k.stage - 1, isa)
+        for index, k in enumerate(targets)
+        if k.stage > 1
+    }
+    broken = {
+        index: cp.render_kernel(cp.with_mistake(rng, k.spec, k.stage, isa), k.stage, isa)
+        for index, k in enumerate(targets)
+    }
     return Plan(targets, parents, broken)
 
 
@@ -104,8 +109,14 @@ def verdict_key(kernel: Kernel) -> str:
     return f"{kernel.stage}:{kernel.source}"
 
 
-def measure(kernels: Sequence[Kernel], task: TaskSpec, opt_level: str, cache_dir: Path,
-            progress: Progress | None = None, workers: int = 2) -> tuple[list[Measured], Path]:
+def measure(
+    kernels: Sequence[Kernel],
+    task: TaskSpec,
+    opt_level: str,
+    cache_dir: Path,
+    progress: Progress | None = None,
+    workers: int = 2,
+) -> tuple[list[Measured], Path]:
     """Every kernel judged by the benchmarker (cached per host class); and the cache file."""
     from hpcrl_benchmarker.config import BenchmarkerSection
     from hpcrl_benchmarker.pipeline import Benchmarker
@@ -120,11 +131,16 @@ def measure(kernels: Sequence[Kernel], task: TaskSpec, opt_level: str, cache_dir
     done = len(unique) - len(todo)
 
     def judge(kernel: Kernel) -> tuple[str, dict[str, Any]]:
-        verdict = benchmarker.evaluate(cp.completion_text(kernel.source), stage=kernel.stage,
-                                       opt_level=opt_level, task=task)
-        return verdict_key(kernel), {"status": verdict.status, "gflops": verdict.gflops,
-                                     "error": verdict.error, "generalizes": verdict.generalizes,
-                                     "techniques": verdict.techniques}
+        verdict = benchmarker.evaluate(
+            cp.completion_text(kernel.source), stage=kernel.stage, opt_level=opt_level, task=task
+        )
+        return verdict_key(kernel), {
+            "status": verdict.status,
+            "gflops": verdict.gflops,
+            "error": verdict.error,
+            "generalizes": verdict.generalizes,
+            "techniques": verdict.techniques,
+        }
 
     with ThreadPoolExecutor(max_workers=workers) as pool:
         for name, verdict in pool.map(judge, todo):
@@ -135,8 +151,15 @@ def measure(kernels: Sequence[Kernel], task: TaskSpec, opt_level: str, cache_dir
     if todo:
         path.parent.mkdir(parents=True, exist_ok=True)
         temporary = path.with_suffix(f".{os.getpid()}.tmp")
-        temporary.write_text(json.dumps({"host_class": benchmarker.host.host_class,
-                                         "opt_level": opt_level, "verdicts": cached}))
+        temporary.write_text(
+            json.dumps(
+                {
+                    "host_class": benchmarker.host.host_class,
+                    "opt_level": opt_level,
+                    "verdicts": cached,
+                }
+            )
+        )
         temporary.replace(path)
     return [_measured(k, cached[verdict_key(k)]) for k in kernels], path
 
@@ -149,8 +172,13 @@ def _read_cache(path: Path) -> dict[str, dict[str, Any]]:
 
 
 def _measured(kernel: Kernel, verdict: dict[str, Any]) -> Measured:
-    return Measured(kernel=kernel, status=str(verdict["status"]), gflops=verdict.get("gflops"),
-                    error=str(verdict.get("error") or ""), generalizes=verdict.get("generalizes"))
+    return Measured(
+        kernel=kernel,
+        status=str(verdict["status"]),
+        gflops=verdict.get("gflops"),
+        error=str(verdict.get("error") or ""),
+        generalizes=verdict.get("generalizes"),
+    )
 
 
 def summary(measured: Sequence[Measured]) -> dict[str, Any]:
@@ -161,18 +189,29 @@ def summary(measured: Sequence[Measured]) -> dict[str, Any]:
     for number in range(1, LAST_STAGE + 1):
         speeds = sorted(m.gflops or 0.0 for m in ok if m.kernel.stage == number)
         if speeds:
-            stages[str(number)] = {"kernels": len(speeds), "min_gflops": round(speeds[0], 2),
-                                   "max_gflops": round(speeds[-1], 2)}
+            stages[str(number)] = {
+                "kernels": len(speeds),
+                "min_gflops": round(speeds[0], 2),
+                "max_gflops": round(speeds[-1], 2),
+            }
     statuses: dict[str, int] = {}
     for m in measured:
         statuses[m.status] = statuses.get(m.status, 0) + 1
-    return {"kernels": len(measured), "correct": len(ok), "statuses": statuses,
-            "stages": stages}
+    return {"kernels": len(measured), "correct": len(ok), "statuses": statuses, "stages": stages}
 
 
 def export(measured: Sequence[Measured]) -> list[dict[str, Any]]:
     """The catalogue's distinct verdicts as JSON rows (next to the model as corpus.json)."""
     measured = list({verdict_key(m.kernel): m for m in measured}.values())
-    return [{"stage": m.kernel.stage, "techniques": list(m.kernel.techniques),
-             "mistake": m.kernel.mistake, "status": m.status, "gflops": m.gflops,
-             "generalizes": m.generalizes, "source": m.kernel.source} for m in measured]
+    return [
+        {
+            "stage": m.kernel.stage,
+            "techniques": list(m.kernel.techniques),
+            "mistake": m.kernel.mistake,
+            "status": m.status,
+            "gflops": m.gflops,
+            "generalizes": m.generalizes,
+            "source": m.kernel.source,
+        }
+        for m in measured
+    ]

@@ -20,59 +20,111 @@ _DEFAULTS = BootstrapSettings()
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_argument(parser)
-    parser.add_argument("--data-dir", type=Path, default=None,
-                        help="data directory (default: experiment.data_dir of the config); the "
-                        "model goes to <data-dir>/policy/bootstrap-<hash of the settings>/")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="model directory to use instead of the hashed one under --data-dir")
-    parser.add_argument("--steps", type=int, default=_DEFAULTS.steps,
-                        help=f"training steps (default {_DEFAULTS.steps})")
-    parser.add_argument("--batch-size", type=int, default=_DEFAULTS.batch_size,
-                        help=f"examples per step (default {_DEFAULTS.batch_size})")
-    parser.add_argument("--examples", type=int, default=_DEFAULTS.examples,
-                        help=f"distinct training examples generated (default "
-                        f"{_DEFAULTS.examples})")
-    parser.add_argument("--kernels-per-stage", type=_per_stage,
-                        default=_DEFAULTS.kernels_per_stage, metavar="N,N,N,N,N,N",
-                        help="distinct correct kernels of stages 1-6 in the measured catalogue "
-                        "(default " + ",".join(map(str, _DEFAULTS.kernels_per_stage)) + ")")
-    parser.add_argument("--learning-rate", type=float, default=_DEFAULTS.learning_rate,
-                        help=f"peak learning rate (default {_DEFAULTS.learning_rate:g})")
-    parser.add_argument("--seed", type=int, default=_DEFAULTS.seed,
-                        help="seed of the corpus, the examples and the initial weights "
-                        f"(default {_DEFAULTS.seed})")
-    parser.add_argument("--precision", choices=("auto", "bf16", "fp32"),
-                        default=_DEFAULTS.precision,
-                        help="auto: bfloat16 autocast where the CPU has avx512_bf16/amx_bf16")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch CPU threads (default: all cores)")
-    parser.add_argument("--force", action="store_true",
-                        help="rebuild even if a finished model is cached")
-    parser.add_argument("--evaluate", type=int, default=0, metavar="N",
-                        help="afterwards, sample N kernels for each of seed and improve prompts "
-                        "at stages 1 and 2, judge them with the benchmarker's pipeline and report "
-                        "the share correct and their speeds (default 0: skip)")
-    parser.add_argument("--temperature", type=float, default=0.8,
-                        help="sampling temperature of --evaluate (default 0.8)")
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        help="data directory (default: experiment.data_dir of the config); the "
+        "model goes to <data-dir>/policy/bootstrap-<hash of the settings>/",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="model directory to use instead of the hashed one under --data-dir",
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=_DEFAULTS.steps,
+        help=f"training steps (default {_DEFAULTS.steps})",
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=_DEFAULTS.batch_size,
+        help=f"examples per step (default {_DEFAULTS.batch_size})",
+    )
+    parser.add_argument(
+        "--examples",
+        type=int,
+        default=_DEFAULTS.examples,
+        help=f"distinct training examples generated (default {_DEFAULTS.examples})",
+    )
+    parser.add_argument(
+        "--kernels-per-stage",
+        type=_per_stage,
+        default=_DEFAULTS.kernels_per_stage,
+        metavar="N,N,N,N,N,N",
+        help="distinct correct kernels of stages 1-6 in the measured catalogue "
+        "(default " + ",".join(map(str, _DEFAULTS.kernels_per_stage)) + ")",
+    )
+    parser.add_argument(
+        "--learning-rate",
+        type=float,
+        default=_DEFAULTS.learning_rate,
+        help=f"peak learning rate (default {_DEFAULTS.learning_rate:g})",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=_DEFAULTS.seed,
+        help=f"seed of the corpus, the examples and the initial weights (default {_DEFAULTS.seed})",
+    )
+    parser.add_argument(
+        "--precision",
+        choices=("auto", "bf16", "fp32"),
+        default=_DEFAULTS.precision,
+        help="auto: bfloat16 autocast where the CPU has avx512_bf16/amx_bf16",
+    )
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch CPU threads (default: all cores)"
+    )
+    parser.add_argument(
+        "--force", action="store_true", help="rebuild even if a finished model is cached"
+    )
+    parser.add_argument(
+        "--evaluate",
+        type=int,
+        default=0,
+        metavar="N",
+        help="afterwards, sample N kernels for each of seed and improve prompts "
+        "at stages 1 and 2, judge them with the benchmarker's pipeline and report "
+        "the share correct and their speeds (default 0: skip)",
+    )
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.8,
+        help="sampling temperature of --evaluate (default 0.8)",
+    )
 
 
 def _per_stage(text: str) -> tuple[int, ...]:
     try:
         counts = tuple(int(part) for part in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected six counts like 16,16,12,8,6,6, got {text!r}"
-                                         ) from None
+        raise argparse.ArgumentTypeError(
+            f"expected six counts like 16,16,12,8,6,6, got {text!r}"
+        ) from None
     if len(counts) != 6 or min(counts) < 0 or counts[0] < 1:
         raise argparse.ArgumentTypeError(
-            f"expected six counts >= 0 (stage 1 at least 1), got {text!r}")
+            f"expected six counts >= 0 (stage 1 at least 1), got {text!r}"
+        )
     return counts
 
 
 def settings_from_args(args: argparse.Namespace, task: str) -> BootstrapSettings:
-    return BootstrapSettings(seed=args.seed, task=task, examples=args.examples,
-                             kernels_per_stage=args.kernels_per_stage,
-                             steps=args.steps, batch_size=args.batch_size,
-                             learning_rate=args.learning_rate, precision=args.precision)
+    return BootstrapSettings(
+        seed=args.seed,
+        task=task,
+        examples=args.examples,
+        kernels_per_stage=args.kernels_per_stage,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        learning_rate=args.learning_rate,
+        precision=args.precision,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -112,10 +164,16 @@ class _Progress:
 
         self.console = Console(stderr=True)
         self.bar = Progress(
-            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-            TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[rate]}"),
-            TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
-            console=self.console, transient=False,
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}"),
+            TextColumn("{task.fields[rate]}"),
+            TimeElapsedColumn(),
+            TextColumn("eta"),
+            TimeRemainingColumn(),
+            console=self.console,
+            transient=False,
         )
         self.bar.__enter__()
         self.task_id: Any = None
@@ -129,28 +187,34 @@ class _Progress:
     def __call__(self, phase: str, fields: dict[str, Any]) -> None:
         if phase == "measure":
             if self.measure_id is None:
-                self.measure_id = self.bar.add_task("benchmark catalogue", total=fields["total"],
-                                                    loss="-", rate="")
+                self.measure_id = self.bar.add_task(
+                    "benchmark catalogue", total=fields["total"], loss="-", rate=""
+                )
             self.bar.update(self.measure_id, completed=fields["done"])
             if not self.console.is_terminal and fields["done"] % 50 == 0:
                 self.console.print(f"benchmarked {fields['done']}/{fields['total']} kernels")
             return
         if phase == "step":
             info = fields["info"]
-            self.smoothed = info.loss if self.smoothed is None else (
-                0.9 * self.smoothed + 0.1 * info.loss)
+            self.smoothed = (
+                info.loss if self.smoothed is None else (0.9 * self.smoothed + 0.1 * info.loss)
+            )
             rate = f"{info.tokens / max(info.seconds, 1e-9):,.0f} tok/s"
-            self.bar.update(self.task_id, completed=info.step, loss=f"{self.smoothed:.3f}",
-                            rate=rate)
-            if not self.console.is_terminal and (info.step % 50 == 0 or
-                                                 info.step == info.steps):
-                self.console.print(f"step {info.step}/{info.steps} loss {self.smoothed:.3f} "
-                                   f"{rate} lr {info.lr:.2e} {info.seconds:.0f}s")
+            self.bar.update(
+                self.task_id, completed=info.step, loss=f"{self.smoothed:.3f}", rate=rate
+            )
+            if not self.console.is_terminal and (info.step % 50 == 0 or info.step == info.steps):
+                self.console.print(
+                    f"step {info.step}/{info.steps} loss {self.smoothed:.3f} "
+                    f"{rate} lr {info.lr:.2e} {info.seconds:.0f}s"
+                )
             return
         if phase == "train":
-            self.console.print(f"training a {fields['parameters'] / 1e6:.1f}M-parameter Qwen2 "
-                               f"on {fields['examples']} examples "
-                               f"({'bf16 autocast' if fields['bf16'] else 'fp32'})")
+            self.console.print(
+                f"training a {fields['parameters'] / 1e6:.1f}M-parameter Qwen2 "
+                f"on {fields['examples']} examples "
+                f"({'bf16 autocast' if fields['bf16'] else 'fp32'})"
+            )
             self.task_id = self.bar.add_task("train", total=fields["steps"], loss="-", rate="")
             return
         details = ", ".join(f"{k} {v}" for k, v in fields.items())
@@ -165,19 +229,30 @@ def _evaluate(model_dir: Path, per_bucket: int, temperature: float, task: str) -
 
     console = Console(stderr=True)
     with console.status("sampling and benchmarking") as status:
-        report = evaluate(model_dir, per_bucket=per_bucket, temperature=temperature,
-                          task_name=task, progress=lambda done, total: status.update(
-                              f"benchmarking sample {done}/{total}"))
+        report = evaluate(
+            model_dir,
+            per_bucket=per_bucket,
+            temperature=temperature,
+            task_name=task,
+            progress=lambda done, total: status.update(f"benchmarking sample {done}/{total}"),
+        )
     table = Table(title=f"{per_bucket} samples per bucket at temperature {temperature:g}")
     for column in ("mode", "stage", "correct", "GFLOPS of the correct", "faster than parent"):
         table.add_column(column)
     for row in report.rows():
-        speeds = ("-" if row["min_gflops"] is None
-                  else f"{row['min_gflops']:.1f} to {row['max_gflops']:.1f}")
+        speeds = (
+            "-"
+            if row["min_gflops"] is None
+            else f"{row['min_gflops']:.1f} to {row['max_gflops']:.1f}"
+        )
         faster = "-" if row["faster_than_parent"] is None else str(row["faster_than_parent"])
-        table.add_row(row["mode"], str(row["stage"]),
-                      f"{row['correct']}/{row['samples']} ({row['share_correct']:.0%})",
-                      speeds, faster)
+        table.add_row(
+            row["mode"],
+            str(row["stage"]),
+            f"{row['correct']}/{row['samples']} ({row['share_correct']:.0%})",
+            speeds,
+            faster,
+        )
     console.print(table)
     console.print("statuses: " + ", ".join(f"{k} {v}" for k, v in report.statuses().items()))
 

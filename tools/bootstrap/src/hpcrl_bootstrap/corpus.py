@@ -40,8 +40,15 @@ RACE = "race"  # OpenMP over a loop whose iterations write the same C elements
 STAGE_VIOLATION = "stage_violation"  # uses a technique its stage forbids
 NO_BOUNDARY = "no_boundary"  # blocked loops without remainder handling
 WRONG_STRIDE = "wrong_stride"  # a leading dimension mixed up (right only when square)
-MISTAKES: tuple[str, ...] = (NO_ZERO, OFF_BY_ONE, COMPILE_ERROR, RACE, STAGE_VIOLATION,
-                             NO_BOUNDARY, WRONG_STRIDE)
+MISTAKES: tuple[str, ...] = (
+    NO_ZERO,
+    OFF_BY_ONE,
+    COMPILE_ERROR,
+    RACE,
+    STAGE_VIOLATION,
+    NO_BOUNDARY,
+    WRONG_STRIDE,
+)
 
 Family = Literal["loops", "block"]
 Omp = Literal["static", "dynamic", "collapse"]
@@ -116,8 +123,10 @@ class Kernel:
 _TILES = (16, 32, 48, 64, 128)
 # Blocks up to 8 accumulators: larger ones are rarely faster here and cost many tokens (a
 # kernel is ~800 tokens under Qwen2's pre-tokenization, which the tiny policy must write).
-_VECTOR_BLOCKS = {"avx2": ((1, 1), (1, 2), (2, 1), (2, 2), (4, 1), (4, 2), (3, 2)),
-                  "avx512": ((1, 1), (1, 2), (2, 1), (2, 2), (4, 1), (4, 2), (3, 2))}
+_VECTOR_BLOCKS = {
+    "avx2": ((1, 1), (1, 2), (2, 1), (2, 2), (4, 1), (4, 2), (3, 2)),
+    "avx512": ((1, 1), (1, 2), (2, 1), (2, 2), (4, 1), (4, 2), (3, 2)),
+}
 # Scalar blocks of at most 4 accumulators: scalar blocks measure slower than the ikj loop
 # order at 256³ anyway, and a tiled 2x4 block with its remainder loops was the longest
 # stage-2 answer (about twice the average), tokens the SFT budget buys more with elsewhere.
@@ -130,24 +139,33 @@ def sample_spec(rng: random.Random, target_stage: int, isa: str, styles: int = 6
     if isa not in ISAS:
         raise ValueError(f"isa must be one of {ISAS}, got {isa!r}")
     need_tile = target_stage == 2 or target_stage == 6
-    want_simd = target_stage == 3 or target_stage == 6 or (
-        target_stage >= 4 and rng.random() < 0.75)
+    want_simd = (
+        target_stage == 3 or target_stage == 6 or (target_stage >= 4 and rng.random() < 0.75)
+    )
     want_omp = target_stage == 4 or target_stage == 6 or (target_stage == 5 and rng.random() < 0.6)
     want_tile = need_tile or (target_stage >= 3 and rng.random() < 0.55)
     want_prefetch = target_stage >= 5
     style = rng.randrange(styles)
     if want_simd:
         block_rows, block_vectors = rng.choice(_VECTOR_BLOCKS[isa])
-        spec = KernelSpec(family="block", block_rows=block_rows, block_vectors=block_vectors,
-                          simd=isa, style=style, fma=isa == "avx512" or rng.random() < 0.85)
+        spec = KernelSpec(
+            family="block",
+            block_rows=block_rows,
+            block_vectors=block_vectors,
+            simd=isa,
+            style=style,
+            fma=isa == "avx512" or rng.random() < 0.85,
+        )
     elif rng.random() < 0.5:
         block_rows, block_vectors = rng.choice(_SCALAR_BLOCKS)
-        spec = KernelSpec(family="block", block_rows=block_rows, block_vectors=block_vectors,
-                          style=style)
+        spec = KernelSpec(
+            family="block", block_rows=block_rows, block_vectors=block_vectors, style=style
+        )
     else:
         orders = ("ikj", "ijk", "jik") if want_omp else ("ikj", "ijk", "kij", "jik")
-        spec = KernelSpec(family="loops", order=rng.choice(orders),
-                          unroll=rng.choice((1, 1, 2, 4)), style=style)
+        spec = KernelSpec(
+            family="loops", order=rng.choice(orders), unroll=rng.choice((1, 1, 2, 4)), style=style
+        )
     if want_tile:
         bm, bn, bk = rng.choice(_TILES), rng.choice(_TILES), rng.choice(_TILES)
         if spec.family == "block":  # tiles hold whole register blocks, as people write them
@@ -194,8 +212,9 @@ def applicable_mistakes(spec: KernelSpec, target_stage: int) -> list[str]:
     return kinds
 
 
-def with_mistake(rng: random.Random, spec: KernelSpec, target_stage: int, isa: str,
-                 kind: str | None = None) -> KernelSpec:
+def with_mistake(
+    rng: random.Random, spec: KernelSpec, target_stage: int, isa: str, kind: str | None = None
+) -> KernelSpec:
     """``spec`` with one mistake (a random applicable one unless ``kind`` is given)."""
     kind = kind or rng.choice(applicable_mistakes(spec, target_stage))
     if kind == STAGE_VIOLATION:
@@ -214,12 +233,19 @@ def completion_text(source: str) -> str:
 
 def render_kernel(spec: KernelSpec, label_stage: int, isa: str) -> Kernel:
     source = render(spec)
-    return Kernel(source=source, stage=label_stage, techniques=spec.techniques,
-                  mistake=spec.mistake, isa=isa, spec=spec)
+    return Kernel(
+        source=source,
+        stage=label_stage,
+        techniques=spec.techniques,
+        mistake=spec.mistake,
+        isa=isa,
+        spec=spec,
+    )
 
 
-def sample_kernel(rng: random.Random, target_stage: int, isa: str,
-                  mistake_rate: float = 0.0) -> Kernel:
+def sample_kernel(
+    rng: random.Random, target_stage: int, isa: str, mistake_rate: float = 0.0
+) -> Kernel:
     spec = sample_spec(rng, target_stage, isa)
     if rng.random() < mistake_rate:
         spec = with_mistake(rng, spec, target_stage, isa)
@@ -229,8 +255,10 @@ def sample_kernel(rng: random.Random, target_stage: int, isa: str,
 def generate_corpus(seed: int, size: int, mistake_rate: float = 0.3) -> list[Kernel]:
     """``size`` kernels, stages and ISAs spread evenly, about ``mistake_rate`` with a mistake."""
     rng = random.Random(f"hpcrl-corpus/{seed}")
-    return [sample_kernel(rng, 1 + n % LAST_STAGE, ISAS[(n // LAST_STAGE) % 2], mistake_rate)
-            for n in range(size)]
+    return [
+        sample_kernel(rng, 1 + n % LAST_STAGE, ISAS[(n // LAST_STAGE) % 2], mistake_rate)
+        for n in range(size)
+    ]
 
 
 # --- rendering -----------------------------------------------------------------------------
@@ -417,9 +445,11 @@ def _tile_loops(code: _Code, ctx: _Ctx) -> tuple[str, str, str, str, str, str]:
     spec = ctx.spec
     bm, bn, bk = _tile_consts(code, ctx)
     ti, tj, tk = ctx.tile_names
-    heads = {"i": f"for (int {ti} = 0; {ti} < M; {ti} += {bm})",
-             "j": f"for (int {tj} = 0; {tj} < N; {tj} += {bn})",
-             "k": f"for (int {tk} = 0; {tk} < K; {tk} += {bk})"}
+    heads = {
+        "i": f"for (int {ti} = 0; {ti} < M; {ti} += {bm})",
+        "j": f"for (int {tj} = 0; {tj} < N; {tj} += {bn})",
+        "k": f"for (int {tk} = 0; {tk} < K; {tk} += {bk})",
+    }
     race_on_k = ctx.mistake == RACE
     for depth, name in enumerate(spec.tile_order):
         if race_on_k and name == "k":
@@ -504,8 +534,14 @@ def _dot_nest(code: _Code, ctx: _Ctx) -> None:
     code.close()
 
 
-def _axpy_nest(code: _Code, ctx: _Ctx, irange: tuple[str, str], jrange: tuple[str, str],
-               krange: tuple[str, str], outer_pragma: bool) -> None:
+def _axpy_nest(
+    code: _Code,
+    ctx: _Ctx,
+    irange: tuple[str, str],
+    jrange: tuple[str, str],
+    krange: tuple[str, str],
+    outer_pragma: bool,
+) -> None:
     """C[i, j0:j1] += A[i, k] * B[k, j0:j1] over the ranges (C already zeroed)."""
     spec, index = ctx.spec, ctx.index
     order = "kij" if spec.order == "kij" and outer_pragma else "ikj"
@@ -559,10 +595,26 @@ class _Vec:
 
 
 _VECS = {
-    "avx2": _Vec("__m256d", "_mm256_setzero_pd()", "_mm256_loadu_pd", "_mm256_storeu_pd",
-                 "_mm256_set1_pd", "_mm256_fmadd_pd", "_mm256_add_pd", "_mm256_mul_pd"),
-    "avx512": _Vec("__m512d", "_mm512_setzero_pd()", "_mm512_loadu_pd", "_mm512_storeu_pd",
-                   "_mm512_set1_pd", "_mm512_fmadd_pd", "_mm512_add_pd", "_mm512_mul_pd"),
+    "avx2": _Vec(
+        "__m256d",
+        "_mm256_setzero_pd()",
+        "_mm256_loadu_pd",
+        "_mm256_storeu_pd",
+        "_mm256_set1_pd",
+        "_mm256_fmadd_pd",
+        "_mm256_add_pd",
+        "_mm256_mul_pd",
+    ),
+    "avx512": _Vec(
+        "__m512d",
+        "_mm512_setzero_pd()",
+        "_mm512_loadu_pd",
+        "_mm512_storeu_pd",
+        "_mm512_set1_pd",
+        "_mm512_fmadd_pd",
+        "_mm512_add_pd",
+        "_mm512_mul_pd",
+    ),
 }
 
 
@@ -571,16 +623,31 @@ def _block(code: _Code, ctx: _Ctx) -> None:
     if spec.tile is not None:
         _zero_c(code, ctx)
         i0, i1, j0, j1, k0, k1 = _tile_loops(code, ctx)
-        _register_block(code, ctx, (i0, i1), (j0, j1), (k0, k1), accumulate=True,
-                        outer_pragma=False)
+        _register_block(
+            code, ctx, (i0, i1), (j0, j1), (k0, k1), accumulate=True, outer_pragma=False
+        )
         _close_tiles(code)
     else:
-        _register_block(code, ctx, ("0", "M"), ("0", "N"), ("0", "K"),
-               accumulate=ctx.mistake == NO_ZERO, outer_pragma=True)
+        _register_block(
+            code,
+            ctx,
+            ("0", "M"),
+            ("0", "N"),
+            ("0", "K"),
+            accumulate=ctx.mistake == NO_ZERO,
+            outer_pragma=True,
+        )
 
 
-def _register_block(code: _Code, ctx: _Ctx, irange: tuple[str, str], jrange: tuple[str, str],
-           krange: tuple[str, str], accumulate: bool, outer_pragma: bool) -> None:
+def _register_block(
+    code: _Code,
+    ctx: _Ctx,
+    irange: tuple[str, str],
+    jrange: tuple[str, str],
+    krange: tuple[str, str],
+    accumulate: bool,
+    outer_pragma: bool,
+) -> None:
     """Register-blocked C[irange, jrange] (+)= A[irange, krange] * B[krange, jrange]."""
     spec, index = ctx.spec, ctx.index
     block_rows, cols = spec.block_rows, spec.block_vectors * spec.width
@@ -646,8 +713,9 @@ def _register_block(code: _Code, ctx: _Ctx, irange: tuple[str, str], jrange: tup
     for r in range(block_rows):
         for v in range(spec.block_vectors):
             cref = index.c(rows[r], _plus("j", offsets[v]))
-            code.line(f"{vec.store}(&{cref}, {names[r][v]});" if vec
-                      else f"{cref} = {names[r][v]};")
+            code.line(
+                f"{vec.store}(&{cref}, {names[r][v]});" if vec else f"{cref} = {names[r][v]};"
+            )
     code.close()
     if bounded and cols > 1:
         code.open(f"for (int j = {j_main}; j < {j1}; j++)")
@@ -669,8 +737,9 @@ def _register_block(code: _Code, ctx: _Ctx, irange: tuple[str, str], jrange: tup
         code.close()
 
 
-def _scalar_dot(code: _Code, ctx: _Ctx, row: str, col: str, krange: tuple[str, str],
-                accumulate: bool) -> None:
+def _scalar_dot(
+    code: _Code, ctx: _Ctx, row: str, col: str, krange: tuple[str, str], accumulate: bool
+) -> None:
     index = ctx.index
     code.line(f"double s = {index.c(row, col) if accumulate else '0.0'};")
     code.open(f"for (int k = {krange[0]}; k < {krange[1]}; k++)")
@@ -685,8 +754,11 @@ def _scalar_dot(code: _Code, ctx: _Ctx, row: str, col: str, krange: tuple[str, s
 def _break_compilation(source: str, variant: int) -> str:
     """One realistic way to make ``source`` fail to compile."""
     lines = source.splitlines()
-    statements = [n for n, text in enumerate(lines)
-                  if text.rstrip().endswith(";") and not text.lstrip().startswith(("#", "for"))]
+    statements = [
+        n
+        for n, text in enumerate(lines)
+        if text.rstrip().endswith(";") and not text.lstrip().startswith(("#", "for"))
+    ]
     variant %= 5
     if variant == 0 and "#include <immintrin.h>" in source and "__m" in source:
         return source.replace("#include <immintrin.h>\n", "")  # vector types undeclared

@@ -55,13 +55,25 @@ class EvalReport:
         for mode, number in sorted({(s.prompt.mode, s.prompt.stage) for s in self.samples}):
             chosen = [s for s in self.samples if (s.prompt.mode, s.prompt.stage) == (mode, number)]
             speeds = sorted(s.gflops or 0.0 for s in chosen if s.correct)
-            faster = [s for s in chosen if s.correct and s.prompt.parent_gflops
-                      and (s.gflops or 0.0) > s.prompt.parent_gflops]
-            out.append({"mode": mode, "stage": number, "samples": len(chosen),
-                        "correct": len(speeds), "share_correct": len(speeds) / len(chosen),
-                        "min_gflops": speeds[0] if speeds else None,
-                        "max_gflops": speeds[-1] if speeds else None,
-                        "faster_than_parent": len(faster) if mode == "improve" else None})
+            faster = [
+                s
+                for s in chosen
+                if s.correct
+                and s.prompt.parent_gflops
+                and (s.gflops or 0.0) > s.prompt.parent_gflops
+            ]
+            out.append(
+                {
+                    "mode": mode,
+                    "stage": number,
+                    "samples": len(chosen),
+                    "correct": len(speeds),
+                    "share_correct": len(speeds) / len(chosen),
+                    "min_gflops": speeds[0] if speeds else None,
+                    "max_gflops": speeds[-1] if speeds else None,
+                    "faster_than_parent": len(faster) if mode == "improve" else None,
+                }
+            )
         return out
 
     def statuses(self) -> dict[str, int]:
@@ -71,30 +83,47 @@ class EvalReport:
         return dict(sorted(counts.items()))
 
 
-def eval_prompts(corpus: Sequence[dict[str, Any]], per_bucket: int, isa: str, seed: int,
-                 task_name: str = "matmul") -> list[Prompt]:
+def eval_prompts(
+    corpus: Sequence[dict[str, Any]],
+    per_bucket: int,
+    isa: str,
+    seed: int,
+    task_name: str = "matmul",
+) -> list[Prompt]:
     """``per_bucket`` prompts for each of :data:`BUCKETS` (pure, seeded)."""
     task = load_task(task_name)
     rng = random.Random(f"hpcrl-bootstrap-eval/{seed}")
     seed_program = builtin_seed(task_name)
     prompts = []
     for mode, number in BUCKETS:
-        parents = sorted((row for row in corpus if row["stage"] == number
-                          and row["status"] == "success" and row["gflops"]),
-                         key=lambda row: row["gflops"])[:-1]  # the fastest has nothing to beat
+        parents = sorted(
+            (
+                row
+                for row in corpus
+                if row["stage"] == number and row["status"] == "success" and row["gflops"]
+            ),
+            key=lambda row: row["gflops"],
+        )[:-1]  # the fastest has nothing to beat
         for n in range(per_bucket):
             parent = rng.choice(parents) if mode == "improve" and parents else None
             source = parent["source"] if parent else (seed_program if n % 2 else None)
-            messages = build_prompt(task, target_stage=number, mode=mode, parent_source=source,
-                                    error=None, isa=isa)
-            prompts.append(Prompt(mode, number, tuple(messages),
-                                  parent["gflops"] if parent else None))
+            messages = build_prompt(
+                task, target_stage=number, mode=mode, parent_source=source, error=None, isa=isa
+            )
+            prompts.append(
+                Prompt(mode, number, tuple(messages), parent["gflops"] if parent else None)
+            )
     return prompts
 
 
-def sample_completions(model_dir: Path, prompts: Sequence[Prompt], temperature: float,
-                       max_new_tokens: int = 1024, seed: int = 0, batch_size: int = 8
-                       ) -> list[str]:
+def sample_completions(
+    model_dir: Path,
+    prompts: Sequence[Prompt],
+    temperature: float,
+    max_new_tokens: int = 1024,
+    seed: int = 0,
+    batch_size: int = 8,
+) -> list[str]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -104,25 +133,46 @@ def sample_completions(model_dir: Path, prompts: Sequence[Prompt], temperature: 
     tokenizer.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     torch.manual_seed(seed)
-    texts = [str(tokenizer.apply_chat_template([m.model_dump() for m in p.messages],
-                                               tokenize=False, add_generation_prompt=True))
-             for p in prompts]
+    texts = [
+        str(
+            tokenizer.apply_chat_template(
+                [m.model_dump() for m in p.messages], tokenize=False, add_generation_prompt=True
+            )
+        )
+        for p in prompts
+    ]
     out: list[str] = []
     for start in range(0, len(texts), batch_size):
-        batch = tokenizer(texts[start:start + batch_size], return_tensors="pt", padding=True,
-                          add_special_tokens=False)
+        batch = tokenizer(
+            texts[start : start + batch_size],
+            return_tensors="pt",
+            padding=True,
+            add_special_tokens=False,
+        )
         with torch.no_grad():
             generated = model.generate(
-                **batch, do_sample=temperature > 0, temperature=temperature or None, top_p=1.0,
-                top_k=0, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id)
+                **batch,
+                do_sample=temperature > 0,
+                temperature=temperature or None,
+                top_p=1.0,
+                top_k=0,
+                max_new_tokens=max_new_tokens,
+                pad_token_id=tokenizer.pad_token_id,
+            )
         width = batch["input_ids"].shape[1]
         out += tokenizer.batch_decode(generated[:, width:], skip_special_tokens=True)
     return out
 
 
-def evaluate(model_dir: Path, per_bucket: int = 8, temperature: float = 0.8, seed: int = 1234,
-             task_name: str = "matmul", opt_level: str = "O3",
-             progress: Callable[[int, int], None] | None = None) -> EvalReport:
+def evaluate(
+    model_dir: Path,
+    per_bucket: int = 8,
+    temperature: float = 0.8,
+    seed: int = 1234,
+    task_name: str = "matmul",
+    opt_level: str = "O3",
+    progress: Callable[[int, int], None] | None = None,
+) -> EvalReport:
     from hpcrl_benchmarker.config import BenchmarkerSection
     from hpcrl_benchmarker.pipeline import Benchmarker
 
@@ -133,10 +183,12 @@ def evaluate(model_dir: Path, per_bucket: int = 8, temperature: float = 0.8, see
     benchmarker = Benchmarker(BenchmarkerSection(pin_threads=False))
     judged = []
     for done, (prompt, completion) in enumerate(zip(prompts, completions, strict=True), 1):
-        verdict = benchmarker.evaluate(completion, stage=prompt.stage, opt_level=opt_level,
-                                       task=task)
-        judged.append(Judged(prompt, completion, verdict.status, verdict.gflops,
-                             list(verdict.techniques)))
+        verdict = benchmarker.evaluate(
+            completion, stage=prompt.stage, opt_level=opt_level, task=task
+        )
+        judged.append(
+            Judged(prompt, completion, verdict.status, verdict.gflops, list(verdict.techniques))
+        )
         if progress is not None:
             progress(done, len(prompts))
     return EvalReport(judged, temperature)

@@ -103,8 +103,12 @@ def pairs_from(plan: Plan, verdicts: dict[str, Measured]) -> Pairs:
 
 
 def _faster_pairs(kernels: Sequence[Measured]) -> list[tuple[Measured, Measured]]:
-    return [(slow, fast) for slow in kernels for fast in kernels
-            if (fast.gflops or 0.0) >= IMPROVE_MARGIN * (slow.gflops or 0.0)]
+    return [
+        (slow, fast)
+        for slow in kernels
+        for fast in kernels
+        if (fast.gflops or 0.0) >= IMPROVE_MARGIN * (slow.gflops or 0.0)
+    ]
 
 
 def make_examples(
@@ -130,17 +134,36 @@ def make_examples(
             parent_source = seed_source
         elif parent_source is not None and rng.random() < RESTYLED_PARENTS:
             parent_source = restyle(parent_source, rng)
-        prompt = build(task, target_stage=target_stage, mode=mode, parent_source=parent_source,
-                       error=error, isa=isa)
-        examples.append(Example(mode=mode, target_stage=target_stage, isa=isa,
-                                prompt=tuple(prompt), target=target, parent=parent, error=error,
-                                shown_parent=parent_source))
+        prompt = build(
+            task,
+            target_stage=target_stage,
+            mode=mode,
+            parent_source=parent_source,
+            error=error,
+            isa=isa,
+        )
+        examples.append(
+            Example(
+                mode=mode,
+                target_stage=target_stage,
+                isa=isa,
+                prompt=tuple(prompt),
+                target=target,
+                parent=parent,
+                error=error,
+                shown_parent=parent_source,
+            )
+        )
     return examples
 
 
 def _available(pairs: Pairs, mode: str) -> bool:
-    table = {"seed": pairs.correct, "deepen": pairs.deepen, "improve": pairs.improve,
-             "repair": pairs.repair}[mode]
+    table = {
+        "seed": pairs.correct,
+        "deepen": pairs.deepen,
+        "improve": pairs.improve,
+        "repair": pairs.repair,
+    }[mode]
     return any(table.values())
 
 
@@ -151,8 +174,9 @@ def _stage(rng: random.Random, table: dict[int, list], shift: int = 0) -> int:
     return rng.choices(stages, [STAGE_WEIGHTS.get(s + shift, 0.01) for s in stages])[0]
 
 
-def _pick(rng: random.Random, mode: str, pairs: Pairs
-          ) -> tuple[int, Kernel | None, Kernel, str | None]:
+def _pick(
+    rng: random.Random, mode: str, pairs: Pairs
+) -> tuple[int, Kernel | None, Kernel, str | None]:
     """(target stage, parent, target, error) of one expansion."""
     if mode == "seed":
         first = rng.random() < SEED_STAGE_ONE and bool(pairs.correct.get(1))
@@ -170,5 +194,7 @@ def _pick(rng: random.Random, mode: str, pairs: Pairs
 
 def chat_texts(examples: Sequence[Example]) -> list[str]:
     """Whole conversations as the chat template renders them (for training the tokenizer)."""
-    return [format_chat([m.model_dump() for m in ex.prompt]) + ex.completion + IM_END + "\n"
-            for ex in examples]
+    return [
+        format_chat([m.model_dump() for m in ex.prompt]) + ex.completion + IM_END + "\n"
+        for ex in examples
+    ]

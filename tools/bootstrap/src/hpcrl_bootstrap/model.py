@@ -36,12 +36,22 @@ class ModelShape:
     max_positions: int
 
 
-def tiny_shape(hidden_size: int = 128, layers: int = 2, heads: int = 2,
-               kv_heads: int | None = None, max_positions: int = 1024) -> ModelShape:
+def tiny_shape(
+    hidden_size: int = 128,
+    layers: int = 2,
+    heads: int = 2,
+    kv_heads: int | None = None,
+    max_positions: int = 1024,
+) -> ModelShape:
     """A small shape: MLP twice the hidden size, as many KV heads as heads unless given."""
-    return ModelShape(hidden_size=hidden_size, layers=layers, heads=heads,
-                      kv_heads=heads if kv_heads is None else kv_heads,
-                      intermediate_size=hidden_size * 2, max_positions=max_positions)
+    return ModelShape(
+        hidden_size=hidden_size,
+        layers=layers,
+        heads=heads,
+        kv_heads=heads if kv_heads is None else kv_heads,
+        intermediate_size=hidden_size * 2,
+        max_positions=max_positions,
+    )
 
 
 TINY = tiny_shape()
@@ -65,9 +75,13 @@ TINY_CORPUS = (
 )
 
 
-def qwen2_config(shape: ModelShape, tokenizer: PreTrainedTokenizerFast, *,
-                 vocab_size: int | None = None, tie_word_embeddings: bool = True
-                 ) -> Qwen2Config:
+def qwen2_config(
+    shape: ModelShape,
+    tokenizer: PreTrainedTokenizerFast,
+    *,
+    vocab_size: int | None = None,
+    tie_word_embeddings: bool = True,
+) -> Qwen2Config:
     """``vocab_size`` may exceed the tokenizer (unused rows, as Qwen2's own checkpoints have);
     by default it is the tokenizer's size."""
     from transformers import Qwen2Config
@@ -92,20 +106,29 @@ def qwen2_config(shape: ModelShape, tokenizer: PreTrainedTokenizerFast, *,
     )
 
 
-def build_model(shape: ModelShape, tokenizer: PreTrainedTokenizerFast, seed: int, *,
-                vocab_size: int | None = None, tie_word_embeddings: bool = True
-                ) -> Qwen2ForCausalLM:
+def build_model(
+    shape: ModelShape,
+    tokenizer: PreTrainedTokenizerFast,
+    seed: int,
+    *,
+    vocab_size: int | None = None,
+    tie_word_embeddings: bool = True,
+) -> Qwen2ForCausalLM:
     """A randomly initialised Qwen2 causal LM (Qwen2's own initialisation, seeded)."""
     import torch
     from transformers import Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    return Qwen2ForCausalLM(qwen2_config(shape, tokenizer, vocab_size=vocab_size,
-                                         tie_word_embeddings=tie_word_embeddings))
+    return Qwen2ForCausalLM(
+        qwen2_config(
+            shape, tokenizer, vocab_size=vocab_size, tie_word_embeddings=tie_word_embeddings
+        )
+    )
 
 
-def tiny_tokenizer(texts: Sequence[str] = TINY_CORPUS, vocab_size: int = 384
-                   ) -> PreTrainedTokenizerFast:
+def tiny_tokenizer(
+    texts: Sequence[str] = TINY_CORPUS, vocab_size: int = 384
+) -> PreTrainedTokenizerFast:
     """The policy's tokenizer pipeline and chat template, trained on ``texts``."""
     from hpcrl_bootstrap.tokenizer import train_tokenizer
 
@@ -133,8 +156,9 @@ def write_random_model(
 
     out = Path(out)
     tokenizer = tiny_tokenizer()
-    model = build_model(shape, tokenizer, seed, vocab_size=vocab_size,
-                        tie_word_embeddings=tie_word_embeddings)
+    model = build_model(
+        shape, tokenizer, seed, vocab_size=vocab_size, tie_word_embeddings=tie_word_embeddings
+    )
     if init_std is not None:
         with torch.no_grad():
             for param in model.parameters():
@@ -153,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m hpcrl_bootstrap.model",
         description="Write a tiny randomly initialised Qwen2 model with the policy's tokenizer "
-        "and chat template (tests, smoke runs; it writes noise).")
+        "and chat template (tests, smoke runs; it writes noise).",
+    )
     parser.add_argument("out", type=Path, help="directory to write")
     parser.add_argument("--hidden-size", type=int, default=TINY.hidden_size)
     parser.add_argument("--layers", type=int, default=TINY.layers)

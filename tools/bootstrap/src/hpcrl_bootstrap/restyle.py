@@ -67,20 +67,27 @@ def restyle(source: str, rng: random.Random) -> str:
 
 def _rename(text: str, rng: random.Random) -> str:
     present = set(_IDENT.findall(_code_only(text)))
-    mapping = {old: rng.choice(new) for old, new in _RENAMES.items()
-               if old in present and rng.random() < 0.8}
+    mapping = {
+        old: rng.choice(new)
+        for old, new in _RENAMES.items()
+        if old in present and rng.random() < 0.8
+    }
     taken = present - set(mapping)
     mapping = {old: new for old, new in mapping.items() if new not in taken}
     if len(set(mapping.values())) < len(mapping):  # two olds drew one new name: keep the olds
         return text
-    return "\n".join(line if line.lstrip().startswith(("//", "/*", "#include")) else
-                     _IDENT.sub(lambda m: mapping.get(m.group(0), m.group(0)), line)
-                     for line in text.split("\n"))
+    return "\n".join(
+        line
+        if line.lstrip().startswith(("//", "/*", "#include"))
+        else _IDENT.sub(lambda m: mapping.get(m.group(0), m.group(0)), line)
+        for line in text.split("\n")
+    )
 
 
 def _code_only(text: str) -> str:
-    return "\n".join(line for line in text.split("\n")
-                     if not line.lstrip().startswith(("//", "/*", "#include")))
+    return "\n".join(
+        line for line in text.split("\n") if not line.lstrip().startswith(("//", "/*", "#include"))
+    )
 
 
 def _allman(text: str) -> str:
@@ -111,6 +118,6 @@ def _line_notes(text: str, rng: random.Random) -> str:
     for line in text.split("\n"):
         stripped = line.lstrip()
         if stripped.startswith("for ") and rng.random() < 0.3:
-            out.append(line[:len(line) - len(stripped)] + rng.choice(_LINE_NOTES))
+            out.append(line[: len(line) - len(stripped)] + rng.choice(_LINE_NOTES))
         out.append(line)
     return "\n".join(out)

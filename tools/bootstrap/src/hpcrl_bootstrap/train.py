@@ -63,14 +63,16 @@ class TrainSummary:
     threads: int
 
 
-def encode_examples(examples: Sequence[Example], tokenizer: PreTrainedTokenizerFast,
-                    max_tokens: int) -> tuple[list[Encoded], int]:
+def encode_examples(
+    examples: Sequence[Example], tokenizer: PreTrainedTokenizerFast, max_tokens: int
+) -> tuple[list[Encoded], int]:
     """Prompt (chat template with the generation prompt) + completion + end of turn; and how
     many examples were longer than ``max_tokens`` and left out (the caller reports it)."""
     prompts = [render_chat(tokenizer, [m.model_dump() for m in ex.prompt]) for ex in examples]
     prompt_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
-    completion_ids = tokenizer([ex.completion for ex in examples],
-                               add_special_tokens=False)["input_ids"]
+    completion_ids = tokenizer([ex.completion for ex in examples], add_special_tokens=False)[
+        "input_ids"
+    ]
     eos = tokenizer.eos_token_id
     encoded = []
     for p, c in zip(prompt_ids, completion_ids, strict=True):
@@ -80,8 +82,9 @@ def encode_examples(examples: Sequence[Example], tokenizer: PreTrainedTokenizerF
     return encoded, len(examples) - len(encoded)
 
 
-def batches(encoded: Sequence[Encoded], batch_size: int, seed: int, steps: int
-            ) -> list[list[Encoded]]:
+def batches(
+    encoded: Sequence[Encoded], batch_size: int, seed: int, steps: int
+) -> list[list[Encoded]]:
     """``steps`` batches; examples of similar length together, batch order shuffled."""
     rng = random.Random(f"hpcrl-batches/{seed}")
     out: list[list[Encoded]] = []
@@ -91,15 +94,14 @@ def batches(encoded: Sequence[Encoded], batch_size: int, seed: int, steps: int
         chunk = batch_size * 32
         epoch = []
         for start in range(0, len(order), chunk):
-            part = sorted(order[start:start + chunk], key=lambda e: len(e.input_ids))
-            epoch += [part[n:n + batch_size] for n in range(0, len(part), batch_size)]
+            part = sorted(order[start : start + chunk], key=lambda e: len(e.input_ids))
+            epoch += [part[n : n + batch_size] for n in range(0, len(part), batch_size)]
         rng.shuffle(epoch)
         out += [b for b in epoch if len(b) == batch_size] or epoch
     return out[:steps]
 
 
-def collate(batch: Sequence[Encoded], pad_id: int, multiple: int = 64
-            ) -> dict[str, torch.Tensor]:
+def collate(batch: Sequence[Encoded], pad_id: int, multiple: int = 64) -> dict[str, torch.Tensor]:
     """Right-padded to a multiple of ``multiple`` tokens.
 
     Few distinct shapes matter on CPU: oneDNN prepares kernels per shape, and measured steps
@@ -115,7 +117,7 @@ def collate(batch: Sequence[Encoded], pad_id: int, multiple: int = 64
     for row, e in enumerate(batch):
         n = len(e.input_ids)
         ids[row, :n] = torch.tensor(e.input_ids)
-        labels[row, e.prompt_len:n] = ids[row, e.prompt_len:n]
+        labels[row, e.prompt_len : n] = ids[row, e.prompt_len : n]
         mask[row, :n] = 1
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
@@ -134,20 +136,29 @@ def completion_loss(model: Qwen2ForCausalLM, batch: dict[str, torch.Tensor]) -> 
     logits = model(input_ids=batch["input_ids"]).logits
     targets = batch["labels"][:, 1:]
     return torch.nn.functional.cross_entropy(
-        logits[:, :-1].float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
+        logits[:, :-1].float().reshape(-1, logits.shape[-1]),
+        targets.reshape(-1),
         ignore_index=IGNORE,
     )
 
 
-def train(model: Qwen2ForCausalLM, encoded: Sequence[Encoded], settings: TrainSettings,
-          pad_id: int, on_step: Callable[[StepInfo], None] | None = None) -> TrainSummary:
+def train(
+    model: Qwen2ForCausalLM,
+    encoded: Sequence[Encoded],
+    settings: TrainSettings,
+    pad_id: int,
+    on_step: Callable[[StepInfo], None] | None = None,
+) -> TrainSummary:
     torch.manual_seed(settings.seed)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": settings.weight_decay},
-         {"params": no_decay, "weight_decay": 0.0}],
-        lr=settings.learning_rate, betas=(0.9, 0.95),
+        [
+            {"params": decay, "weight_decay": settings.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=settings.learning_rate,
+        betas=(0.9, 0.95),
     )
     model.train()
     started = time.monotonic()
@@ -170,17 +181,22 @@ def train(model: Qwen2ForCausalLM, encoded: Sequence[Encoded], settings: TrainSe
         tokens += int(batch["attention_mask"].sum())
         seen += len(chosen)
         if on_step is not None:
-            on_step(StepInfo(step + 1, len(plan), last, tokens, lr,
-                             time.monotonic() - started))
+            on_step(StepInfo(step + 1, len(plan), last, tokens, lr, time.monotonic() - started))
     model.eval()
-    return TrainSummary(steps=len(plan), examples_seen=seen, tokens_seen=tokens,
-                        first_loss=first, final_loss=last,
-                        seconds=round(time.monotonic() - started, 1),
-                        threads=torch.get_num_threads())
+    return TrainSummary(
+        steps=len(plan),
+        examples_seen=seen,
+        tokens_seen=tokens,
+        first_loss=first,
+        final_loss=last,
+        seconds=round(time.monotonic() - started, 1),
+        threads=torch.get_num_threads(),
+    )
 
 
-def save_model(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, out: Path,
-               temperature: float = 0.8) -> None:
+def save_model(
+    model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, out: Path, temperature: float = 0.8
+) -> None:
     """An ordinary Hugging Face model directory (config, safetensors, tokenizer, generation)."""
     model.generation_config.do_sample = True
     model.generation_config.temperature = temperature

@@ -37,44 +37,98 @@ directory, unknown version), 1 the evaluation failed.
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="hpcrl-evaluate", description=__doc__.replace("\n", " ").strip(), epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=Path, required=True,
-                        help="base model directory (Hugging Face format): version 0")
-    parser.add_argument("--checkpoints", type=Path, default=None,
-                        help="the learner's checkpoint store (manifest.json), for versions > 0")
-    parser.add_argument("--versions", default=None,
-                        help="comma-separated versions: 0, latest or a number; the first is "
-                        "the baseline, the last the one compared with it (default: 0,latest "
-                        "with --checkpoints, else 0)")
-    parser.add_argument("--samples", type=_positive, default=8, metavar="K",
-                        help="completions per prompt and version (default 8)")
-    parser.add_argument("--seed", type=int, default=0,
-                        help="evaluation seed: sampling seeds and bootstrap (default 0)")
-    parser.add_argument("--temperature", type=float, default=0.8,
-                        help="sampling temperature (default 0.8, the demo's)")
+        prog="hpcrl-evaluate",
+        description=__doc__.replace("\n", " ").strip(),
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--model",
+        type=Path,
+        required=True,
+        help="base model directory (Hugging Face format): version 0",
+    )
+    parser.add_argument(
+        "--checkpoints",
+        type=Path,
+        default=None,
+        help="the learner's checkpoint store (manifest.json), for versions > 0",
+    )
+    parser.add_argument(
+        "--versions",
+        default=None,
+        help="comma-separated versions: 0, latest or a number; the first is "
+        "the baseline, the last the one compared with it (default: 0,latest "
+        "with --checkpoints, else 0)",
+    )
+    parser.add_argument(
+        "--samples",
+        type=_positive,
+        default=8,
+        metavar="K",
+        help="completions per prompt and version (default 8)",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="evaluation seed: sampling seeds and bootstrap (default 0)",
+    )
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.8,
+        help="sampling temperature (default 0.8, the demo's)",
+    )
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default 1)")
-    parser.add_argument("--max-tokens", type=_positive, default=1024,
-                        help="completion length limit (default 1024)")
-    parser.add_argument("--backend", choices=("vllm", "transformers"), default="vllm",
-                        help="generator backend (default vllm)")
+    parser.add_argument(
+        "--max-tokens", type=_positive, default=1024, help="completion length limit (default 1024)"
+    )
+    parser.add_argument(
+        "--backend",
+        choices=("vllm", "transformers"),
+        default="vllm",
+        help="generator backend (default vllm)",
+    )
     parser.add_argument("--opt-level", default="O3", help="gcc optimisation level (default O3)")
     parser.add_argument("--task", default="matmul", help="task name or TOML (default matmul)")
-    parser.add_argument("--prompts", default=None, metavar="I,J,...",
-                        help="evaluate only these prompt indices (default: the whole set)")
+    parser.add_argument(
+        "--prompts",
+        default=None,
+        metavar="I,J,...",
+        help="evaluate only these prompt indices (default: the whole set)",
+    )
     parser.add_argument("--dtype", default="auto", help="weights dtype (default: the model's)")
-    parser.add_argument("--max-model-len", type=_positive, default=None,
-                        help="prompt + completion tokens (default: the model's "
-                        "max_position_embeddings)")
-    parser.add_argument("--kv-cache-gib", type=_positive, default=4,
-                        help="vLLM on CPU: KV cache size in GiB (default 4)")
+    parser.add_argument(
+        "--max-model-len",
+        type=_positive,
+        default=None,
+        help="prompt + completion tokens (default: the model's max_position_embeddings)",
+    )
+    parser.add_argument(
+        "--kv-cache-gib",
+        type=_positive,
+        default=4,
+        help="vLLM on CPU: KV cache size in GiB (default 4)",
+    )
     parser.add_argument("--device", default="cpu", help="transformers: torch device")
-    parser.add_argument("--resamples", type=_positive, default=2000,
-                        help="bootstrap resamples (default 2000)")
-    parser.add_argument("--json", type=Path, default=None, metavar="OUT",
-                        help="write the whole report (every sample and verdict) as JSON")
-    parser.add_argument("--plot", type=Path, default=None, metavar="PNG",
-                        help="write a figure of first vs last version with the gain's CI")
+    parser.add_argument(
+        "--resamples", type=_positive, default=2000, help="bootstrap resamples (default 2000)"
+    )
+    parser.add_argument(
+        "--json",
+        type=Path,
+        default=None,
+        metavar="OUT",
+        help="write the whole report (every sample and verdict) as JSON",
+    )
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        metavar="PNG",
+        help="write a figure of first vs last version with the gain's CI",
+    )
     return parser
 
 
@@ -125,14 +179,26 @@ def setup(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Evaluati
     every = build_set(task, isa)
     prompts = [every[i] for i in _prompt_indices(args.prompts, parser)]
     return Evaluation(
-        model=args.model.resolve(), refs=refs, prompts=prompts, task=args.task,
-        opt_level=args.opt_level, isa=isa,
-        sampling=SamplingOptions(samples=args.samples, seed=args.seed,
-                                 temperature=args.temperature, top_p=args.top_p,
-                                 max_tokens=args.max_tokens),
-        backend=BackendOptions(backend=args.backend, dtype=args.dtype,
-                               max_model_len=args.max_model_len or _positions(args.model),
-                               kv_cache_space_gib=args.kv_cache_gib, device=args.device),
+        model=args.model.resolve(),
+        refs=refs,
+        prompts=prompts,
+        task=args.task,
+        opt_level=args.opt_level,
+        isa=isa,
+        sampling=SamplingOptions(
+            samples=args.samples,
+            seed=args.seed,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            max_tokens=args.max_tokens,
+        ),
+        backend=BackendOptions(
+            backend=args.backend,
+            dtype=args.dtype,
+            max_model_len=args.max_model_len or _positions(args.model),
+            kv_cache_space_gib=args.kv_cache_gib,
+            device=args.device,
+        ),
         resamples=args.resamples,
     )
 
@@ -145,9 +211,11 @@ def summary_table(report: dict[str, Any]) -> Table:
     """One row per metric: each version's value, then the gain and its interval."""
     versions = report["versions"]
     comparison = report["comparison"]
-    table = Table(title=f"fixed evaluation set: {len(report['prompts'])} prompts x "
-                        f"{report['sampling']['samples']} samples, seed "
-                        f"{report['sampling']['seed']}")
+    table = Table(
+        title=f"fixed evaluation set: {len(report['prompts'])} prompts x "
+        f"{report['sampling']['samples']} samples, seed "
+        f"{report['sampling']['seed']}"
+    )
     table.add_column("metric")
     for version in versions:
         table.add_column(f"v{version['version']}", justify="right")
@@ -155,8 +223,7 @@ def summary_table(report: dict[str, Any]) -> Table:
         table.add_column("gain", justify="right")
         table.add_column(f"{comparison['level']:.0%} CI", justify="right")
     for name in METRICS:
-        row = [report["metric_labels"][name],
-               *(_num(v["metrics"].get(name)) for v in versions)]
+        row = [report["metric_labels"][name], *(_num(v["metrics"].get(name)) for v in versions)]
         if comparison is not None:
             gain = comparison["metrics"][name]
             row += [f"{gain['gain']:+.3g}", f"[{gain['low']:+.3g}, {gain['high']:+.3g}]"]
@@ -175,9 +242,11 @@ def prompt_table(report: dict[str, Any]) -> Table:
         for version in report["versions"]:
             entry = version["per_prompt"][position]
             speed = entry.get("speed_of_correct") or {}
-            cells.append(f"{entry['metrics']['share_correct']:.2f} / "
-                         f"{_num(speed.get('mean_gflops_correct'))} / "
-                         f"{_num(speed.get('best_of_k'))}")
+            cells.append(
+                f"{entry['metrics']['share_correct']:.2f} / "
+                f"{_num(speed.get('mean_gflops_correct'))} / "
+                f"{_num(speed.get('best_of_k'))}"
+            )
         table.add_row(f"{prompt['index']}: {prompt['name']}", *cells)
     return table
 
@@ -187,8 +256,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     evaluation = setup(args, parser)
     errors = Console(stderr=True)
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-               TimeElapsedColumn())
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )
     try:
         with Progress(*columns, console=errors) as progress:
             report = evaluation.run(progress)

@@ -19,12 +19,23 @@ from hpcrl_common.prompts import PromptMode, build_prompt
 from hpcrl_common.task import TaskSpec, builtin_seed
 
 # Parent name -> .c file under hpcrl_evaluate/parents ("seed" is the task's own seed program).
-PARENT_FILES: dict[str, str] = {"ikj": "ikj.c", "tiled": "tiled.c", "simd": "simd.c",
-                                "omp": "omp.c", "prefetch": "prefetch.c"}
+PARENT_FILES: dict[str, str] = {
+    "ikj": "ikj.c",
+    "tiled": "tiled.c",
+    "simd": "simd.c",
+    "omp": "omp.c",
+    "prefetch": "prefetch.c",
+}
 # Stage each fixed parent belongs to (and passes the benchmarker at). The SIMD parents use
 # AVX2 + FMA, which every host the benchmarker accepts runs.
-PARENT_STAGES: dict[str, int] = {"seed": 1, "ikj": 1, "tiled": 2, "simd": 3, "omp": 4,
-                                 "prefetch": 5}
+PARENT_STAGES: dict[str, int] = {
+    "seed": 1,
+    "ikj": 1,
+    "tiled": 2,
+    "simd": 3,
+    "omp": 4,
+    "prefetch": 5,
+}
 
 
 @dataclass(frozen=True)
@@ -89,14 +100,19 @@ def parent_source(name: str, task_name: str = "matmul") -> str:
     return (resources.files("hpcrl_evaluate") / "parents" / PARENT_FILES[name]).read_text()
 
 
-def build_set(task: TaskSpec, isa: str, specs: tuple[PromptSpec, ...] = SPECS
-              ) -> list[EvalPrompt]:
+def build_set(task: TaskSpec, isa: str, specs: tuple[PromptSpec, ...] = SPECS) -> list[EvalPrompt]:
     """The chat messages of every prompt, for the hosts' ISA (``avx512`` or ``avx2``)."""
     prompts = []
     for index, spec in enumerate(specs):
         # The scheduler passes the seed program as the seed prompt's parent too (unused).
         parent = parent_source(spec.parent or "seed", task.name)
-        messages = build_prompt(task, target_stage=spec.target_stage, mode=spec.mode,
-                                parent_source=parent, error=None, isa=isa)
+        messages = build_prompt(
+            task,
+            target_stage=spec.target_stage,
+            mode=spec.mode,
+            parent_source=parent,
+            error=None,
+            isa=isa,
+        )
         prompts.append(EvalPrompt(index, spec, tuple(messages)))
     return prompts

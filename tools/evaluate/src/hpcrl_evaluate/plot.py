@@ -30,16 +30,20 @@ def plot(report: dict[str, Any], out: Path) -> None:
         if comparison is not None:
             gain = comparison["metrics"][name]
             # The bar's top is first + gain; a percentile interval need not straddle it.
-            whisker = [[max(0.0, gain["gain"] - gain["low"])],
-                       [max(0.0, gain["high"] - gain["gain"])]]
-            axis.errorbar([1], [values[1]], yerr=whisker, fmt="none", ecolor="black",
-                          capsize=6)
+            whisker = [
+                [max(0.0, gain["gain"] - gain["low"])],
+                [max(0.0, gain["high"] - gain["gain"])],
+            ]
+            axis.errorbar([1], [values[1]], yerr=whisker, fmt="none", ecolor="black", capsize=6)
             title += f"\ngain {gain['gain']:+.3g} [{gain['low']:+.3g}, {gain['high']:+.3g}]"
         axis.axhline(0.0, color="black", linewidth=0.5)
         axis.set_title(title, fontsize=10)
     samples = report["sampling"]["samples"]
-    figure.suptitle(f"Fixed evaluation set: {len(report['prompts'])} prompts x {samples} "
-                    "samples, same seeds (whiskers: 95 % CI of the gain)", fontsize=10)
+    figure.suptitle(
+        f"Fixed evaluation set: {len(report['prompts'])} prompts x {samples} "
+        "samples, same seeds (whiskers: 95 % CI of the gain)",
+        fontsize=10,
+    )
     figure.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(out, dpi=120)

@@ -90,12 +90,16 @@ class SampleRecord:
 METRICS: dict[str, tuple[stats.Statistic, Callable[[SampleRecord], float], str]] = {
     "share_correct": ("mean", lambda s: float(s.status == "success"), "share correct"),
     "mean_reward": ("mean", lambda s: s.reward, "mean reward (raw)"),
-    "mean_gflops": ("mean", lambda s: s.gflops if s.status == "success" else 0.0,
-                    "mean GFLOPS (failures 0)"),
-    "best_gflops": ("max", lambda s: s.gflops if s.status == "success" else 0.0,
-                    "best GFLOPS"),
-    **{f"technique_{t}": ("mean", lambda s, t=t: float(t in s.techniques), f"share using {t}")
-       for t in TECHNIQUES},
+    "mean_gflops": (
+        "mean",
+        lambda s: s.gflops if s.status == "success" else 0.0,
+        "mean GFLOPS (failures 0)",
+    ),
+    "best_gflops": ("max", lambda s: s.gflops if s.status == "success" else 0.0, "best GFLOPS"),
+    **{
+        f"technique_{t}": ("mean", lambda s, t=t: float(t in s.techniques), f"share using {t}")
+        for t in TECHNIQUES
+    },
 }
 
 
@@ -109,8 +113,9 @@ def prompt_seed(seed: int, prompt_index: int) -> int:
 # --- versions --------------------------------------------------------------------------
 
 
-def resolve_versions(requested: list[str], model: Path, checkpoints: Path | None
-                     ) -> list[VersionRef]:
+def resolve_versions(
+    requested: list[str], model: Path, checkpoints: Path | None
+) -> list[VersionRef]:
     """``0``, ``latest`` or a number, each to the directory holding its weights."""
     store = CheckpointStore(checkpoints) if checkpoints is not None else None
     return [_resolve(text.strip(), model, store) for text in requested]
@@ -125,8 +130,10 @@ def _resolve(text: str, model: Path, store: CheckpointStore | None) -> VersionRe
         raise VersionError(f"version {text!r} needs --checkpoints (the learner's store)")
     info = store.latest() if text == "latest" else _get(store, int(text))
     if info is None:
-        raise VersionError(f"the checkpoint store {store.root} has no versions yet "
-                           f"(no {store.root / 'manifest.json'} listing one)")
+        raise VersionError(
+            f"the checkpoint store {store.root} has no versions yet "
+            f"(no {store.root / 'manifest.json'} listing one)"
+        )
     return VersionRef(text, info.version, store.path_of(info), info.format, info.checksum)
 
 
@@ -135,28 +142,36 @@ def _get(store: CheckpointStore, version: int) -> CheckpointInfo:
         return store.get(version)
     except KeyError:
         known = ", ".join(str(v.version) for v in store.versions()) or "none"
-        raise VersionError(f"unknown version {version}: the checkpoint store {store.root} "
-                           f"has {known}") from None
+        raise VersionError(
+            f"unknown version {version}: the checkpoint store {store.root} has {known}"
+        ) from None
 
 
 # --- sampling and judging --------------------------------------------------------------
 
 
-def make_sampler(model: Path, options: BackendOptions, refs: list[VersionRef],
-                 seed: int) -> Sampler:
+def make_sampler(
+    model: Path, options: BackendOptions, refs: list[VersionRef], seed: int
+) -> Sampler:
     """The backend on the base model (version 0); other versions are loaded into it."""
     if options.backend == "transformers":
         from hpcrl_generator.backends.transformers import TransformersSampler
 
-        return TransformersSampler(model, dtype=options.dtype, device=options.device,
-                                   max_model_len=options.max_model_len)
+        return TransformersSampler(
+            model, dtype=options.dtype, device=options.device, max_model_len=options.max_model_len
+        )
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its warnings would drown the table
     from hpcrl_generator.backends.vllm import VLLMSampler
 
-    return VLLMSampler(model, dtype=options.dtype, max_model_len=options.max_model_len,
-                       max_num_seqs=options.max_num_seqs,
-                       kv_cache_space_gib=options.kv_cache_space_gib,
-                       enable_lora=any(r.format == "lora" for r in refs), seed=seed)
+    return VLLMSampler(
+        model,
+        dtype=options.dtype,
+        max_model_len=options.max_model_len,
+        max_num_seqs=options.max_num_seqs,
+        kv_cache_space_gib=options.kv_cache_space_gib,
+        enable_lora=any(r.format == "lora" for r in refs),
+        seed=seed,
+    )
 
 
 def load_version(sampler: Sampler, ref: VersionRef, model: Path) -> None:
@@ -187,7 +202,8 @@ class Judge:
         key = (completion, stage)
         if key not in self._seen:
             self._seen[key] = self.benchmarker.evaluate(
-                completion, stage=stage, opt_level=self.opt_level, task=self.task)
+                completion, stage=stage, opt_level=self.opt_level, task=self.task
+            )
         return self._seen[key]
 
 
@@ -208,8 +224,12 @@ def sampling_job(sampler: Sampler, prompt: EvalPrompt, options: SamplingOptions)
 
     ids = render_prompt(sampler.tokenizer, prompt.messages)
     budget = completion_budget(len(ids), options.max_tokens, sampler.max_model_len)
-    params = SamplingParams(temperature=options.temperature, top_p=options.top_p,
-                            max_tokens=budget, seed=prompt_seed(options.seed, prompt.index))
+    params = SamplingParams(
+        temperature=options.temperature,
+        top_p=options.top_p,
+        max_tokens=budget,
+        seed=prompt_seed(options.seed, prompt.index),
+    )
     return GroupJob(ids, options.samples, params)
 
 
@@ -218,16 +238,22 @@ def prompts_per_call(backend: BackendOptions, sampling: SamplingOptions) -> int:
     return max(1, backend.max_num_seqs // max(1, sampling.samples))
 
 
-def evaluate_version(sampler: Sampler, judge: Judge, prompts: list[EvalPrompt],
-                     options: SamplingOptions, progress: Progress | None = None,
-                     label: str = "", per_call: int = 1) -> list[SampleRecord]:
+def evaluate_version(
+    sampler: Sampler,
+    judge: Judge,
+    prompts: list[EvalPrompt],
+    options: SamplingOptions,
+    progress: Progress | None = None,
+    label: str = "",
+    per_call: int = 1,
+) -> list[SampleRecord]:
     """Sample every prompt first, ``per_call`` prompts per engine call (decoded together),
     then judge every completion."""
     drawn = []
     step = max(1, per_call)
     with _task(progress, f"{label}: sampling", len(prompts)) as advance:
         for start in range(0, len(prompts), step):
-            chunk = prompts[start:start + step]
+            chunk = prompts[start : start + step]
             groups = sampler.generate_groups([sampling_job(sampler, p, options) for p in chunk])
             for prompt, samples in zip(chunk, groups, strict=True):
                 drawn.append((prompt, samples))
@@ -243,16 +269,22 @@ def evaluate_version(sampler: Sampler, judge: Judge, prompts: list[EvalPrompt],
 
 
 def _record(prompt: EvalPrompt, index: int, sample: Sample, verdict: Verdict) -> SampleRecord:
-    return SampleRecord(prompt=prompt.index, index=index, status=verdict.status,
-                        reward=float(verdict.reward), gflops=verdict.gflops,
-                        techniques=list(verdict.techniques), finish_reason=sample.finish_reason,
-                        tokens=len(sample.token_ids), completion=sample.text,
-                        error=verdict.error[:ERROR_CHARS])
+    return SampleRecord(
+        prompt=prompt.index,
+        index=index,
+        status=verdict.status,
+        reward=float(verdict.reward),
+        gflops=verdict.gflops,
+        techniques=list(verdict.techniques),
+        finish_reason=sample.finish_reason,
+        tokens=len(sample.token_ids),
+        completion=sample.text,
+        error=verdict.error[:ERROR_CHARS],
+    )
 
 
 @contextmanager
-def _task(progress: Progress | None, description: str, total: int
-          ) -> Iterator[Callable[[], None]]:
+def _task(progress: Progress | None, description: str, total: int) -> Iterator[Callable[[], None]]:
     if progress is None:
         yield lambda: None
         return
@@ -288,39 +320,60 @@ def speed_of_correct(records: list[SampleRecord]) -> dict[str, float | None]:
     faster correct kernels shows here what mean GFLOPS (failures 0) folds into one figure.
     """
     speeds = [r.gflops for r in records if r.status == "success" and r.gflops is not None]
-    return {"correct": len(speeds),
-            "mean_gflops_correct": sum(speeds) / len(speeds) if speeds else None,
-            "best_of_k": max(speeds) if speeds else None}
+    return {
+        "correct": len(speeds),
+        "mean_gflops_correct": sum(speeds) / len(speeds) if speeds else None,
+        "best_of_k": max(speeds) if speeds else None,
+    }
 
 
-def version_report(ref: VersionRef, records: list[SampleRecord], prompts: list[EvalPrompt]
-                   ) -> dict[str, Any]:
+def version_report(
+    ref: VersionRef, records: list[SampleRecord], prompts: list[EvalPrompt]
+) -> dict[str, Any]:
     return {
         "version": ref.version,
         "requested": ref.requested,
         "path": str(ref.path),
         "metrics": summarise(records),
         "statuses": dict(Counter(r.status for r in records)),
-        "per_prompt": [{"prompt": p.index, "name": p.name, "stage": p.stage,
-                        "metrics": summarise(mine),
-                        "speed_of_correct": speed_of_correct(mine)}
-                       for p in prompts
-                       for mine in ([r for r in records if r.prompt == p.index],)],
+        "per_prompt": [
+            {
+                "prompt": p.index,
+                "name": p.name,
+                "stage": p.stage,
+                "metrics": summarise(mine),
+                "speed_of_correct": speed_of_correct(mine),
+            }
+            for p in prompts
+            for mine in ([r for r in records if r.prompt == p.index],)
+        ],
         "samples": [asdict(r) for r in records],
     }
 
 
-def compare(before: list[SampleRecord], after: list[SampleRecord], *, seed: int,
-            resamples: int = stats.RESAMPLES, level: float = stats.LEVEL) -> dict[str, Any]:
+def compare(
+    before: list[SampleRecord],
+    after: list[SampleRecord],
+    *,
+    seed: int,
+    resamples: int = stats.RESAMPLES,
+    level: float = stats.LEVEL,
+) -> dict[str, Any]:
     """after - before for every metric, with paired bootstrap intervals (strata: prompts)."""
     _check_paired(before, after)
     strata = [r.prompt for r in before]
     levels = summarise(before), summarise(after)
     out = {}
     for name, (statistic, _, _) in METRICS.items():
-        interval = stats.paired_gain(metric_values(before, name), metric_values(after, name),
-                                     statistic=statistic, strata=strata, seed=seed,
-                                     resamples=resamples, level=level)
+        interval = stats.paired_gain(
+            metric_values(before, name),
+            metric_values(after, name),
+            statistic=statistic,
+            strata=strata,
+            seed=seed,
+            resamples=resamples,
+            level=level,
+        )
         out[name] = {"before": levels[0][name], "after": levels[1][name], **interval.to_json()}
     return out
 
@@ -331,9 +384,15 @@ def _check_paired(before: list[SampleRecord], after: list[SampleRecord]) -> None
         raise ValueError("the two versions' samples are not paired by (prompt, sample index)")
 
 
-def comparison_report(before: dict[str, Any], after: dict[str, Any], prompts: list[EvalPrompt],
-                      *, seed: int, resamples: int = stats.RESAMPLES,
-                      level: float = stats.LEVEL) -> dict[str, Any]:
+def comparison_report(
+    before: dict[str, Any],
+    after: dict[str, Any],
+    prompts: list[EvalPrompt],
+    *,
+    seed: int,
+    resamples: int = stats.RESAMPLES,
+    level: float = stats.LEVEL,
+) -> dict[str, Any]:
     """The gains of version ``after`` over ``before`` (two entries of a report's versions)."""
     b, a = records_of(before), records_of(after)
     options = {"seed": seed, "resamples": resamples, "level": level}
@@ -341,11 +400,18 @@ def comparison_report(before: dict[str, Any], after: dict[str, Any], prompts: li
     for p in prompts:
         pb = [r for r in b if r.prompt == p.index]
         pa = [r for r in a if r.prompt == p.index]
-        per_prompt.append({"prompt": p.index, "name": p.name,
-                           "metrics": compare(pb, pa, **options)})
-    return {"before": before["version"], "after": after["version"], "resamples": resamples,
-            "level": level, "seed": seed, "metrics": compare(b, a, **options),
-            "per_prompt": per_prompt}
+        per_prompt.append(
+            {"prompt": p.index, "name": p.name, "metrics": compare(pb, pa, **options)}
+        )
+    return {
+        "before": before["version"],
+        "after": after["version"],
+        "resamples": resamples,
+        "level": level,
+        "seed": seed,
+        "metrics": compare(b, a, **options),
+        "per_prompt": per_prompt,
+    }
 
 
 def records_of(version: dict[str, Any]) -> list[SampleRecord]:
@@ -375,10 +441,15 @@ class Evaluation:
             versions = []
             for ref in self.refs:
                 load_version(sampler, ref, self.model)
-                records = evaluate_version(sampler, judge, self.prompts, self.sampling,
-                                           progress, label=f"v{ref.version}",
-                                           per_call=prompts_per_call(self.backend,
-                                                                     self.sampling))
+                records = evaluate_version(
+                    sampler,
+                    judge,
+                    self.prompts,
+                    self.sampling,
+                    progress,
+                    label=f"v{ref.version}",
+                    per_call=prompts_per_call(self.backend, self.sampling),
+                )
                 versions.append(version_report(ref, records, self.prompts))
         finally:
             sampler.close()
@@ -386,9 +457,12 @@ class Evaluation:
 
     def report(self, versions: list[dict[str, Any]], judge: Judge) -> dict[str, Any]:
         # Every later version against the first: whether a gain made early is kept.
-        comparisons = [comparison_report(versions[0], later, self.prompts,
-                                         seed=self.sampling.seed, resamples=self.resamples)
-                       for later in versions[1:]]
+        comparisons = [
+            comparison_report(
+                versions[0], later, self.prompts, seed=self.sampling.seed, resamples=self.resamples
+            )
+            for later in versions[1:]
+        ]
         comparison = comparisons[-1] if comparisons else None
         return {
             "schema": SCHEMA,
@@ -399,10 +473,17 @@ class Evaluation:
             "host": judge.benchmarker.host.info().model_dump(),
             "sampling": asdict(self.sampling),
             "backend": asdict(self.backend),
-            "prompts": [{"index": p.index, "name": p.name, "mode": p.spec.mode,
-                         "stage": p.stage, "parent": p.spec.parent,
-                         "seed": prompt_seed(self.sampling.seed, p.index)}
-                        for p in self.prompts],
+            "prompts": [
+                {
+                    "index": p.index,
+                    "name": p.name,
+                    "mode": p.spec.mode,
+                    "stage": p.stage,
+                    "parent": p.spec.parent,
+                    "seed": prompt_seed(self.sampling.seed, p.index),
+                }
+                for p in self.prompts
+            ],
             "metric_labels": {name: label for name, (_, _, label) in METRICS.items()},
             "versions": versions,
             "comparison": comparison,

@@ -58,12 +58,15 @@ def _strata_members(strata: ArrayLike | None, n: int) -> list[np.ndarray]:
     return [np.flatnonzero(labels == label) for label in np.unique(labels)]
 
 
-def resample_indices(n: int, resamples: int, seed: int,
-                     strata: ArrayLike | None = None) -> np.ndarray:
+def resample_indices(
+    n: int, resamples: int, seed: int, strata: ArrayLike | None = None
+) -> np.ndarray:
     """(resamples, n) pair indices drawn with replacement, within each stratum."""
     rng = np.random.default_rng(seed)
-    columns = [members[rng.integers(0, len(members), size=(resamples, len(members)))]
-               for members in _strata_members(strata, n)]
+    columns = [
+        members[rng.integers(0, len(members), size=(resamples, len(members)))]
+        for members in _strata_members(strata, n)
+    ]
     return np.concatenate(columns, axis=1)
 
 
@@ -75,9 +78,16 @@ def _apply(statistic: Statistic, values: np.ndarray) -> np.ndarray:
     raise ValueError(f"statistic must be 'mean' or 'max', got {statistic!r}")
 
 
-def contrast(arms: Sequence[ArrayLike], weights: Sequence[float], *,
-             statistic: Statistic = "mean", strata: ArrayLike | None = None,
-             resamples: int = RESAMPLES, level: float = LEVEL, seed: int = 0) -> Interval:
+def contrast(
+    arms: Sequence[ArrayLike],
+    weights: Sequence[float],
+    *,
+    statistic: Statistic = "mean",
+    strata: ArrayLike | None = None,
+    resamples: int = RESAMPLES,
+    level: float = LEVEL,
+    seed: int = 0,
+) -> Interval:
     """sum_j weights[j] * statistic(arms[j]), with a percentile bootstrap interval.
 
     ``arms`` are aligned: element i of every arm belongs to the same pair (same prompt, same
@@ -113,9 +123,16 @@ def paired_gain(before: ArrayLike, after: ArrayLike, **options) -> Interval:
     return contrast([before, after], [-1.0, 1.0], **options)
 
 
-def gain_difference(treated_before: ArrayLike, treated_after: ArrayLike,
-                    control_before: ArrayLike, control_after: ArrayLike,
-                    **options) -> Interval:
+def gain_difference(
+    treated_before: ArrayLike,
+    treated_after: ArrayLike,
+    control_before: ArrayLike,
+    control_after: ArrayLike,
+    **options,
+) -> Interval:
     """(treated gain) - (control gain), all four arms paired sample by sample."""
-    return contrast([treated_before, treated_after, control_before, control_after],
-                    [-1.0, 1.0, 1.0, -1.0], **options)
+    return contrast(
+        [treated_before, treated_after, control_before, control_after],
+        [-1.0, 1.0, 1.0, -1.0],
+        **options,
+    )

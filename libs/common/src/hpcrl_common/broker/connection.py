@@ -25,7 +25,7 @@ def _decode_header_value(encoded: bytes, offset: int) -> tuple[Any, int]:
     """pika's header decoder, except that a timestamp datetime cannot hold becomes its
     integer: pika's ValueError would drop the connection before any callback, again on every
     redelivery, taking the messages prefetched with it into the DLQ unhandled."""
-    if encoded[offset:offset + 1] == b"T":
+    if encoded[offset : offset + 1] == b"T":
         seconds = struct.unpack_from(">Q", encoded, offset + 1)[0]
         try:
             return datetime.fromtimestamp(seconds, UTC), offset + 9
@@ -77,12 +77,14 @@ def open_connection(
     except ssl.SSLCertVerificationError as exc:
         raise TlsRefused(
             f"TLS: the broker's certificate was refused ({exc.verify_message}); check "
-            f"broker.tls_ca_file and broker.tls_server_name") from None
+            f"broker.tls_ca_file and broker.tls_server_name"
+        ) from None
     except ssl.SSLError as exc:
         raise TlsRefused(
             f"TLS handshake with the broker failed ({exc.reason or exc}); is the URL's port a "
             f"TLS listener, and does the broker require a client certificate "
-            f"(broker.tls_cert_file)?") from None
+            f"(broker.tls_cert_file)?"
+        ) from None
     except pika.exceptions.AMQPConnectionError as exc:
         # TLS 1.3: the broker judges our certificate after the handshake, so its alert
         # arrives as a lost stream, not as an SSLError.
@@ -102,11 +104,12 @@ def open_connection(
         if alert["code"].endswith("CERTIFICATE_REQUIRED"):
             raise TlsRefused(
                 f"TLS: the broker requires a client certificate ({alert['text']}); set "
-                f"broker.tls_cert_file and broker.tls_key_file") from None
+                f"broker.tls_cert_file and broker.tls_key_file"
+            ) from None
         raise TlsRefused(
             f"TLS: the broker refused our client certificate ({alert['text']}); is "
-            f"broker.tls_cert_file signed by a CA the broker trusts, and valid?") from None
-
+            f"broker.tls_cert_file signed by a CA the broker trusts, and valid?"
+        ) from None
 
 
 def connection_parameters(settings: BrokerSettings, client: str) -> list[pika.URLParameters]:
@@ -121,8 +124,9 @@ def connection_parameters(settings: BrokerSettings, client: str) -> list[pika.UR
     first = pika.URLParameters(_with_password_field(settings.url))
     credentials = first.credentials
     if settings.password_file is not None:
-        credentials = pika.PlainCredentials(credentials.username,
-                                            read_password(settings.password_file))
+        credentials = pika.PlainCredentials(
+            credentials.username, read_password(settings.password_file)
+        )
     context = tls_context(settings) if urlsplit(settings.url).scheme == "amqps" else None
     all_params = []
     for index, url in enumerate([settings.url, *settings.failover_urls]):
@@ -139,8 +143,7 @@ def connection_parameters(settings: BrokerSettings, client: str) -> list[pika.UR
         if "retry_delay" not in query:
             params.retry_delay = settings.reconnect_initial_s
         if context is not None:
-            params.ssl_options = pika.SSLOptions(
-                context, settings.tls_server_name or params.host)
+            params.ssl_options = pika.SSLOptions(context, settings.tls_server_name or params.host)
         all_params.append(params)
     return all_params
 
@@ -173,8 +176,9 @@ def read_password(path: Path) -> str:
     except OSError as exc:
         raise BrokerSetupError(f"broker.password_file {path}: {exc.strerror}") from None
     if mode & stat.S_IROTH:
-        raise BrokerSetupError(f"broker.password_file {path} is readable by every user: "
-                               f"chmod 600 it")
+        raise BrokerSetupError(
+            f"broker.password_file {path} is readable by every user: chmod 600 it"
+        )
     password = text.strip("\r\n")
     if not password:
         raise BrokerSetupError(f"broker.password_file {path} is empty")
@@ -185,15 +189,16 @@ def tls_context(settings: BrokerSettings) -> ssl.SSLContext:
     """Verify the broker's certificate and name against the CA; optionally show ours."""
     try:
         context = ssl.create_default_context(
-            cafile=None if settings.tls_ca_file is None else str(settings.tls_ca_file))
+            cafile=None if settings.tls_ca_file is None else str(settings.tls_ca_file)
+        )
         if settings.tls_cert_file is not None:
-            context.load_cert_chain(str(settings.tls_cert_file),
-                                    None if settings.tls_key_file is None
-                                    else str(settings.tls_key_file))
+            context.load_cert_chain(
+                str(settings.tls_cert_file),
+                None if settings.tls_key_file is None else str(settings.tls_key_file),
+            )
     except (OSError, ssl.SSLError) as exc:
         raise BrokerSetupError(f"broker TLS files: {exc}") from None
     return context
-
 
 
 class _Backoff:

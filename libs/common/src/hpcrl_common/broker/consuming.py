@@ -105,7 +105,6 @@ class _Timer:
         return getattr(self.fn, "__name__", "?")
 
 
-
 class Consumer:
     """Consumes one or more queues, runs handlers off the I/O thread, reconnects forever."""
 
@@ -229,8 +228,10 @@ class Consumer:
         now = time.monotonic()
         loop_age = now - self._last_tick
         stuck = {
-            timer.name: {"failing_for_s": round(now - timer.failing_since, 1),
-                         "error": timer.last_error}
+            timer.name: {
+                "failing_for_s": round(now - timer.failing_since, 1),
+                "error": timer.last_error,
+            }
             for timer in self._timers
             if timer.failing_since is not None
             and now - timer.failing_since >= self.periodic_failure_grace_s
@@ -257,8 +258,12 @@ class Consumer:
                 except TopologyMissing as exc:
                     self._lost_connection()
                     delay = backoff.next()
-                    log.error("waiting for the topology", client=self.client, error=str(exc),
-                              delay_s=round(delay, 2))
+                    log.error(
+                        "waiting for the topology",
+                        client=self.client,
+                        error=str(exc),
+                        delay_s=round(delay, 2),
+                    )
                     self._stop.wait(delay)
                 except RECOVERABLE as exc:
                     self._lost_connection()
@@ -266,8 +271,12 @@ class Consumer:
                     if isinstance(exc, ChannelRefused):
                         delay = max(delay, _REFUSED_PAUSE_S)
                     report = log.error if isinstance(exc, TlsRefused) else log.warning
-                    report("broker connection lost, reconnecting", client=self.client,
-                           error=str(exc) or repr(exc), delay_s=round(delay, 2))
+                    report(
+                        "broker connection lost, reconnecting",
+                        client=self.client,
+                        error=str(exc) or repr(exc),
+                        delay_s=round(delay, 2),
+                    )
                     self._stop.wait(delay)
         finally:
             self._close()
@@ -288,8 +297,12 @@ class Consumer:
         self.connected.set()
         CONNECTED.labels(self.client).set(1)
         backoff.reset()
-        log.info("consuming", client=self.client, queues=[s.queue for s in self._subscriptions],
-                 broker=broker_address(self._connection))
+        log.info(
+            "consuming",
+            client=self.client,
+            queues=[s.queue for s in self._subscriptions],
+            broker=broker_address(self._connection),
+        )
         self._flush_unsent()
         while not self._stop.is_set():
             self._connection.process_data_events(time_limit=_LOOP_TICK_S)
@@ -311,12 +324,16 @@ class Consumer:
             self._last_tick = time.monotonic()
         self._drain_actions()
         if self.running:
-            log.warning("stop grace over with work still running; its messages go back to "
-                        "the queue", client=self.client, running=self.running,
-                        grace_s=self.stop_grace_s)
+            log.warning(
+                "stop grace over with work still running; its messages go back to the queue",
+                client=self.client,
+                running=self.running,
+                grace_s=self.stop_grace_s,
+            )
 
-    def _declare_subscriber(self, connection: pika.BlockingConnection, base: str,
-                            subscriber: str, durable: bool) -> None:
+    def _declare_subscriber(
+        self, connection: pika.BlockingConnection, base: str, subscriber: str, durable: bool
+    ) -> None:
         if durable and not self.settings.declare_topology:
             # Made (and bound) by the admin with the topology: a role user may neither
             # declare it nor bind the exchange (hpcrl_common.access), only check it is there.
@@ -324,8 +341,12 @@ class Consumer:
             channel.queue_declare(self.topology.subscriber_queue(base, subscriber), passive=True)
             channel.close()
             return
-        declare = partial(self.topology.declare_subscriber, exchange_base=base,
-                          subscriber=subscriber, durable=durable)
+        declare = partial(
+            self.topology.declare_subscriber,
+            exchange_base=base,
+            subscriber=subscriber,
+            durable=durable,
+        )
         queues = [self.topology.durable_subscriber_queue(base, subscriber)] if durable else []
         # On a channel of its own: a refused declare must not close the consuming channel.
         declare_keeping_classic(connection, declare, queues).close()
@@ -363,8 +384,9 @@ class Consumer:
 
     # --- receiving ----------------------------------------------------------------------
 
-    def _on_message(self, sub: _Subscription, _channel: Any, method: Any, props: Any,
-                    body: bytes) -> None:
+    def _on_message(
+        self, sub: _Subscription, _channel: Any, method: Any, props: Any, body: bytes
+    ) -> None:
         headers = props.headers if isinstance(props.headers, dict) else {}
         delivery = Delivery(
             queue=sub.queue,
@@ -432,13 +454,21 @@ class Consumer:
             self._submit(partial(self._finish_rejected, sub, delivery, str(exc)))
             return
         except Ignore as exc:
-            log.info("message ignored", queue=sub.queue, message_id=delivery.message_id,
-                     reason=str(exc)[:500])
+            log.info(
+                "message ignored",
+                queue=sub.queue,
+                message_id=delivery.message_id,
+                reason=str(exc)[:500],
+            )
             self._submit(partial(self._finish_ignored, delivery))
             return
         except Exception as exc:
-            log.exception("handler failed", queue=sub.queue, message_id=delivery.message_id,
-                          attempt=delivery.attempt)
+            log.exception(
+                "handler failed",
+                queue=sub.queue,
+                message_id=delivery.message_id,
+                attempt=delivery.attempt,
+            )
             self._submit(partial(self._finish_failed, sub, delivery, exc))
             return
         finally:
@@ -488,25 +518,38 @@ class Consumer:
         self._dead_letter(sub, delivery, f"rejected by handler: {reason}")
 
     def _dead_letter(self, sub: _Subscription, delivery: Delivery, reason: str) -> None:
-        log.warning("dead-lettering message", queue=sub.queue, reason=reason[:500],
-                    message_id=delivery.message_id)
-        ours = {REASON_HEADER: reason[:4000], SOURCE_QUEUE_HEADER: sub.queue,
-                CONSUMER_HEADER: self.client}
+        log.warning(
+            "dead-lettering message",
+            queue=sub.queue,
+            reason=reason[:500],
+            message_id=delivery.message_id,
+        )
+        ours = {
+            REASON_HEADER: reason[:4000],
+            SOURCE_QUEUE_HEADER: sub.queue,
+            CONSUMER_HEADER: self.client,
+        }
         if delivery.user_id is not None:
             # Who published it (checked by the broker then); the dead letter's own user_id
             # is the consumer's. An operator replaying it checks both (deploy/README.md).
             ours[PUBLISHER_HEADER] = delivery.user_id
         try:
             self._publish_dead_letter(sub, delivery, {**delivery.headers, **ours})
-        except (TypeError, ValueError, OverflowError, struct.error,
-                pika.exceptions.UnsupportedAMQPFieldException):
+        except (
+            TypeError,
+            ValueError,
+            OverflowError,
+            struct.error,
+            pika.exceptions.UnsupportedAMQPFieldException,
+        ):
             # Headers pika decoded but cannot encode again: keep them as text instead.
             self._publish_dead_letter(sub, delivery, {**_as_text(delivery.headers), **ours})
         self._ack(delivery)
         CONSUMED.labels(delivery.queue, "dead_lettered").inc()
 
-    def _publish_dead_letter(self, sub: _Subscription, delivery: Delivery,
-                             headers: dict[str, Any]) -> None:
+    def _publish_dead_letter(
+        self, sub: _Subscription, delivery: Delivery, headers: dict[str, Any]
+    ) -> None:
         properties = pika.BasicProperties(
             delivery_mode=pika.DeliveryMode.Persistent,
             headers=headers,
@@ -515,8 +558,11 @@ class Consumer:
         )
         # The dead-letter queue's own inbox: the shared dead-letter exchange is the broker's.
         self._require_channel().basic_publish(
-            self.topology.dead_letter_inbox(sub.base), sub.dead_letter_key, delivery.body,
-            properties=properties, mandatory=True,
+            self.topology.dead_letter_inbox(sub.base),
+            sub.dead_letter_key,
+            delivery.body,
+            properties=properties,
+            mandatory=True,
         )
 
     def _ack(self, delivery: Delivery) -> None:
@@ -549,8 +595,9 @@ class Consumer:
     def _publish_all(self, outputs: Sequence[Publish]) -> None:
         channel = self._require_channel()
         for item in outputs:
-            publish_on(channel, item, self.settings.max_message_bytes,
-                       self._params[0].credentials.username)
+            publish_on(
+                channel, item, self.settings.max_message_bytes, self._params[0].credentials.username
+            )
 
     def _publish_request(self, items: list[Publish], done: Future | None) -> None:
         try:

@@ -47,7 +47,6 @@ class Publish:
     mandatory: bool = True
 
 
-
 class ChannelRefused(pika.exceptions.AMQPChannelError):
     """The broker nacked a publish: handled as a lost connection (reconnect, publish again).
 
@@ -62,9 +61,9 @@ class TopologyMissing(RuntimeError):
     """The admin step has not declared what this service needs yet: retried with backoff."""
 
 
-
-def publish_on(channel: BlockingChannel, item: Publish, max_bytes: int,
-               user_id: str | None = None) -> None:
+def publish_on(
+    channel: BlockingChannel, item: Publish, max_bytes: int, user_id: str | None = None
+) -> None:
     """Publish one message persistently and wait for the broker's confirm.
 
     A message for a work queue goes through the queue's own exchange (``<queue>.in``); a
@@ -89,26 +88,31 @@ def publish_on(channel: BlockingChannel, item: Publish, max_bytes: int,
     PUBLISHED.labels(item.routing_key or item.exchange).inc()
 
 
-def prepare_channel(connection: pika.BlockingConnection, settings: BrokerSettings,
-                    topology: Topology) -> BlockingChannel:
+def prepare_channel(
+    connection: pika.BlockingConnection, settings: BrokerSettings, topology: Topology
+) -> BlockingChannel:
     """A confirming channel on a broker that holds the topology (declared or checked)."""
     if settings.declare_topology:
-        channel = declare_keeping_classic(connection, topology.declare,
-                                          topology.dead_letter_queues())
+        channel = declare_keeping_classic(
+            connection, topology.declare, topology.dead_letter_queues()
+        )
     else:
         missing = topology.missing(connection.channel)
         if missing:
             raise TopologyMissing(
                 f"the broker lacks {', '.join(missing)}: declare the topology first "
-                f"(hpcrl-broker-admin declare), or set broker.declare_topology = true")
+                f"(hpcrl-broker-admin declare), or set broker.declare_topology = true"
+            )
         channel = connection.channel()
     channel.confirm_delivery()
     return channel
 
 
-def declare_keeping_classic(connection: pika.BlockingConnection,
-                            declare: Callable[..., object],
-                            queues: Sequence[DurableQueue]) -> BlockingChannel:
+def declare_keeping_classic(
+    connection: pika.BlockingConnection,
+    declare: Callable[..., object],
+    queues: Sequence[DurableQueue],
+) -> BlockingChannel:
     """Run ``declare(channel, classic=...)`` on a new channel and return that channel.
 
     A broker set up by an older release has classic queues where this one declares quorum
@@ -125,13 +129,15 @@ def declare_keeping_classic(connection: pika.BlockingConnection,
             raise
     classic = classic_queues(connection.channel, queues)
     if classic:
-        log.warning("classic queues left by an older release: they are lost with the node "
-                    "that holds them; run `hpcrl-broker-admin migrate` to make them quorum "
-                    "queues", queues=classic)
+        log.warning(
+            "classic queues left by an older release: they are lost with the node "
+            "that holds them; run `hpcrl-broker-admin migrate` to make them quorum "
+            "queues",
+            queues=classic,
+        )
     channel = connection.channel()
     declare(channel, classic=classic)
     return channel
-
 
 
 class Publisher:
@@ -162,8 +168,12 @@ class Publisher:
         for index, item in enumerate(items):
             for attempt in range(1, attempts + 1):
                 try:
-                    publish_on(self._ensure_channel(), item, self.settings.max_message_bytes,
-                               self._params[0].credentials.username)
+                    publish_on(
+                        self._ensure_channel(),
+                        item,
+                        self.settings.max_message_bytes,
+                        self._params[0].credentials.username,
+                    )
                     break
                 except (*RECOVERABLE, pika.exceptions.NackError) as exc:
                     self.close()  # a nacking channel stays so (see ChannelRefused): a new one
@@ -172,8 +182,9 @@ class Publisher:
                     delay = backoff.next()
                     if isinstance(exc, pika.exceptions.NackError):
                         delay = max(delay, _REFUSED_PAUSE_S)
-                    log.warning("publish failed, retrying", error=repr(exc), delay_s=delay,
-                                item=index)
+                    log.warning(
+                        "publish failed, retrying", error=repr(exc), delay_s=delay, item=index
+                    )
                     time.sleep(delay)
 
     def close(self) -> None:

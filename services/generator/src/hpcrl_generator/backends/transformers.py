@@ -104,7 +104,7 @@ class TransformersSampler:
             return_dict_in_generate=True,
             **knobs,
         )
-        completions = out.sequences[:, len(prompt_token_ids):]
+        completions = out.sequences[:, len(prompt_token_ids) :]
         logits = torch.stack(out.logits, dim=1)  # (rows, T, V), before any warper
         logprobs = sampled_logprobs(logits, completions)
         samples = []

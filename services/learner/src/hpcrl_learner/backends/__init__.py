@@ -45,8 +45,10 @@ class StepResult:
 
     def metrics(self) -> dict[str, float]:
         """Every figure as a float (logs, benches): ``skipped`` as 0/1."""
-        return {**{k: float(v) for k, v in asdict(self).items()},
-                "tokens_per_second": self.tokens_per_second}
+        return {
+            **{k: float(v) for k, v in asdict(self).items()},
+            "tokens_per_second": self.tokens_per_second,
+        }
 
 
 class Backend(Protocol):

@@ -35,8 +35,14 @@ log = structlog.get_logger("hpcrl.learner.trainer")
 OPTIMIZER_FILE = "optimizer.pt"
 # Files a generator needs beside the weights to load a version directory on its own.
 TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-    "merges.txt", "added_tokens.json", "tokenizer.model", "chat_template.jinja",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "tokenizer.model",
+    "chat_template.jinja",
     "chat_template.json",
 )
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -154,7 +160,9 @@ class TorchTrainer:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self._early: _Accumulated | None = None
         self.optimizer = torch.optim.AdamW(
-            self.params, lr=settings.learning_rate, betas=settings.adam_betas,
+            self.params,
+            lr=settings.learning_rate,
+            betas=settings.adam_betas,
             weight_decay=settings.weight_decay,
         )
         warmup = settings.warmup_steps
@@ -162,15 +170,22 @@ class TorchTrainer:
             self.optimizer, lambda step: min(1.0, (step + 1) / (warmup + 1))
         )
         if optimizer_dir is not None and (optimizer_dir / OPTIMIZER_FILE).exists():
-            saved = torch.load(optimizer_dir / OPTIMIZER_FILE, map_location=self.device,
-                               weights_only=True)
+            saved = torch.load(
+                optimizer_dir / OPTIMIZER_FILE, map_location=self.device, weights_only=True
+            )
             self.optimizer.load_state_dict(saved["optimizer"])
             self.scheduler.load_state_dict(saved["scheduler"])
-        log.info("policy loaded", base=str(self.base_model), resume_from=str(resume_from),
-                 format=self.format, device=str(self.device), dtype=str(self.dtype),
-                 autocast=str(self.autocast) if self.autocast else "off",
-                 trainable=sum(p.numel() for p in self.params),
-                 reference=self.reference is not None or (self.lora and settings.beta > 0))
+        log.info(
+            "policy loaded",
+            base=str(self.base_model),
+            resume_from=str(resume_from),
+            format=self.format,
+            device=str(self.device),
+            dtype=str(self.dtype),
+            autocast=str(self.autocast) if self.autocast else "off",
+            trainable=sum(p.numel() for p in self.params),
+            reference=self.reference is not None or (self.lora and settings.beta > 0),
+        )
 
     # --- loading ------------------------------------------------------------------------
 
@@ -188,10 +203,16 @@ class TorchTrainer:
                 model = PeftModel.from_pretrained(base, str(resume_from), is_trainable=True)
             else:
                 lora = self.settings.lora
-                model = get_peft_model(base, LoraConfig(
-                    r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                    target_modules=lora.target_modules, task_type="CAUSAL_LM",
-                ))
+                model = get_peft_model(
+                    base,
+                    LoraConfig(
+                        r=lora.r,
+                        lora_alpha=lora.alpha,
+                        lora_dropout=lora.dropout,
+                        target_modules=lora.target_modules,
+                        task_type="CAUSAL_LM",
+                    ),
+                )
         model.config.use_cache = False
         if self.settings.gradient_checkpointing:
             model.gradient_checkpointing_enable()
@@ -215,26 +236,30 @@ class TorchTrainer:
             return nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast)
 
-    def _forward_logprobs(self, model: torch.nn.Module, batch: Collated
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward_logprobs(
+        self, model: torch.nn.Module, batch: Collated
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs of the completion tokens and the policy's entropy there, both [B, C].
 
         The decoder runs under autocast; the output layer and the log-softmax run outside it
         (in the weights' dtype), on the completion positions only.
         """
         with self._autocast():
-            hidden = model.get_decoder()(input_ids=batch.input_ids.to(self.device),
-                                         use_cache=False).last_hidden_state
+            hidden = model.get_decoder()(
+                input_ids=batch.input_ids.to(self.device), use_cache=False
+            ).last_hidden_state
         return self._head_logprobs(model, hidden, batch)
 
-    def _head_logprobs(self, model: torch.nn.Module, hidden: torch.Tensor, batch: Collated
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _head_logprobs(
+        self, model: torch.nn.Module, hidden: torch.Tensor, batch: Collated
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         device = self.device
         picked = hidden[batch.rows.to(device), batch.cols.to(device)]
         head = model.get_output_embeddings()
         logits = head(picked.to(head.weight.dtype))
-        logp, entropy = token_logprobs_and_entropy(logits, batch.targets.to(device),
-                                                   self.settings.logprob_temperature)
+        logp, entropy = token_logprobs_and_entropy(
+            logits, batch.targets.to(device), self.settings.logprob_temperature
+        )
         return batch.scatter(logp), batch.scatter(entropy)
 
     def _forward_prompt(self, model: torch.nn.Module, prompt_ids: np.ndarray) -> _Prompt:
@@ -245,28 +270,35 @@ class TorchTrainer:
         keys_values = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
         return _Prompt(keys_values, out.last_hidden_state[:, -1:])
 
-    def _forward_completions(self, model: torch.nn.Module, prompt: _Prompt, batch: Collated
-                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward_completions(
+        self, model: torch.nn.Module, prompt: _Prompt, batch: Collated
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`_forward_logprobs` of completions (``collate_completions``) whose prompt
         ran already: each row attends to the prompt's cached keys and values."""
         rows = int(batch.input_ids.shape[0])
-        cache = DynamicCache(ddp_cache_data=[
-            (keys.expand(rows, -1, -1, -1), values.expand(rows, -1, -1, -1))
-            for keys, values in prompt.keys_values
-        ])
+        cache = DynamicCache(
+            ddp_cache_data=[
+                (keys.expand(rows, -1, -1, -1), values.expand(rows, -1, -1, -1))
+                for keys, values in prompt.keys_values
+            ]
+        )
         with self._autocast():
-            hidden = model.get_decoder()(input_ids=batch.input_ids.to(self.device),
-                                         past_key_values=cache, use_cache=True
-                                         ).last_hidden_state
+            hidden = model.get_decoder()(
+                input_ids=batch.input_ids.to(self.device), past_key_values=cache, use_cache=True
+            ).last_hidden_state
         last = prompt.last.to(hidden.dtype).expand(rows, -1, -1)
         return self._head_logprobs(model, torch.cat([last, hidden], dim=1), batch)
 
     def _shares_prompts(self, sequences: Sequence[TrainSequence]) -> bool:
-        return (self.settings.share_prompt_forward and not self.settings.gradient_checkpointing
-                and len(sequences) > 1)
+        return (
+            self.settings.share_prompt_forward
+            and not self.settings.gradient_checkpointing
+            and len(sequences) > 1
+        )
 
-    def _reference_logprobs(self, sequences: Sequence[TrainSequence], batch: Collated,
-                            shared: bool = False) -> torch.Tensor | None:
+    def _reference_logprobs(
+        self, sequences: Sequence[TrainSequence], batch: Collated, shared: bool = False
+    ) -> torch.Tensor | None:
         """The reference's log-probs, [B, C]: computed once per sequence, then cached.
         ``shared``: ``batch`` is ``collate_completions`` of sequences sharing a prompt."""
         if self.settings.beta == 0:
@@ -287,14 +319,14 @@ class TorchTrainer:
                     logp = self._forward_logprobs(model, batch)[0]
             logp_rows = logp.float().cpu().numpy()
             for row, (key, seq) in enumerate(zip(keys, sequences, strict=True)):
-                cache[key] = logp_rows[row, :len(seq.completion_ids)].copy()
+                cache[key] = logp_rows[row, : len(seq.completion_ids)].copy()
             while len(cache) > REFERENCE_CACHE_SEQUENCES:
                 cache.popitem(last=False)
         out = torch.zeros(batch.completion_mask.shape, dtype=torch.float32)
         for row, key in enumerate(keys):
             cache.move_to_end(key)
             values = cache[key]
-            out[row, :len(values)] = torch.from_numpy(values)
+            out[row, : len(values)] = torch.from_numpy(values)
         return out.to(self.device)
 
     def _denominator(self, sequences: Sequence[TrainSequence]) -> float:
@@ -303,8 +335,13 @@ class TorchTrainer:
             return float(sum(len(s.completion_ids) for s in sequences))
         return float(sum(1 for s in sequences if len(s.completion_ids)))
 
-    def _backward(self, sequences: Sequence[TrainSequence], normalizer: float,
-                  stats: LossStats, fresh_stats: LossStats) -> None:
+    def _backward(
+        self,
+        sequences: Sequence[TrainSequence],
+        normalizer: float,
+        stats: LossStats,
+        fresh_stats: LossStats,
+    ) -> None:
         """Adds the gradient of ``sequences``' share of a loss divided by ``normalizer``."""
         self.model.train()
         with_tokens = [s for s in sequences if len(s.completion_ids)]
@@ -316,20 +353,26 @@ class TorchTrainer:
             apart: list[TrainSequence] = []
             for group in by_prompt(part):
                 if self._shares_prompts(group):
-                    self._backward_sharing(group, normalizer, stats,
-                                           fresh_stats if fresh else None)
+                    self._backward_sharing(group, normalizer, stats, fresh_stats if fresh else None)
                 else:
                     apart.extend(group)
-            for micro in micro_batches(apart, self.settings.micro_batch_size,
-                                       self.settings.micro_batch_tokens):
+            for micro in micro_batches(
+                apart, self.settings.micro_batch_size, self.settings.micro_batch_tokens
+            ):
                 batch = collate(micro)
                 ref = self._reference_logprobs(micro, batch)
                 logp, entropy = self._forward_logprobs(self.model, batch)
-                self._loss_backward(batch, logp, entropy, ref, normalizer, stats,
-                                    fresh_stats if fresh else None)
+                self._loss_backward(
+                    batch, logp, entropy, ref, normalizer, stats, fresh_stats if fresh else None
+                )
 
-    def _backward_sharing(self, group: Sequence[TrainSequence], normalizer: float,
-                          stats: LossStats, fresh_stats: LossStats | None) -> None:
+    def _backward_sharing(
+        self,
+        group: Sequence[TrainSequence],
+        normalizer: float,
+        stats: LossStats,
+        fresh_stats: LossStats | None,
+    ) -> None:
         """:meth:`_backward` of sequences sharing a prompt: the prompt runs once. Its keys,
         values and last state enter each micro-batch as detached leaves that collect their
         gradients; one backward pass through the prompt then takes those gradients to the
@@ -338,24 +381,40 @@ class TorchTrainer:
         outputs = prompt.tensors()
         leaves = [t.detach().requires_grad_() for t in outputs]
         detached = _Prompt.of(leaves)
-        for micro in micro_batches(group, self.settings.micro_batch_size,
-                                   self.settings.micro_batch_tokens):
+        for micro in micro_batches(
+            group, self.settings.micro_batch_size, self.settings.micro_batch_tokens
+        ):
             batch = collate_completions(micro)
             ref = self._reference_logprobs(micro, batch, shared=True)
             logp, entropy = self._forward_completions(self.model, detached, batch)
             self._loss_backward(batch, logp, entropy, ref, normalizer, stats, fresh_stats)
-        pairs = [(out, leaf.grad) for out, leaf in zip(outputs, leaves, strict=True)
-                 if leaf.grad is not None]
+        pairs = [
+            (out, leaf.grad)
+            for out, leaf in zip(outputs, leaves, strict=True)
+            if leaf.grad is not None
+        ]
         if pairs:
             torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
 
-    def _loss_backward(self, batch: Collated, logp: torch.Tensor, entropy: torch.Tensor,
-                       ref: torch.Tensor | None, normalizer: float, stats: LossStats,
-                       fresh_stats: LossStats | None) -> None:
+    def _loss_backward(
+        self,
+        batch: Collated,
+        logp: torch.Tensor,
+        entropy: torch.Tensor,
+        ref: torch.Tensor | None,
+        normalizer: float,
+        stats: LossStats,
+        fresh_stats: LossStats | None,
+    ) -> None:
         mask = batch.completion_mask.to(self.device)
         out = grpo_loss(
-            logp, batch.sampling_logprobs.to(self.device), batch.advantages.to(self.device),
-            mask, self.loss_settings, ref_logp=ref, normalizer=normalizer,
+            logp,
+            batch.sampling_logprobs.to(self.device),
+            batch.advantages.to(self.device),
+            mask,
+            self.loss_settings,
+            ref_logp=ref,
+            normalizer=normalizer,
         )
         out.loss.backward()
         out.stats.entropy_sum = float((entropy * mask).sum())
@@ -405,8 +464,10 @@ class TorchTrainer:
         if not early.ids <= {id(s) for s in sequences}:
             # Groups accumulated, then handed back without a step: their gradient must not
             # count again when they are redelivered as new sequences.
-            log.warning("accumulated gradient of sequences not in this step; recomputing",
-                        accumulated=len(early.sequences))
+            log.warning(
+                "accumulated gradient of sequences not in this step; recomputing",
+                accumulated=len(early.sequences),
+            )
             return None  # the step zeroes the gradient
         return early
 
@@ -456,11 +517,15 @@ class TorchTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         elapsed = time.perf_counter() - started + early_seconds
         return StepResult(
-            skipped=skipped, **stats.means(),
-            sampler_kl_fresh=(fresh_stats.means()["sampler_kl"] if fresh_stats.tokens
-                              else math.nan),
-            grad_norm=grad_norm if not skipped else -1.0, learning_rate=lr,
-            train_seconds=elapsed, early_seconds=early_seconds,
+            skipped=skipped,
+            **stats.means(),
+            sampler_kl_fresh=(
+                fresh_stats.means()["sampler_kl"] if fresh_stats.tokens else math.nan
+            ),
+            grad_norm=grad_norm if not skipped else -1.0,
+            learning_rate=lr,
+            train_seconds=elapsed,
+            early_seconds=early_seconds,
         )
 
     @torch.no_grad()
@@ -487,10 +552,13 @@ class TorchTrainer:
                 shutil.copy2(source, directory / name)
 
     def save_optimizer(self, directory: Path) -> None:
-        torch.save({"optimizer": self.optimizer.state_dict(),
-                    "scheduler": self.scheduler.state_dict()}, directory / OPTIMIZER_FILE)
+        torch.save(
+            {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
+            directory / OPTIMIZER_FILE,
+        )
 
 
-def torch_backend(settings: LearnerSettings, resume_from: Path | None,
-                  optimizer_dir: Path | None, seed: int) -> TorchTrainer:
+def torch_backend(
+    settings: LearnerSettings, resume_from: Path | None, optimizer_dir: Path | None, seed: int
+) -> TorchTrainer:
     return TorchTrainer(settings, resume_from=resume_from, optimizer_dir=optimizer_dir, seed=seed)

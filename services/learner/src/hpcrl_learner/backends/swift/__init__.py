@@ -63,8 +63,9 @@ def missing_requirements() -> list[str]:
     return missing
 
 
-def swift_backend(settings: LearnerSettings, resume_from: Path | None,
-                  optimizer_dir: Path | None, seed: int) -> object:
+def swift_backend(
+    settings: LearnerSettings, resume_from: Path | None, optimizer_dir: Path | None, seed: int
+) -> object:
     missing = missing_requirements()
     if missing:
         raise SwiftUnavailable(

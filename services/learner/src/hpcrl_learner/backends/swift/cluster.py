@@ -27,9 +27,15 @@ GRPO_LOSS = "swift.ray.megatron.loss.grpo.GRPOLoss"
 OPEN_ENDED_ITERS = 10**9
 
 
-def megatron_args(settings: LearnerSettings, *, tp: int = 1, pp: int = 1,
-                  resume_from: Path | None = None, state_dir: Path | None = None,
-                  output_dir: Path) -> dict[str, Any]:
+def megatron_args(
+    settings: LearnerSettings,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    resume_from: Path | None = None,
+    state_dir: Path | None = None,
+    output_dir: Path,
+) -> dict[str, Any]:
     """Our settings as ms-swift ``MegatronRLHFArguments`` (see ``convert`` for the loss)."""
     lora = settings.lora
     beta1, beta2 = settings.adam_betas
@@ -65,8 +71,12 @@ def megatron_args(settings: LearnerSettings, *, tp: int = 1, pp: int = 1,
         "recompute_granularity": "full" if settings.gradient_checkpointing else None,
     }
     if lora.enabled:
-        args.update(lora_rank=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                    target_modules=list(lora.target_modules))
+        args.update(
+            lora_rank=lora.r,
+            lora_alpha=lora.alpha,
+            lora_dropout=lora.dropout,
+            target_modules=list(lora.target_modules),
+        )
     if settings.dtype in ("bfloat16", "float16"):
         args[{"bfloat16": "bf16", "float16": "fp16"}[settings.dtype]] = True
     if state_dir is not None and (state_dir / "latest_checkpointed_iteration.txt").exists():
@@ -81,8 +91,11 @@ def megatron_args(settings: LearnerSettings, *, tp: int = 1, pp: int = 1,
     return {k: v for k, v in args.items() if v is not None}
 
 
-def start(settings: LearnerSettings, resume_from: Path | None, state_dir: Path | None,
-          ) -> SwiftTrainer:  # pragma: no cover - needs GPUs
+def start(
+    settings: LearnerSettings,
+    resume_from: Path | None,
+    state_dir: Path | None,
+) -> SwiftTrainer:  # pragma: no cover - needs GPUs
     import ray
     from swift.model import get_processor
     from swift.ray.megatron.resource_pool import ResourcePool, ResourcePoolManager
@@ -98,8 +111,9 @@ def start(settings: LearnerSettings, resume_from: Path | None, state_dir: Path |
     tp = int(os.environ.get("HPCRL_SWIFT_TP", "1"))
     pp = int(os.environ.get("HPCRL_SWIFT_PP", "1"))
     output_dir = settings.checkpoint_dir / "swift-megatron"
-    config = megatron_args(settings, tp=tp, pp=pp, resume_from=resume_from,
-                           state_dir=state_dir, output_dir=output_dir)
+    config = megatron_args(
+        settings, tp=tp, pp=pp, resume_from=resume_from, state_dir=state_dir, output_dir=output_dir
+    )
     per_node = int(os.environ.get("HPCRL_SWIFT_GPUS_PER_NODE", str(min(gpus, 8))))
     pool = ResourcePool([per_node] * max(1, gpus // per_node))
     manager = ResourcePoolManager({"train": pool})
@@ -112,8 +126,13 @@ def start(settings: LearnerSettings, resume_from: Path | None, state_dir: Path |
     group.setup({"train_iters": OPEN_ENDED_ITERS})
     processor = get_processor(config["model"], download_model=False)
     template = get_template(processor, padding_free=bool(config.get("padding_free", False)))
-    return SwiftTrainer(settings, group, template, vocab_size=model_vocab_size(config["model"]),
-                        padding_to=padding_to)
+    return SwiftTrainer(
+        settings,
+        group,
+        template,
+        vocab_size=model_vocab_size(config["model"]),
+        padding_to=padding_to,
+    )
 
 
 def model_vocab_size(model_dir: str | Path) -> int:

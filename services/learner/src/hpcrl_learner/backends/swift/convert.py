@@ -46,23 +46,30 @@ def encode_sequence(seq: TrainSequence, *, filler: bool = False) -> dict[str, An
     made from the exact token ids; a filler has no completion labels (no loss)."""
     prompt = seq.prompt_ids.tolist()
     completion = seq.completion_ids.tolist()
-    labels = [IGNORE_INDEX] * len(prompt) + ([IGNORE_INDEX] * len(completion) if filler
-                                             else completion)
-    return {"input_ids": prompt + completion, "labels": labels, "length": len(prompt) +
-            len(completion)}
+    labels = [IGNORE_INDEX] * len(prompt) + (
+        [IGNORE_INDEX] * len(completion) if filler else completion
+    )
+    return {
+        "input_ids": prompt + completion,
+        "labels": labels,
+        "length": len(prompt) + len(completion),
+    }
 
 
 def layout(count: int, dp_size: int, micro_batch_size: int) -> tuple[int, int]:
     """(micro-batches per rank, filler rows) for ``count`` sequences."""
     if count < 1 or dp_size < 1 or micro_batch_size < 1:
-        raise ValueError(f"need count, dp_size, micro_batch_size >= 1, got {count}, {dp_size}, "
-                         f"{micro_batch_size}")
+        raise ValueError(
+            f"need count, dp_size, micro_batch_size >= 1, got {count}, {dp_size}, "
+            f"{micro_batch_size}"
+        )
     per_rank = math.ceil(count / (dp_size * micro_batch_size))
     return per_rank, per_rank * dp_size * micro_batch_size - count
 
 
-def advantage_weights(sequences: Sequence[TrainSequence],
-                      aggregation: Literal["token", "sequence"]) -> list[float]:
+def advantage_weights(
+    sequences: Sequence[TrainSequence], aggregation: Literal["token", "sequence"]
+) -> list[float]:
     """Per-sample factors on A that make ms-swift's token-mean loss our aggregation."""
     if aggregation == "token":
         return [1.0] * len(sequences)
@@ -112,7 +119,7 @@ def collate_step(
     # Similar lengths in one micro-batch pad less; then deal micro-batches round-robin over
     # the ranks so that every rank gets a similar share of tokens.
     order = sorted(range(len(rows)), key=lambda i: rows[i][0].length)
-    chunks = [order[i:i + micro_batch_size] for i in range(0, len(order), micro_batch_size)]
+    chunks = [order[i : i + micro_batch_size] for i in range(0, len(order), micro_batch_size)]
     dispatch: dict[int, list[dict[str, Any]]] = {rank: [] for rank in range(dp_size)}
     grpo_batches: list[Any] = []
     real_masks: list[torch.Tensor] = []
@@ -121,13 +128,17 @@ def collate_step(
         samples = []
         for i in chunk:
             seq, _, real = rows[i]
-            samples.append(OnPolicySample(
-                messages=[], encoded=encode_sequence(seq, filler=not real),
-                response_token_ids=[seq.completion_ids.tolist()] if real else [],
-                finish_reason="stop",
-            ))
-        model_inputs, batch = collate_to_grpo_micro_batch(samples, template, device=cpu,
-                                                          padding_to=padding_to)
+            samples.append(
+                OnPolicySample(
+                    messages=[],
+                    encoded=encode_sequence(seq, filler=not real),
+                    response_token_ids=[seq.completion_ids.tolist()] if real else [],
+                    finish_reason="stop",
+                )
+            )
+        model_inputs, batch = collate_to_grpo_micro_batch(
+            samples, template, device=cpu, padding_to=padding_to
+        )
         mask = batch.completion_mask
         old = torch.zeros(mask.shape, dtype=torch.float32)
         for row, i in enumerate(chunk):
@@ -135,8 +146,10 @@ def collate_step(
             if real:
                 positions = mask[row].nonzero(as_tuple=True)[0]
                 if len(positions) != len(seq.sampling_logprobs):
-                    raise ValueError(f"collated {len(positions)} completion positions for "
-                                     f"{len(seq.sampling_logprobs)} sampled tokens")
+                    raise ValueError(
+                        f"collated {len(positions)} completion positions for "
+                        f"{len(seq.sampling_logprobs)} sampled tokens"
+                    )
                 old[row, positions] = torch.from_numpy(seq.sampling_logprobs)
         batch.old_per_token_logps = old
         base = torch.tensor([rows[i][1] for i in chunk], dtype=torch.float32)
@@ -153,18 +166,24 @@ def collate_step(
     tokens = int(sum(len(s.completion_ids) for s in with_tokens))
     for batch in ordered:
         batch.num_items_in_batch = torch.tensor(float(tokens))
-    return StepBatch(dispatch=dispatch, grpo_batches=ordered,
-                     real=[reals[id(b)] for b in ordered], tokens=tokens,
-                     sequences=len(with_tokens), micro_batches_per_rank=per_rank)
+    return StepBatch(
+        dispatch=dispatch,
+        grpo_batches=ordered,
+        real=[reals[id(b)] for b in ordered],
+        tokens=tokens,
+        sequences=len(with_tokens),
+        micro_batches_per_rank=per_rank,
+    )
 
 
-def scatter_rows(step: StepBatch, rows: Sequence[dict[str, torch.Tensor]],
-                 key: str) -> list[torch.Tensor]:
+def scatter_rows(
+    step: StepBatch, rows: Sequence[dict[str, torch.Tensor]], key: str
+) -> list[torch.Tensor]:
     """Split the worker group's flat per-sample rows (rank-major) back per micro-batch."""
     out, position = [], 0
     for batch in step.grpo_batches:
         count = int(batch.completion_mask.shape[0])
-        chunk = rows[position:position + count]
+        chunk = rows[position : position + count]
         position += count
         out.append(torch.stack([r[key].float() for r in chunk], dim=0))
     if position != len(rows):
@@ -172,8 +191,9 @@ def scatter_rows(step: StepBatch, rows: Sequence[dict[str, torch.Tensor]],
     return out
 
 
-def mask_mismatched_tokens(step: StepBatch, trainer_logps: Sequence[torch.Tensor],
-                           max_log_ratio: float) -> dict[str, float]:
+def mask_mismatched_tokens(
+    step: StepBatch, trainer_logps: Sequence[torch.Tensor], max_log_ratio: float
+) -> dict[str, float]:
     """Drop tokens with |log pi_theta - log pi_sampling| > max_log_ratio from the completion
     masks (they stay counted in ``num_items_in_batch``); return the sampler/trainer k3 KL and
     the masked fraction over the real completion tokens, as the torch backend reports them."""
@@ -191,4 +211,3 @@ def mask_mismatched_tokens(step: StepBatch, trainer_logps: Sequence[torch.Tensor
     tokens = max(float(step.tokens), 1.0)
     step.stats = {"sampler_kl": kl_sum / tokens, "masked_fraction": masked / tokens}
     return step.stats
-

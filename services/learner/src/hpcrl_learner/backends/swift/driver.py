@@ -34,8 +34,11 @@ log = structlog.get_logger("hpcrl.learner.swift")
 
 # ms-swift's names for the metrics the torch backend reports under ours.
 _METRIC_NAMES = {
-    "loss": "loss", "kl": "kl", "clip_fraction": "clip_ratio/region_mean",
-    "grad_norm": "grad_norm", "learning_rate": "lr",
+    "loss": "loss",
+    "kl": "kl",
+    "clip_fraction": "clip_ratio/region_mean",
+    "grad_norm": "grad_norm",
+    "learning_rate": "lr",
 }
 
 
@@ -48,8 +51,9 @@ class TrainGroup(Protocol):
 
     def compute_ref_logps(self, dispatch: Any) -> list[dict[str, Any]]: ...
 
-    def train_step(self, dispatch: Any, extra_metrics: dict[str, float] | None = None
-                   ) -> list[dict[str, Any]]: ...
+    def train_step(
+        self, dispatch: Any, extra_metrics: dict[str, float] | None = None
+    ) -> list[dict[str, Any]]: ...
 
     def execute(self, method: str, *args: Any, **kwargs: Any) -> Any: ...
 
@@ -78,8 +82,15 @@ class SwiftTrainer:
     """The service's backend interface (``accumulate``, ``step``, ``save_version``,
     ``save_optimizer``)."""
 
-    def __init__(self, settings: LearnerSettings, group: TrainGroup, template: Any, *,
-                 vocab_size: int, padding_to: int | None = None) -> None:
+    def __init__(
+        self,
+        settings: LearnerSettings,
+        group: TrainGroup,
+        template: Any,
+        *,
+        vocab_size: int,
+        padding_to: int | None = None,
+    ) -> None:
         self.settings = settings
         self.group = group
         self.template = template
@@ -93,40 +104,58 @@ class SwiftTrainer:
     def step(self, sequences: Sequence[TrainSequence]) -> StepResult:
         started = time.perf_counter()
         settings = self.settings
-        batch = collate_step(sequences, self.template, dp_size=self.group.dp_size,
-                             micro_batch_size=settings.micro_batch_size,
-                             aggregation=settings.aggregation, padding_to=self.padding_to)
+        batch = collate_step(
+            sequences,
+            self.template,
+            dp_size=self.group.dp_size,
+            micro_batch_size=settings.micro_batch_size,
+            aggregation=settings.aggregation,
+            padding_to=self.padding_to,
+        )
         dispatch = _dispatch(batch.dispatch)
         rows = self.group.compute_logps(dispatch)
         trainer_logps = scatter_rows(batch, rows, "per_token_logps")
         stats = mask_mismatched_tokens(batch, trainer_logps, settings.max_log_ratio)
         if settings.beta > 0:
             ref_rows = self.group.compute_ref_logps(_dispatch(batch.dispatch))
-            for grpo, ref in zip(batch.grpo_batches, scatter_rows(batch, ref_rows,
-                                                                  "ref_per_token_logps"),
-                                 strict=True):
+            for grpo, ref in zip(
+                batch.grpo_batches,
+                scatter_rows(batch, ref_rows, "ref_per_token_logps"),
+                strict=True,
+            ):
                 grpo.ref_per_token_logps = ref
         results = self.group.train_step(_dispatch(batch.dispatch), extra_metrics=None)
         reported = _first(results)
         elapsed = time.perf_counter() - started
-        reported_figures = {ours: float(reported.get(theirs, math.nan))
-                            for ours, theirs in _METRIC_NAMES.items()}
+        reported_figures = {
+            ours: float(reported.get(theirs, math.nan)) for ours, theirs in _METRIC_NAMES.items()
+        }
         if settings.beta == 0:
             # no reference: not measured (left out of the manifest)
             reported_figures["kl"] = math.nan
         result = StepResult(
-            skipped=not reported.get("update_successful", True), **reported_figures,
-            tokens=float(batch.tokens), sequences=float(batch.sequences),
-            sampler_kl=stats["sampler_kl"], masked_fraction=stats["masked_fraction"],
+            skipped=not reported.get("update_successful", True),
+            **reported_figures,
+            tokens=float(batch.tokens),
+            sequences=float(batch.sequences),
+            sampler_kl=stats["sampler_kl"],
+            masked_fraction=stats["masked_fraction"],
             train_seconds=elapsed,
         )
-        log.info("swift step", iteration=reported.get("iteration"),
-                 **{k: round(v, 6) for k, v in result.metrics().items()})
+        log.info(
+            "swift step",
+            iteration=reported.get("iteration"),
+            **{k: round(v, 6) for k, v in result.metrics().items()},
+        )
         return result
 
     def save_version(self, directory: Path) -> None:
-        self.group.execute("save_hf_version", str(directory), self.format == "lora",
-                           str(self.settings.model_path.resolve()))
+        self.group.execute(
+            "save_hf_version",
+            str(directory),
+            self.format == "lora",
+            str(self.settings.model_path.resolve()),
+        )
 
     def save_optimizer(self, directory: Path) -> None:
         self.group.execute("save_training_state", str(directory))

@@ -22,8 +22,9 @@ from swift.ray.megatron.worker_group import dispatch_collect
 
 class HpcrlMegatronWorker(MegatronWorker):
     @dispatch_collect(dispatch="dp", collect="all")
-    def train_step(self, micro_batches: list[dict[str, Any]],
-                   extra_metrics: dict[str, Any] | None = None) -> dict[str, Any]:
+    def train_step(
+        self, micro_batches: list[dict[str, Any]], extra_metrics: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
         self._megatron.args.num_microbatches = len(micro_batches)
         return MegatronWorker.train_step(self, micro_batches, extra_metrics)
 
@@ -31,16 +32,25 @@ class HpcrlMegatronWorker(MegatronWorker):
     def save_hf_version(self, directory: str, lora: bool, base_model: str) -> None:
         # Every rank takes part (the export gathers tensor-parallel shards); rank 0 writes.
         megatron = self._megatron
-        megatron.bridge.save_weights(megatron.unwrapped_models, directory, peft_format=lora,
-                                     args=megatron.args,
-                                     processor=None if lora else megatron.template.processor)
+        megatron.bridge.save_weights(
+            megatron.unwrapped_models,
+            directory,
+            peft_format=lora,
+            args=megatron.args,
+            processor=None if lora else megatron.template.processor,
+        )
 
     @dispatch_collect(dispatch="broadcast", collect="first")
     def save_training_state(self, directory: str) -> None:
         from swift.megatron.utils.megatron_lm_utils import save_mcore_checkpoint
 
         megatron = self._megatron
-        save_mcore_checkpoint(megatron.args, megatron.wrapped_models, megatron.optimizer,
-                              megatron.opt_param_scheduler, iteration=megatron.state.iteration,
-                              output_dir=directory,
-                              peft_format=megatron.args.tuner_type == "lora")
+        save_mcore_checkpoint(
+            megatron.args,
+            megatron.wrapped_models,
+            megatron.optimizer,
+            megatron.opt_param_scheduler,
+            iteration=megatron.state.iteration,
+            output_dir=directory,
+            peft_format=megatron.args.tuner_type == "lora",
+        )
