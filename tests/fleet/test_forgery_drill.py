@@ -364,6 +364,21 @@ def batch_of(fleet: Fleet, group_id: str) -> RolloutBatch | None:
     )
 
 
+def freeze_benchmarker_holding_a_group(drill: Drill) -> Any:
+    """The benchmarker frozen once it holds every candidate of the next group, none judged."""
+    fleet = drill.fleet
+    return freeze_for_next_group(
+        drill,
+        "benchmarker",
+        lambda g, held: (
+            held >= GROUP_SIZE
+            and fleet.store.count_results(g.id) == 0
+            and fleet.ready(CODE_TO_BENCH) == 0
+        ),
+        "every candidate",
+    )
+
+
 def freeze_for_next_group(
     drill: Drill, service: str, holds: Callable[[Any, int], bool], what: str
 ) -> Any:
@@ -725,16 +740,7 @@ class TestForgeryDrill:
         t, fleet = drill.t, drill.fleet
         procs = drill.procs
         real = next(r for g in fleet.groups() for r in fleet.store.results_of(g.id))
-        target = freeze_for_next_group(
-            drill,
-            "benchmarker",
-            lambda g, held: (
-                held >= GROUP_SIZE
-                and fleet.store.count_results(g.id) == 0
-                and fleet.ready(CODE_TO_BENCH) == 0
-            ),
-            "every candidate",
-        )
+        target = freeze_benchmarker_holding_a_group(drill)
         try:
             request = request_of(fleet, target.id)
             host = real.host
@@ -834,16 +840,7 @@ class TestForgeryDrill:
         with no source (index 0), its own tokens and their hash."""
         t, fleet = drill.t, drill.fleet
         host, peak = drill.notes["host"], drill.notes["peak"]
-        target = freeze_for_next_group(
-            drill,
-            "benchmarker",
-            lambda g, held: (
-                held >= GROUP_SIZE
-                and fleet.store.count_results(g.id) == 0
-                and fleet.ready(CODE_TO_BENCH) == 0
-            ),
-            "every candidate",
-        )
+        target = freeze_benchmarker_holding_a_group(drill)
         try:
             request = request_of(fleet, target.id)
             gflops = round(0.8 * peak, 1)
