@@ -177,6 +177,14 @@ def test_changing_the_fp_environment_is_allowed_and_does_not_leak(judge: Judge) 
     assert verdict.generalizes is True
 
 
+def test_an_input_transposed_in_place_and_restored_is_allowed(judge: Judge) -> None:
+    # The inputs are checked after every call; one that is changed and put back bit for bit
+    # (here B transposed in place and back, at every size, square or not) is honest.
+    verdict = judge(kernel("transpose_in_place.c"))
+    assert_status(verdict, "success")
+    assert verdict.generalizes is True
+
+
 def test_early_exit_is_a_runtime_error(judge: Judge) -> None:
     verdict = judge(kernel("early_exit.c"))
     assert_status(verdict, "runtime_error")

@@ -39,6 +39,16 @@ def test_extract_last_definition_wins_and_qualifiers_are_accepted() -> None:
     assert "restrict A" in extract(text, SIG).code
 
 
+def test_extract_plain_text_keeps_a_block_comment_that_reads_like_prose() -> None:
+    comment = (
+        "/* Honest: B is transposed in place and back,\n"
+        "   so the input the harness checks\n"
+        "   is what it gave. */\n"
+    )
+    code = extract(f"Here you go:\n\n{comment}{SIG}\n{BODY}\n", SIG).code
+    assert code.startswith(comment) and "Here you go" not in code
+
+
 def test_extract_plain_text_drops_prose() -> None:
     code = extract(f"Here you go:\n\n{SIG}\n{BODY}\n\nThis is fast.\n", SIG).code
     assert code.startswith("void matmul_optimized") and "fast" not in code

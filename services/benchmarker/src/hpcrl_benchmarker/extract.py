@@ -185,15 +185,25 @@ def _code_span(text: str, offset: int) -> str:
                 end = i + 1
                 break
     start = offset
-    for line in reversed(text[:offset].splitlines(keepends=True)):
-        if _looks_like_prose(line):
+    for line, code in reversed(_lines_with_code(text[:offset], clean[:offset])):
+        if _looks_like_prose(line) and code.strip():
             break
         start -= len(line)
-    for line in text[end:].splitlines(keepends=True):
-        if _looks_like_prose(line):
+    for line, code in _lines_with_code(text[end:], clean[end:]):
+        if _looks_like_prose(line) and code.strip():
             break
         end += len(line)
     return text[start:end]
+
+
+def _lines_with_code(text: str, clean: str) -> list[tuple[str, str]]:
+    """Each line of ``text`` beside the same line with comments and literals blanked: a line
+    wholly inside a block comment is part of the code, however much it reads like prose."""
+    lines, pairs, at = text.splitlines(keepends=True), [], 0
+    for line in lines:
+        pairs.append((line, clean[at : at + len(line)]))
+        at += len(line)
+    return pairs
 
 
 def _looks_like_prose(line: str) -> bool:
