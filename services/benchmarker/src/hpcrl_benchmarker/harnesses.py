@@ -3,7 +3,8 @@
 A task names its harness (``harness = "gemv"``): the C template ``harness/<name>.c``, which
 includes the part every task shares (``harness/harness.h``: the job protocol, fresh inputs
 and a NaN-poisoned output per call, guard zones, the READY/go handshake, the seccomp
-lock-down), and the Python description registered here (``gemm.py``, ``gemv.py``), which
+lock-down), and the Python description registered here (``gemm.py``, ``gemv.py``,
+``stencil.py``, ``spmv.py``), which
 says what is specific to the task: the sizes on a job's line, the output's shape, the inputs
 (made from the seed exactly as the template makes them), the reference, and where and how
 closely the output is checked. The pipeline, the runner and the checks know nothing else of
@@ -32,10 +33,10 @@ SECOND_SALT = 0x5DEECE66DA3B1F7F
 CBLAS_ROW_MAJOR, CBLAS_NO_TRANS = 101, 111
 
 
-def random_values(seed: int, count: int) -> np.ndarray:
-    """splitmix64 values in [-1, 1), bit-identical to the harness's ``fill``. In place, one
-    temporary: 9.5 ms for GEMV's 1 M values against 14.6 ms with a new array per step (the
-    references of a candidate's ten jobs are computed while it compiles)."""
+def random_words(seed: int, count: int) -> np.ndarray:
+    """The splitmix64 words mix(seed + k * golden), k = 1 .. count, as uint64: the harness's
+    ``draw`` (the integers behind ``fill``'s values, and SpMV's structure). In place, one
+    temporary."""
     with np.errstate(over="ignore"):
         z = np.arange(1, count + 1, dtype=np.uint64)
         z *= _GOLDEN
@@ -48,7 +49,15 @@ def random_values(seed: int, count: int) -> np.ndarray:
         z *= np.uint64(0x94D049BB133111EB)
         np.right_shift(z, np.uint64(31), out=shifted)
         z ^= shifted
-        z >>= np.uint64(11)
+    return z
+
+
+def random_values(seed: int, count: int) -> np.ndarray:
+    """splitmix64 values in [-1, 1), bit-identical to the harness's ``fill``. In place, one
+    temporary: 9.5 ms for GEMV's 1 M values against 14.6 ms with a new array per step (the
+    references of a candidate's ten jobs are computed while it compiles)."""
+    z = random_words(seed, count)
+    z >>= np.uint64(11)
     values = z.astype(np.float64)
     values *= 2.0**-52  # (z >> 11) * 2^-53 * 2, exactly
     values -= 1.0
@@ -94,6 +103,9 @@ class Harness(ABC):
     dims: tuple[str, ...]  # the sizes on a job's line, in the order the template reads them
     names: Names  # how messages name its arrays
     routine: str  # the reference routine, the task's `reference`
+    # Whether that routine (an OpenBLAS call) is the task's performance reference, timed by
+    # `check --reference`; a numpy reference (stencil, spmv) only verifies.
+    timed_routine: bool = True
 
     def job(self, kind: str, sizes: Mapping[str, int], seed: int) -> Job:
         return Job(kind, dict(sizes), seed, self)
@@ -137,7 +149,12 @@ class Harness(ABC):
 
 
 # harness name -> the module whose HARNESS describes it
-REGISTRY = {"gemm": "hpcrl_benchmarker.gemm", "gemv": "hpcrl_benchmarker.gemv"}
+REGISTRY = {
+    "gemm": "hpcrl_benchmarker.gemm",
+    "gemv": "hpcrl_benchmarker.gemv",
+    "stencil": "hpcrl_benchmarker.stencil",
+    "spmv": "hpcrl_benchmarker.spmv",
+}
 
 
 def get(name: str) -> Harness:

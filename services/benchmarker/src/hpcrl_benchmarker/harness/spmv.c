@@ -1,0 +1,77 @@
+/* hpcrl SpMV harness: y = A*x with A an M x N sparse matrix in CSR form: rowptr (M + 1 ints),
+ * col and val (NNZ each: int column indices, double values), x (N doubles), y (M doubles).
+ * The task's part only; the protocol, the sandbox's lock-down and every guarantee of a call
+ * are harness.h's (guard zones around all four inputs and y: a read of col or rowptr past its
+ * end gives -1, of val or x NaN; a write past y is seen). The parent
+ * (hpcrl_benchmarker/spmv.py) makes the same matrix from the same seed and computes the
+ * reference with numpy. Job line: "<kind> <M> <N> <NNZ>".
+ *
+ * The matrix, from the seed: each of the NNZ entries falls in a row drawn from a skewed law
+ * (a product of three uniforms, the rows then scattered by a bijection), so row lengths range
+ * from empty to ~60x the mean; a quarter of the columns lie near the row's diagonal position,
+ * the rest anywhere, in no order within a row, and may repeat. Built with counts and a prefix
+ * sum in rowptr itself: no memory beyond the inputs, no call through writable memory. */
+#define HARNESS_DIMS 3
+#define HARNESS_INPUTS 4
+#define MAX_DIM (1 << 24)
+#include "harness.h"
+
+#ifndef KERNEL_NAME
+#define KERNEL_NAME spmv_optimized
+#endif
+void KERNEL_NAME(const int *rowptr, const int *col, const double *val, const double *x,
+                 double *y, int M, int N);
+
+/* Salts of the four streams (spmv.py has the same). */
+#define ROW_SALT 0x243F6A8885A308D3ull
+#define COL_SALT 0x13198A2E03707344ull
+#define VAL_SALT 0xA4093822299F31D0ull
+#define X_SALT 0x5DEECE66DA3B1F7Full
+/* A prime above MAX_DIM: r -> (r * SCATTER + offset) mod M is a bijection of the rows. */
+#define SCATTER 16777259ull
+
+static size_t input_bytes(int input, const int *d) {
+    switch (input) {
+    case 0: return ((size_t)d[0] + 1) * sizeof(int); /* rowptr */
+    case 1: return (size_t)d[2] * sizeof(int);       /* col */
+    case 2: return (size_t)d[2] * sizeof(double);    /* val */
+    default: return (size_t)d[1] * sizeof(double);   /* x */
+    }
+}
+
+static size_t output_count(const int *d) {
+    return (size_t)d[0];
+}
+
+static uint64_t draw(uint64_t seed, size_t k) {
+    return mix(seed + (uint64_t)(k + 1) * 0x9E3779B97F4A7C15ull);
+}
+
+static void fill_inputs(void *const *in, const int *d, uint64_t seed) {
+    int *rowptr = in[0], *col = in[1];
+    uint64_t m = (uint64_t)d[0], n = (uint64_t)d[1];
+    size_t nnz = (size_t)d[2];
+    uint64_t offset = mix(seed ^ ROW_SALT) % m;
+    for (uint64_t i = 0; i <= m; i++) rowptr[i] = 0;
+    for (size_t k = 0; k < nnz; k++) {
+        uint64_t h = draw(seed ^ ROW_SALT, k);
+        uint64_t t = ((h >> 43) * ((h >> 22) & 0x1FFFFF) * ((h >> 1) & 0x1FFFFF)) >> 42;
+        uint64_t row = (((t * m) >> 21) * SCATTER + offset) % m;
+        rowptr[row + 1]++;
+    }
+    for (uint64_t i = 0; i < m; i++) rowptr[i + 1] += rowptr[i];
+    for (uint64_t i = 0; i < m; i++) {
+        uint64_t diagonal = i * n / m;
+        for (int k = rowptr[i]; k < rowptr[i + 1]; k++) {
+            uint64_t h = draw(seed ^ COL_SALT, (size_t)k);
+            col[k] = (int)((h & 3) == 0 ? (diagonal + (h >> 8) % 33 + 16 * n - 16) % n
+                                        : ((h >> 32) * n) >> 32);
+        }
+    }
+    fill(in[2], nnz, seed ^ VAL_SALT);
+    fill(in[3], (size_t)n, seed ^ X_SALT);
+}
+
+static void call_kernel(void *const *in, double *out, const int *d) {
+    KERNEL_NAME(in[0], in[1], in[2], in[3], out, d[0], d[1]);
+}
