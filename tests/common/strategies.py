@@ -11,7 +11,9 @@ from hpcrl_common.messages import (
     BenchResult,
     BenchSpec,
     Candidate,
+    CandidateCommitment,
     ChatMessage,
+    CommitmentEntry,
     GenerateRequest,
     HostInfo,
     PackedArray,
@@ -22,6 +24,7 @@ from hpcrl_common.messages import (
     Timing,
     WeightUpdate,
     candidate_id,
+    commitment_id,
 )
 from hpcrl_common.rewards import MAX_ABS_REWARD, reward_for_status
 
@@ -218,8 +221,34 @@ def weight_updates(draw: st.DrawFn) -> WeightUpdate:
     )
 
 
+@st.composite
+def candidate_commitments(draw: st.DrawFn) -> CandidateCommitment:
+    group = draw(ids)
+    indices = draw(st.lists(st.integers(0, 1023), min_size=1, max_size=8, unique=True))
+    entries = [
+        CommitmentEntry(
+            index=index,
+            rollout_sha256=draw(text_hashes),
+            completion_sha256=draw(text_hashes),
+        )
+        for index in indices
+    ]
+    return CandidateCommitment(
+        id=commitment_id(group, entries),
+        group_id=group,
+        entries=entries,
+        generator=draw(ids),
+        created_at=draw(timestamps),
+    )
+
+
 ANY_MESSAGE = st.one_of(
-    generate_requests, candidates(), bench_results(), rollout_batches, weight_updates()
+    generate_requests,
+    candidates(),
+    candidate_commitments(),
+    bench_results(),
+    rollout_batches,
+    weight_updates(),
 )
 
 

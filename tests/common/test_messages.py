@@ -13,12 +13,15 @@ from hypothesis import strategies as st
 from hpcrl_common.messages import (
     BenchResult,
     Candidate,
+    CandidateCommitment,
     MessageError,
     PackedArray,
     RolloutBatch,
     WeightUpdate,
     decode,
     encode,
+    rollout_sha256,
+    text_sha256,
 )
 
 from .strategies import ANY_MESSAGE, candidates, sample_candidate, sample_weight_update
@@ -326,3 +329,48 @@ def test_rollout_rewards_stay_in_their_modes_range(mode, reward, status, reason)
     with pytest.raises(MessageError, match=reason):
         decode(msgpack.packb(_batch(mode, reward, status)))
     decode(msgpack.packb(_batch(mode, 100.0 if status == "success" else -40.0, status)))
+
+
+def test_a_commitment_covers_everything_the_learner_takes_from_a_candidate():
+    candidate = sample_candidate("g7", 2)
+    assert candidate.rollout is not None
+    commitment = CandidateCommitment.of([candidate, sample_candidate("g7", 3)], "gen-a")
+    assert decode(encode(commitment), CandidateCommitment) == commitment
+    assert commitment.id.startswith("g7@") and commitment.generator == "gen-a"
+    [entry, _] = commitment.entries
+    assert entry.completion_sha256 == text_sha256(candidate.completion)
+    assert entry.rollout_sha256 == rollout_sha256(candidate.rollout)
+    # The dtype a producer chose does not change it ...
+    rollout = candidate.rollout
+    wider = rollout.model_copy(
+        update={
+            "completion_token_ids": PackedArray.of(rollout.completion_token_ids.numpy(), "<i8"),
+            "sampling_logprobs": PackedArray.of(rollout.sampling_logprobs.numpy(), "<f8"),
+        }
+    )
+    assert rollout_sha256(wider) == entry.rollout_sha256
+    # ... every field the learner reads does.
+    ids = rollout.completion_token_ids.numpy()
+    changed = {
+        "completion ids": {"completion_token_ids": PackedArray.of([*ids[:-1], 66], "<i4")},
+        "prompt ids": {"prompt_token_ids": PackedArray.of([1, 2, 3], "<i4")},
+        "log-probs": {
+            "sampling_logprobs": PackedArray.of(rollout.sampling_logprobs.numpy() - 0.5, "<f4")
+        },
+        "version": {"policy_version": rollout.policy_version + 1},
+        "finish reason": {"finish_reason": "length"},
+    }
+    for what, update in changed.items():
+        assert rollout_sha256(rollout.model_copy(update=update)) != entry.rollout_sha256, what
+
+
+def test_a_commitment_under_another_id_or_twice_one_index_is_refused():
+    commitment = CandidateCommitment.of([sample_candidate("g7", 2)])
+    raw = msgpack.unpackb(encode(commitment))
+    with pytest.raises(MessageError, match="commitment id must be 'g7@"):
+        decode(msgpack.packb({**raw, "id": "g7@0000000000000000"}))
+    twice = {**raw, "entries": raw["entries"] * 2}
+    with pytest.raises(MessageError, match="a candidate index is committed twice"):
+        decode(msgpack.packb(twice))
+    with pytest.raises(ValueError, match="one group"):
+        CandidateCommitment.of([sample_candidate("g7", 2), sample_candidate("g8", 2)])

@@ -2,19 +2,30 @@
 
 from __future__ import annotations
 
-from typing import get_args
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, get_args
 
 import pytest
 
 from hpcrl_common.messages import (
     BenchResult,
     BenchSpec,
+    CandidateCommitment,
+    CommitmentEntry,
     HostInfo,
     PackedArray,
     RolloutBatch,
     RolloutData,
+    commitment_id,
+    rollout_sha256,
+    text_sha256,
 )
 from hpcrl_scheduler.selection import Program
+
+if TYPE_CHECKING:
+    from hpcrl_common.broker import Publish
+    from hpcrl_common.topology import Topology
+    from hpcrl_scheduler.scheduler import Scheduler
 
 PENALTY = {
     "format_violation": -100.0,
@@ -101,3 +112,41 @@ def program(
         source=source if source is not None else default,
         gflops=gflops if status == "success" else None,
     )
+
+
+def commitment(results: Sequence[BenchResult], generator: str = "") -> CandidateCommitment:
+    """What the generator committed to for these results' candidates: their rollouts and,
+    where a result reports one, the text judged (else any text)."""
+    entries = [
+        CommitmentEntry(
+            index=r.index,
+            rollout_sha256=rollout_sha256(r.rollout),
+            completion_sha256=r.completion_sha256 or text_sha256(f"candidate {r.id}"),
+        )
+        for r in {r.index: r for r in results if r.rollout is not None}.values()
+    ]
+    group_id = results[0].group_id
+    return CandidateCommitment(
+        id=commitment_id(group_id, entries), group_id=group_id, entries=entries, generator=generator
+    )
+
+
+def deliver(scheduler: Scheduler, res: BenchResult, publisher: str | None = None) -> None:
+    """A result as it comes in a run: its candidate's commitment first (when it has token
+    data and its group is open), then the result."""
+    group = scheduler.store.group(res.group_id)
+    if res.rollout is not None and group is not None and group.state != "closed":
+        scheduler.handle_commitment(commitment([res]))
+    scheduler.handle_result(res, publisher)
+
+
+def committed(topology: Topology, results: Sequence[BenchResult]) -> list[Publish]:
+    """The publishes of a generator's commitment to these results' candidates, then of the
+    results (what a generator and a benchmarker send, in that order)."""
+    from hpcrl_common.broker import Publish
+    from hpcrl_common.topology import BENCH_RESULTS, CANDIDATE_COMMITMENTS
+
+    return [
+        Publish(topology.name(CANDIDATE_COMMITMENTS), commitment(results)),
+        *(Publish(topology.name(BENCH_RESULTS), r) for r in results),
+    ]

@@ -12,7 +12,7 @@ from hpcrl_scheduler.report import export, snapshot
 from hpcrl_scheduler.scheduler import Scheduler, SchedulerError
 from hpcrl_scheduler.store import Store
 
-from .helpers import needs_contract, result
+from .helpers import deliver, needs_contract, result
 
 
 class Clock:
@@ -59,7 +59,8 @@ STAGE1_OK = "void matmul_optimized(double*A,double*B,double*C,int M,int N,int K)
 def answer(s: Scheduler, request: GenerateRequest, statuses) -> None:
     for index, status in enumerate(statuses):
         gflops = 2.0 + index if status == "success" else None
-        s.handle_result(
+        deliver(
+            s,
             result(
                 request.id,
                 index,
@@ -68,7 +69,7 @@ def answer(s: Scheduler, request: GenerateRequest, statuses) -> None:
                 stage=request.bench.stage,
                 source=f"{STAGE1_OK} /* {request.id} {index} */ int v{index};",
                 error="x.c:1: error: boom" if status != "success" else "",
-            )
+            ),
         )
 
 
@@ -110,8 +111,8 @@ def test_duplicates_late_and_unknown_results(tmp_path):
     s = make(tmp_path, clock, group_deadline_s=60)
     s.step()
     [request] = requests(s)
-    s.handle_result(result(request.id, 0, gflops=1.0))
-    s.handle_result(result(request.id, 0, gflops=9.0))  # redelivered copy: ignored
+    deliver(s, result(request.id, 0, gflops=1.0))
+    deliver(s, result(request.id, 0, gflops=9.0))  # redelivered copy: ignored
     assert s.store.count_results(request.id) == 1
     clock.now += 61
     s.step()  # the deadline closes the group short with what it has
@@ -119,12 +120,12 @@ def test_duplicates_late_and_unknown_results(tmp_path):
     assert group.state == "closed" and group.close_reason == "deadline"
     [batch] = batches(s)
     assert len(batch.samples) == 1 and batch.samples[0].reward == 100.0
-    s.handle_result(result(request.id, 1, gflops=5.0))  # late: stored, not filed
+    deliver(s, result(request.id, 1, gflops=5.0))  # late: stored, not filed
     assert [p.id for p in s.store.pool(0)] == [f"{request.id}/0"]
     with pytest.raises(Reject):
-        s.handle_result(result("other.s0.t0.g0000", 0, gflops=1.0))
+        deliver(s, result("other.s0.t0.g0000", 0, gflops=1.0))
     with pytest.raises(Reject):
-        s.handle_result(result(request.id, 3, gflops=1.0))
+        deliver(s, result(request.id, 3, gflops=1.0))
 
 
 def test_group_without_token_data_files_children_but_sends_no_batch(tmp_path):
@@ -132,10 +133,11 @@ def test_group_without_token_data_files_children_but_sends_no_batch(tmp_path):
     s.step()
     [request] = requests(s)
     for index in range(2):
-        s.handle_result(
+        deliver(
+            s,
             result(
                 request.id, index, gflops=1.0 + index, with_rollout=False, source=f"int x{index};"
-            )
+            ),
         )
     assert batches(s) == []
     assert s.store.group(request.id).outcome == "no_rollout"
@@ -236,7 +238,7 @@ def test_restart_resumes_and_a_different_experiment_is_refused(tmp_path):
     s = make(tmp_path)
     s.step()
     [request] = requests(s)
-    s.handle_result(result(request.id, 0, gflops=1.0))
+    deliver(s, result(request.id, 0, gflops=1.0))
     s.store.close()
     again = make(tmp_path)
     again.step()
@@ -274,7 +276,7 @@ def test_parent_relative_groups_publish_rewards_against_their_parent(tmp_path):
     for index, (gflops, source) in enumerate(
         [(2.3, copy), (3.0, "int faster;"), (0.5, "int slower;")]
     ):
-        s.handle_result(result(deepen.id, index, gflops=gflops, stage=2, source=source))
+        deliver(s, result(deepen.id, index, gflops=gflops, stage=2, source=source))
     [batch] = [b for b in batches(s) if b.id == deepen.id]
     # copy -> 0 despite +15 % timing noise; 3 / 2 -> +50; 0.5 / 2 -> -75, clamped to -9
     assert batch.reward_mode == "parent_relative"

@@ -13,7 +13,6 @@ from hpcrl_common.broker import Consumer, Publish, Publisher
 from hpcrl_common.checkpoints import CheckpointStore
 from hpcrl_common.messages import GenerateRequest, RolloutBatch, WeightUpdate, decode
 from hpcrl_common.topology import (
-    BENCH_RESULTS,
     GENERATE_REQUESTS,
     ROLLOUT_BATCHES,
     WEIGHT_UPDATES,
@@ -25,7 +24,7 @@ from hpcrl_scheduler.service import SchedulerService
 from hpcrl_scheduler.store import Store
 
 from ..conftest import RunningConsumer
-from .helpers import result
+from .helpers import committed, result
 
 pytestmark = pytest.mark.broker
 
@@ -70,9 +69,7 @@ def test_results_batches_version_floor_and_pacing(broker_settings, raw_channel, 
         assert request.iteration == 0 and request.min_policy_version == 0
         first = result(request.id, 0, gflops=4.5, source="int fast;")
         second = result(request.id, 1, "compile_error", source="int broken")
-        publisher.publish(
-            *(Publish(topology.name(BENCH_RESULTS), r) for r in (first, first, second))
-        )
+        publisher.publish(*committed(topology, (first, first, second)))
         [batch] = take(raw_channel, topology.name(ROLLOUT_BATCHES), RolloutBatch)
         assert [s.reward for s in batch.samples] == [4.5, -40.0]
         assert batch.reward_mode == "raw"
@@ -134,7 +131,7 @@ def test_results_without_source_do_not_wedge_the_scheduler(broker_settings, raw_
             requests = take(raw_channel, topology.name(GENERATE_REQUESTS), GenerateRequest)
             assert [r.iteration for r in requests] == [iteration]
             answers = [result(requests[0].id, i, gflops=5.0 + i, source=None) for i in range(2)]
-            publisher.publish(*(Publish(topology.name(BENCH_RESULTS), r) for r in answers))
+            publisher.publish(*committed(topology, answers))
         deadline = time.monotonic() + 20
         while not scheduler.done() and time.monotonic() < deadline:
             time.sleep(0.1)

@@ -18,7 +18,7 @@ from hpcrl_scheduler.scheduler import Scheduler
 from hpcrl_scheduler.selection import Program
 from hpcrl_scheduler.store import GroupRow, Store
 
-from .helpers import result
+from .helpers import deliver, result
 
 PROMPT = [{"role": "system", "content": "sys"}, {"role": "user", "content": "write it"}]
 
@@ -398,9 +398,9 @@ def test_a_run_started_with_the_old_schema_resumes_after_the_rename(tmp_path: Pa
     assert s.iteration() == 1
     assert [m.id for _, _, m in s.store.unsent() if isinstance(m, GenerateRequest)] == [PENDING]
 
-    s.handle_result(result(IN_FLIGHT, 0, gflops=9.0))  # redelivered: already filed
+    deliver(s, result(IN_FLIGHT, 0, gflops=9.0))  # redelivered: already filed
     for index, gflops in ((1, 4.0), (2, 1.0)):
-        s.handle_result(result(IN_FLIGHT, index, gflops=gflops))
+        deliver(s, result(IN_FLIGHT, index, gflops=gflops))
     closed = s.store.group(IN_FLIGHT)
     assert closed is not None and closed.state == "closed" and closed.outcome == "sent"
     [batch] = [m for _, _, m in s.store.unsent() if isinstance(m, RolloutBatch)]
@@ -408,7 +408,7 @@ def test_a_run_started_with_the_old_schema_resumes_after_the_rename(tmp_path: Pa
     assert [x.reward for x in batch.samples] == [50.0, 100.0, 25.0]
 
     for index in range(3):
-        s.handle_result(result(PENDING, index, gflops=1.0 + index, stage=2))
+        deliver(s, result(PENDING, index, gflops=1.0 + index, stage=2))
     assert s.done()
     data = snapshot(s.store)
     assert data["done"] and [it["batches_sent"] for it in data["iterations"]] == [1, 2]

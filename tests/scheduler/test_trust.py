@@ -24,6 +24,7 @@ from hpcrl_common.messages import (
 )
 from hpcrl_common.topology import (
     BENCH_RESULTS,
+    CANDIDATE_COMMITMENTS,
     CODE_TO_BENCH,
     GENERATE_REQUESTS,
     REASON_HEADER,
@@ -37,7 +38,7 @@ from hpcrl_scheduler.service import SchedulerService
 from hpcrl_scheduler.store import Store
 
 from ..conftest import RunningConsumer
-from .helpers import result
+from .helpers import commitment, committed, deliver, result
 from .test_service_broker import take
 
 CLASS = "amd-epyc/avx512f/gcc12/0123456789ab"
@@ -125,8 +126,10 @@ def test_a_result_above_its_host_classs_peak_is_refused(broker_settings, raw_cha
             bench_result(request.id, 1, 5000.0, peak=1e6, benchmarker="evil"),
             bench_result(request.id, 1, 300.0, peak=1e6, benchmarker="evil"),
         ]
-        publisher.publish(Publish(topology.name(BENCH_RESULTS), genuine))
+        publisher.publish(*committed(topology, [genuine]))
         time.sleep(0.5)  # the genuine host's report first
+        # The generator's candidate 1 has one rollout, which every report of it carries.
+        publisher.publish(Publish(topology.name(CANDIDATE_COMMITMENTS), commitment(forged[:1])))
         reasons = []
         for each in forged:  # one at a time: the same id twice at once is one delivery
             publisher.publish(Publish(topology.name(BENCH_RESULTS), each))
@@ -170,7 +173,7 @@ def test_a_winner_that_does_not_reproduce_is_dropped_and_its_host_suspect(
         [request] = take(raw_channel, topology.name(GENERATE_REQUESTS), GenerateRequest)
         honest = bench_result(request.id, 0, 2.0, benchmarker="benchmarker-b", hostname="node2")
         forged = bench_result(request.id, 1, 300.0, benchmarker="evil")
-        publisher.publish(*(Publish(topology.name(BENCH_RESULTS), r) for r in (honest, forged)))
+        publisher.publish(*committed(topology, (honest, forged)))
         [check] = take(raw_channel, topology.name(CODE_TO_BENCH), Candidate)
         assert check.group_id == f"{request.id}.confirm1" and check.rollout is None
         assert check.generator == f"confirm|evil|{CLASS}"
@@ -221,7 +224,7 @@ def test_a_winner_without_its_source_is_dropped_unless_told_to_count_it(
         sourceless = bench_result(request.id, 1, 300.0, benchmarker="evil").model_copy(
             update={"source": None}
         )
-        publisher.publish(*(Publish(topology.name(BENCH_RESULTS), r) for r in (honest, sourceless)))
+        publisher.publish(*committed(topology, (honest, sourceless)))
         if without_source == "drop":
             [check] = take(raw_channel, topology.name(CODE_TO_BENCH), Candidate)
             assert check.group_id == f"{request.id}.confirm1"
@@ -279,30 +282,37 @@ def test_a_winner_is_not_confirmed_by_its_own_broker_user_where_another_has_the_
     def confirmations() -> list[Candidate]:
         return [m for _, q, m in scheduler.store.unsent() if q == CODE_TO_BENCH]
 
-    scheduler.handle_result(
+    deliver(
+        scheduler,
         bench_result(request.id, 0, 2.0, benchmarker="b-site-b"),
         publisher="hpcrl-benchmarker.site-b",
     )
-    scheduler.handle_result(
-        bench_result(request.id, 1, 30.0, benchmarker="evil"), publisher="hpcrl-benchmarker.site-a"
+    deliver(
+        scheduler,
+        bench_result(request.id, 1, 30.0, benchmarker="evil"),
+        publisher="hpcrl-benchmarker.site-a",
     )
     [first] = confirmations()
-    scheduler.handle_result(
+    deliver(
+        scheduler,
         bench_result(first.group_id, 0, 29.0, benchmarker="evil-2"),
         publisher="hpcrl-benchmarker.site-a",
     )  # itself: not enough
     assert scheduler.store.group(request.id).state != "closed"
     second = confirmations()[-1]
     assert second.group_id == f"{request.id}.confirm2" and "/* kernel 1 */" in second.completion
-    scheduler.handle_result(
+    deliver(
+        scheduler,
         bench_result(second.group_id, 0, 2.2, benchmarker="b-site-b"),
         publisher="hpcrl-benchmarker.site-b",
     )  # the other site: 13x less
     assert "node1/evil" in scheduler.suspect_hosts()
     third = confirmations()[-1]  # the next best, 2.0 from site b: another user confirms it
     assert third.group_id == f"{request.id}.confirm3" and "/* kernel 0 */" in third.completion
-    scheduler.handle_result(
-        bench_result(third.group_id, 0, 2.1, benchmarker="b2"), publisher="hpcrl-benchmarker.site-a"
+    deliver(
+        scheduler,
+        bench_result(third.group_id, 0, 2.1, benchmarker="b2"),
+        publisher="hpcrl-benchmarker.site-a",
     )
     group = scheduler.store.group(request.id)
     assert group is not None and group.state == "closed" and group.excluded == 1

@@ -31,7 +31,6 @@ from hpcrl_common.messages import (
     encode,
 )
 from hpcrl_common.topology import (
-    BENCH_RESULTS,
     GENERATE_REQUESTS,
     ROLLOUT_BATCHES,
     WEIGHT_UPDATES,
@@ -44,7 +43,7 @@ from hpcrl_scheduler.store import Store
 
 from ..conftest import RunningConsumer
 from ..support.waiting import wait_for
-from .helpers import result
+from .helpers import committed, result
 from .test_service_broker import take
 from .test_trust import dead_letters
 
@@ -170,12 +169,9 @@ def test_pacing_figures_are_typed_and_in_range(broker_settings, raw_channel, tmp
     with RunningConsumer(consumer), Publisher(broker_settings) as publisher:
         [request] = take(raw_channel, topology.name(GENERATE_REQUESTS), GenerateRequest)
         publisher.publish(
-            *(
-                Publish(
-                    topology.name(BENCH_RESULTS),
-                    result(request.id, i, gflops=2.0 + i, source=f"int k{i};"),
-                )
-                for i in range(2)
+            *committed(
+                topology,
+                [result(request.id, i, gflops=2.0 + i, source=f"int k{i};") for i in range(2)],
             )
         )
         take(raw_channel, topology.name(ROLLOUT_BATCHES), RolloutBatch)

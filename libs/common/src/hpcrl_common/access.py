@@ -16,9 +16,11 @@ Roles (the four services of docs/SPEC.md section 2; docs/DESIGN.md section 3):
 ==========  =========================  ================================  ====================
 role        consumes                   publishes                         configures
 ==========  =========================  ================================  ====================
-scheduler   bench-results, updates     generate-requests, batches,       nothing
-                                       code-to-bench (confirmations)
-generator   generate-requests, updates code-to-bench                     its replica's queue
+scheduler   bench-results,             generate-requests, batches,       nothing
+            candidate-commitments,     code-to-bench (confirmations)
+            updates
+generator   generate-requests, updates code-to-bench,                    its replica's queue
+                                       candidate-commitments
 benchmarker code-to-bench              bench-results                     nothing
 learner     rollout-batches            weight-updates                    nothing
 client      its reward-verdicts queue  reward-requests                   nothing
@@ -66,6 +68,7 @@ from typing import Any, Literal
 from hpcrl_common.config import ROLE_NAMES
 from hpcrl_common.topology import (
     BENCH_RESULTS,
+    CANDIDATE_COMMITMENTS,
     CODE_TO_BENCH,
     FANOUT_EXCHANGES,
     GENERATE_REQUESTS,
@@ -89,6 +92,8 @@ AnyRole = Role | Literal["client"]
 PUBLISHER_ROLES: dict[str, tuple[AnyRole, ...]] = {
     GENERATE_REQUESTS: ("scheduler",),
     CODE_TO_BENCH: ("generator", "scheduler"),
+    # What the generator sent for each candidate: only it may say (hpcrl_scheduler.commitments).
+    CANDIDATE_COMMITMENTS: ("generator",),
     BENCH_RESULTS: ("benchmarker",),
     ROLLOUT_BATCHES: ("scheduler",),
     WEIGHT_UPDATES: ("learner",),
@@ -134,15 +139,17 @@ def role_permissions(topology: Topology, role: AnyRole, user: str = "") -> Permi
                 inbox(ROLLOUT_BATCHES),
                 inbox(CODE_TO_BENCH),
                 dead_letters(BENCH_RESULTS),
+                dead_letters(CANDIDATE_COMMITMENTS),
                 dead_letters(WEIGHT_UPDATES),
             ),
-            read=_any(queue(BENCH_RESULTS), scheduler_queue),
+            read=_any(queue(BENCH_RESULTS), queue(CANDIDATE_COMMITMENTS), scheduler_queue),
         )
     if role == "generator":
         return Permissions(
             configure=_any(replica_queue),
             write=_any(
                 inbox(CODE_TO_BENCH),
+                inbox(CANDIDATE_COMMITMENTS),
                 dead_letters(GENERATE_REQUESTS),
                 dead_letters(WEIGHT_UPDATES),
                 replica_queue,

@@ -188,6 +188,28 @@ def candidate_id(group_id: str, index: int) -> str:
     return f"{group_id}/{index}"
 
 
+ROLLOUT_HASH_TAG = b"hpcrl-rollout/1\x00"
+
+
+def rollout_sha256(rollout: RolloutData) -> str:
+    """A hash of everything the learner takes from one candidate's rollout: prompt and
+    completion token ids, sampling log-probs, policy version, finish reason. Arrays are
+    hashed as int64 / float64 little-endian, so the dtype a producer chose does not change
+    it; every field is length-prefixed."""
+    digest = hashlib.sha256(ROLLOUT_HASH_TAG)
+
+    def part(data: bytes) -> None:
+        digest.update(len(data).to_bytes(8, "little"))
+        digest.update(data)
+
+    part(str(rollout.policy_version).encode("ascii"))
+    part((rollout.finish_reason or "").encode("utf-8", "surrogatepass"))
+    part(rollout.prompt_token_ids.numpy().astype("<i8").tobytes())
+    part(rollout.completion_token_ids.numpy().astype("<i8").tobytes())
+    part(rollout.sampling_logprobs.numpy().astype("<f8").tobytes())
+    return digest.hexdigest()
+
+
 class Candidate(Message):
     """Generator → benchmarker: one completion to compile, verify and time."""
 
@@ -311,6 +333,76 @@ class BenchResult(Message):
                 f"gflops {self.gflops!r} is above the host's theoretical peak {peak!r}"
             )
         return self
+
+
+class CommitmentEntry(Strict):
+    """What the generator sent as candidate ``index`` of a group."""
+
+    index: Annotated[int, Field(ge=0, lt=1024)]
+    rollout_sha256: TextHash  # rollout_sha256(candidate.rollout)
+    completion_sha256: TextHash  # text_sha256(candidate.completion)
+
+
+def commitment_id(group_id: str, entries: list[CommitmentEntry]) -> str:
+    """``<group id>@<16 hex>``: the group and a digest of what is committed, so that a
+    group sampled again (a redelivered request) commits under an id of its own, which a
+    consumer's memory of handled ids does not swallow."""
+    digest = hashlib.sha256()
+    for entry in sorted(entries, key=lambda e: e.index):
+        digest.update(
+            f"{entry.index}:{entry.rollout_sha256}:{entry.completion_sha256};".encode("ascii")
+        )
+    return f"{group_id}@{digest.hexdigest()[:16]}"
+
+
+class CandidateCommitment(Message):
+    """Generator → scheduler (``candidate-commitments``): what the generator sent for each
+    candidate of one group (the hashes of its rollout and of its text), published before the
+    candidates. The scheduler takes a result's rollout (the tokens the learner trains) only
+    when it is one the generator committed to for that candidate id, and the text the
+    benchmarker says it judged only when it is that candidate's; only the generator role may
+    publish here (``hpcrl_common.access``)."""
+
+    SCHEMA_NAME: ClassVar[str] = "candidate-commitment"
+
+    group_id: MessageId
+    entries: Annotated[list[CommitmentEntry], Field(min_length=1, max_length=1024)]
+    generator: ShortText = ""
+    created_at: Timestamp = Field(default_factory=time.time)
+
+    @model_validator(mode="after")
+    def _stable_id(self) -> CandidateCommitment:
+        indices = [entry.index for entry in self.entries]
+        if len(set(indices)) != len(indices):
+            raise ValueError("a candidate index is committed twice")
+        expected = commitment_id(self.group_id, self.entries)
+        if self.id != expected:
+            raise ValueError(f"commitment id must be {expected!r}, got {self.id!r}")
+        return self
+
+    @classmethod
+    def of(cls, candidates: list[Candidate], generator: str = "") -> CandidateCommitment:
+        """The commitment to ``candidates`` (one group's, each with its rollout)."""
+        if not candidates or len({c.group_id for c in candidates}) != 1:
+            raise ValueError("a commitment covers the candidates of one group")
+        entries = []
+        for candidate in candidates:
+            if candidate.rollout is None:
+                raise ValueError(f"{candidate.id} has no rollout to commit to")
+            entries.append(
+                CommitmentEntry(
+                    index=candidate.index,
+                    rollout_sha256=rollout_sha256(candidate.rollout),
+                    completion_sha256=text_sha256(candidate.completion),
+                )
+            )
+        group_id = candidates[0].group_id
+        return cls(
+            id=commitment_id(group_id, entries),
+            group_id=group_id,
+            entries=entries,
+            generator=generator,
+        )
 
 
 class RolloutSample(Strict):
@@ -441,7 +533,15 @@ class WeightUpdateV1(Message):
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.SCHEMA_NAME: cls
-    for cls in (GenerateRequest, Candidate, BenchResult, RolloutBatch, WeightUpdate, RewardRequest)
+    for cls in (
+        GenerateRequest,
+        Candidate,
+        CandidateCommitment,
+        BenchResult,
+        RolloutBatch,
+        WeightUpdate,
+        RewardRequest,
+    )
 }
 # Older majors still read (a rolling upgrade), each with an ``upgrade()`` to the current one.
 LEGACY_TYPES: dict[tuple[str, int], type[Message]] = {

@@ -41,6 +41,7 @@ from pika.adapters.blocking_connection import BlockingChannel
 from hpcrl_common.messages import (
     BenchResult,
     Candidate,
+    CandidateCommitment,
     GenerateRequest,
     Message,
     RewardRequest,
@@ -52,6 +53,9 @@ GENERATE_REQUESTS = "generate-requests"
 CODE_TO_BENCH = "code-to-bench"
 BENCH_RESULTS = "bench-results"
 ROLLOUT_BATCHES = "rollout-batches"
+# Generator → scheduler: what the generator sent for each candidate (a hash of its rollout),
+# so that no other role's message can have tokens trained that the generator did not send.
+CANDIDATE_COMMITMENTS = "candidate-commitments"
 WEIGHT_UPDATES = "weight-updates"
 DEAD_LETTER_EXCHANGE = "dead-letter"
 # Outside trainers' reward path (hpcrl-reward-client), apart from the scheduler's: requests
@@ -67,6 +71,7 @@ WORK_QUEUES: dict[str, type[Message]] = {
     BENCH_RESULTS: BenchResult,
     ROLLOUT_BATCHES: RolloutBatch,
     REWARD_REQUESTS: RewardRequest,
+    CANDIDATE_COMMITMENTS: CandidateCommitment,
 }
 FANOUT_EXCHANGES: dict[str, type[Message]] = {WEIGHT_UPDATES: WeightUpdate}
 

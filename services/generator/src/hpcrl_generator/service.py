@@ -1,4 +1,5 @@
-"""The generator service: generate-requests in, candidates on code-to-bench out.
+"""The generator service: generate-requests in, candidates on code-to-bench out (and, for
+each group, its commitment on candidate-commitments, before its candidates).
 
 A thin shell around :class:`hpcrl_common.broker.Consumer`. The engine samples one batch of
 requests at a time (under the engine lock): the requests waiting when it becomes free go
@@ -21,9 +22,15 @@ import structlog
 
 from hpcrl_common.broker import Consumer, Delivery, Publish, Reject
 from hpcrl_common.checkpoints import CheckpointStore
-from hpcrl_common.messages import GenerateRequest, WeightUpdate
+from hpcrl_common.messages import CandidateCommitment, GenerateRequest, WeightUpdate
 from hpcrl_common.metrics import BusyTime
-from hpcrl_common.topology import CODE_TO_BENCH, GENERATE_REQUESTS, WEIGHT_UPDATES, Topology
+from hpcrl_common.topology import (
+    CANDIDATE_COMMITMENTS,
+    CODE_TO_BENCH,
+    GENERATE_REQUESTS,
+    WEIGHT_UPDATES,
+    Topology,
+)
 from hpcrl_generator import metrics
 from hpcrl_generator.batching import Sampled, Waiting, WaitingRequests
 from hpcrl_generator.candidates import build_candidates
@@ -288,8 +295,14 @@ class Generator:
             groups_in_call=sampled.groups_in_call,
             tokens=sum(len(s.token_ids) for s in samples),
         )
+        # The commitment first (one channel keeps the order): what this generator sent for
+        # each candidate, which the scheduler holds every result's rollout against.
+        commitment = CandidateCommitment.of(candidates, self.replica)
         queue = self.topology.name(CODE_TO_BENCH)
-        return [Publish(queue, candidate) for candidate in candidates]
+        return [
+            Publish(self.topology.name(CANDIDATE_COMMITMENTS), commitment),
+            *(Publish(queue, candidate) for candidate in candidates),
+        ]
 
     # --- wiring -----------------------------------------------------------------------
 

@@ -152,6 +152,21 @@ class SchedulerSection(ServiceSection):
         "it: then one benchmarker credential can set a group's maximum)",
     )
 
+    require_commitments: bool = Field(
+        True,
+        description="file a result's token data only against the generator's commitment "
+        "to its candidate (candidate-commitments); a result whose commitment has not come "
+        "within commitment_wait_s is dead-lettered. false: such a result is filed unchecked "
+        "(generators of an older release during a rolling upgrade). A commitment that does "
+        "not match dead-letters the result either way",
+    )
+    commitment_wait_s: float = Field(
+        300.0,
+        gt=0,
+        description="how long a result that came before its candidate's commitment is held "
+        "for it (it counts in its group only once decided)",
+    )
+
     @model_validator(mode="after")
     def _ratios(self) -> SchedulerSection:
         if self.ratio_deepen + self.ratio_improve + self.ratio_repair <= 0:

@@ -13,8 +13,10 @@ RESULTS = Counter(
 )
 RESULTS_IGNORED = Counter(
     "hpcrl_scheduler_results_ignored_total",
-    "Results not filed: duplicate, late (group already closed), "
-    "above_peak (above the host class's peak: dead-lettered)",
+    "Results not filed: duplicate, late (group already closed); dead-lettered: "
+    "above_peak (above the host class's peak), rollout_mismatch (token data or judged text "
+    "not what the generator committed to for the candidate), no_commitment (none came "
+    "within commitment_wait_s)",
     ["reason"],
 )
 UPDATES_IGNORED = Counter(
@@ -30,6 +32,16 @@ PACING_CLAMPED = Counter(
     "hpcrl_scheduler_pacing_clamped_total",
     "Weight announcements whose groups done (trained + dropped) exceeded the rollout batches "
     "this scheduler sent (forged batches, replayed dead letters): paced by the batches sent",
+)
+HELD_RESULTS = Counter(
+    "hpcrl_scheduler_results_held_total",
+    "Results that came before their candidate's commitment and were held for it",
+)
+COMMITMENTS = Counter(
+    "hpcrl_scheduler_commitments_total",
+    "Generators' candidate commitments: filed, duplicate (filed already), late (group "
+    "closed), refused (no such group or index: dead-lettered)",
+    ["outcome"],
 )
 EXCLUDED = Counter(
     "hpcrl_scheduler_results_excluded_total",
@@ -138,5 +150,9 @@ GROUPS_TRAINED = Gauge(
 SUSPECT_HOSTS = Gauge(
     "hpcrl_scheduler_suspect_hosts",
     "Benchmark hosts whose winners a second measurement contradicted (/healthz: suspect_hosts)",
+)
+RESULTS_HELD = Gauge(
+    "hpcrl_scheduler_results_awaiting_commitment",
+    "Results waiting for their candidate's commitment (not counted in their group yet)",
 )
 UNSENT = Gauge("hpcrl_scheduler_outbox_unsent", "Messages written but not yet confirmed")

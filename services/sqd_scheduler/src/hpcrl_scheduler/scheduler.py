@@ -23,17 +23,20 @@ from hpcrl_common.checkpoints import CheckpointInfo, CheckpointStore, split_run
 from hpcrl_common.messages import (
     BenchResult,
     BenchSpec,
+    CandidateCommitment,
     ChatMessage,
     GenerateRequest,
     SamplingParams,
     WeightUpdate,
+    candidate_id,
+    rollout_sha256,
 )
 from hpcrl_common.prompts import Templates, build_prompt, failure_text, load_templates
 from hpcrl_common.stages import FIRST_STAGE
 from hpcrl_common.task import TaskSpec, load_task
 from hpcrl_common.task import builtin_seed as task_seed
-from hpcrl_common.topology import CODE_TO_BENCH, GENERATE_REQUESTS, ROLLOUT_BATCHES
-from hpcrl_scheduler import confirm, metrics
+from hpcrl_common.topology import BENCH_RESULTS, CODE_TO_BENCH, GENERATE_REQUESTS, ROLLOUT_BATCHES
+from hpcrl_scheduler import commitments, confirm, metrics
 from hpcrl_scheduler.config import SchedulerConfig
 from hpcrl_scheduler.groups import Parent, close_group, majority_class
 from hpcrl_scheduler.pacing import PacingState, hold_reason, outstanding
@@ -139,8 +142,10 @@ class Scheduler:
                 )
             s.set("iterations", self.section.iterations)
             s.set("reward_mode", self.section.reward_mode)
-            # Time spent down does not count against a group's deadline.
+            # Time spent down does not count against a group's deadline, nor against a held
+            # result's wait for its commitment.
             s.restart_deadlines(self.clock())
+            s.restart_holds(self.clock())
 
     # --- the loop step --------------------------------------------------------------
 
@@ -148,6 +153,7 @@ class Scheduler:
         """Close overdue groups, start the next iteration if due, admit requests."""
         now = self.clock()
         with self.store.tx():
+            self._expire_held(now)
             self._close_overdue(now)
             self._advance()
             self._admit(now)
@@ -307,8 +313,13 @@ class Scheduler:
     # --- messages -------------------------------------------------------------------
 
     def handle_result(self, result: BenchResult, publisher: str | None = None) -> None:
-        """File one result; ``publisher``: its broker user (``user_id``, broker-checked)."""
+        """File one result; ``publisher``: its broker user (``user_id``, broker-checked).
+
+        Refused: :class:`Reject` (dead-lettered). Held for its candidate's commitment
+        (:mod:`hpcrl_scheduler.commitments`): stored, then :class:`Ignore`, so that its id is
+        not remembered as handled and another result under it is still taken."""
         now = self.clock()
+        held = False
         with self.store.tx() as s:
             if s.has_result(result.id):
                 metrics.RESULTS_IGNORED.labels("duplicate").inc()
@@ -333,17 +344,143 @@ class Scheduler:
                     reason=refused,
                 )
                 raise Reject(refused)
-            self._note_publisher(result, publisher)
-            late = group.state == "closed"
-            s.add_result(result, received_at=now, late=late)
-            if late:
-                metrics.RESULTS_IGNORED.labels("late").inc()
-                return
-            s.note_progress(group.id, now)
-            metrics.RESULTS.labels(result.status).inc()
-            metrics.RESULT_LAG.observe(max(0.0, now - result.created_at))
-            if s.count_results(group.id) >= group.group_size:
-                self._close(group, now, "complete")
+            if group.state != "closed" and result.rollout is not None:
+                verdict, why = commitments.check(result, s.commitments_of(result.id))
+                if verdict == "mismatch":
+                    raise Reject(self._refuse_rollout(result, publisher, why))
+                if verdict == "unknown" and self.section.require_commitments:
+                    held = True
+                    self._hold(group, result, publisher, now)
+            if not held:
+                self._file(group, result, publisher, now)
+        if held:
+            raise Ignore(f"result {result.id} held until its candidate's commitment comes")
+
+    def _file(
+        self, group: GroupRow, result: BenchResult, publisher: str | None, now: float
+    ) -> None:
+        """File an admitted result (late once its group is closed); close a complete group."""
+        s = self.store
+        self._note_publisher(result, publisher)
+        late = group.state == "closed"
+        s.add_result(result, received_at=now, late=late)
+        if late:
+            metrics.RESULTS_IGNORED.labels("late").inc()
+            return
+        s.note_progress(group.id, now)
+        metrics.RESULTS.labels(result.status).inc()
+        metrics.RESULT_LAG.observe(max(0.0, now - result.created_at))
+        if s.count_results(group.id) >= group.group_size:
+            self._close(group, now, "complete")
+
+    # --- commitments (see commitments.py) ---------------------------------------------
+
+    def _hold(
+        self, group: GroupRow, result: BenchResult, publisher: str | None, now: float
+    ) -> None:
+        assert result.rollout is not None
+        fresh = self.store.hold_result(
+            result,
+            rollout_sha256=rollout_sha256(result.rollout),
+            publisher=publisher,
+            at=now,
+        )
+        if not fresh:
+            metrics.RESULTS_IGNORED.labels("duplicate").inc()
+            return
+        self.store.note_progress(group.id, now)
+        metrics.HELD_RESULTS.inc()
+        log.info(
+            "result held for its candidate's commitment",
+            result=result.id,
+            benchmarker=result.benchmarker,
+        )
+
+    def _refuse_rollout(
+        self, result: BenchResult, publisher: str | None, why: str, reason: str = "rollout_mismatch"
+    ) -> str:
+        """Count and log a result refused for its rollout; the dead letter's reason."""
+        metrics.RESULTS_IGNORED.labels(reason).inc()
+        log.warning(
+            "result refused: its rollout is not the generator's",
+            result=result.id,
+            reason=reason,
+            detail=why,
+            host=result.host.hostname,
+            benchmarker=result.benchmarker,
+            publisher=publisher,
+        )
+        return f"result {result.id} refused ({reason}): {why}"
+
+    def handle_commitment(self, commitment: CandidateCommitment) -> None:
+        """File the generator's commitment to a group's candidates; decide the results held
+        for it. Refused (:class:`Reject`): of no group of this scheduler, or of an index
+        outside the group."""
+        now = self.clock()
+        with self.store.tx() as s:
+            group = s.group(commitment.group_id)
+            if group is None:
+                metrics.COMMITMENTS.labels("refused").inc()
+                raise Reject(f"commitment {commitment.id}: no group {commitment.group_id!r} here")
+            beyond = [e.index for e in commitment.entries if e.index >= group.group_size]
+            if beyond:
+                metrics.COMMITMENTS.labels("refused").inc()
+                raise Reject(
+                    f"commitment {commitment.id}: indices {beyond} >= group size {group.group_size}"
+                )
+            if group.state == "closed":
+                metrics.COMMITMENTS.labels("late").inc()
+                return  # its results were decided; later ones are late anyway
+            fresh = 0
+            for entry in commitment.entries:
+                fresh += s.add_commitment(
+                    candidate_id(group.id, entry.index),
+                    group_id=group.id,
+                    rollout_sha256=entry.rollout_sha256,
+                    completion_sha256=entry.completion_sha256,
+                    at=now,
+                )
+            metrics.COMMITMENTS.labels("filed" if fresh else "duplicate").inc()
+            for entry in commitment.entries:
+                self._decide_held(candidate_id(group.id, entry.index), now)
+
+    def _decide_held(self, result_id: str, now: float, *, expired: bool = False) -> None:
+        """Decide the results held under ``result_id``: file the first that matches its
+        commitment, refuse those that do not; ``expired``: none came in time."""
+        s = self.store
+        for held in s.held_results_of(result_id):
+            result = held.result
+            group = s.group(result.group_id)
+            if group is None or group.state == "closed" or s.has_result(result.id):
+                # Its group closed (which released it), or another result took its place.
+                if s.release_held(held.seq):
+                    metrics.RESULTS_IGNORED.labels("duplicate" if group else "late").inc()
+                continue
+            verdict, why = commitments.check(result, s.commitments_of(result.id))
+            if verdict == "unknown" and not expired:
+                continue
+            s.release_held(held.seq)
+            unchecked = verdict == "unknown" and not self.section.require_commitments
+            if verdict == "match" or unchecked:
+                self._file(group, result, held.publisher, now)
+                continue
+            if verdict == "unknown":
+                reason = "no_commitment"
+                why = (
+                    f"no commitment of the generator for {result.id} came within "
+                    f"commitment_wait_s {self.section.commitment_wait_s:g} s"
+                )
+            else:
+                reason = "rollout_mismatch"
+            s.enqueue_dead_letter(
+                BENCH_RESULTS, result, self._refuse_rollout(result, held.publisher, why, reason)
+            )
+
+    def _expire_held(self, now: float) -> None:
+        """Results held longer than ``commitment_wait_s``: decided without a commitment."""
+        cutoff = now - self.section.commitment_wait_s
+        for result_id in dict.fromkeys(h.result.id for h in self.store.held_since_before(cutoff)):
+            self._decide_held(result_id, now, expired=True)
 
     def handle_weight_update(self, update: WeightUpdate) -> None:
         """Take a policy version (the floor) and the learner's pacing figures from an
@@ -727,6 +864,10 @@ class Scheduler:
             outcome = "sent"
         else:
             outcome = "no_rollout" if closed.kept else "empty"
+        s.forget_commitments(group.id)
+        for held in s.held_results_of_group(group.id):  # undecided: they never count now
+            s.release_held(held.seq)
+            metrics.RESULTS_IGNORED.labels("late").inc()
         s.mark_closed(
             group.id,
             at=now,
@@ -779,6 +920,7 @@ class Scheduler:
         metrics.POLICY_VERSION.set(int(s.get("policy_version", 0)))
         metrics.GROUPS_TRAINED.set(pacing.groups_trained)
         metrics.UNSENT.set(s.count_unsent())
+        metrics.RESULTS_HELD.set(s.count_held())
         metrics.SUSPECT_HOSTS.set(len(self.suspect_hosts()))
         metrics.POOL.clear()
         for program in dedupe(s.pool(t)):

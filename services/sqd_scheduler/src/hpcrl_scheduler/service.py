@@ -1,6 +1,8 @@
 """The scheduler service: a thin shell around hpcrl_common.broker.Consumer.
 
 * ``bench-results`` → :meth:`Scheduler.handle_result` (stored before the ack);
+* ``candidate-commitments`` → :meth:`Scheduler.handle_commitment` (what the generator sent,
+  which a result's rollout must match: :mod:`hpcrl_scheduler.commitments`);
 * ``weight-updates`` (durable subscriber queue ``weight-updates.scheduler``) → policy version
   and the learner's progress, for the version floor and pacing;
 * a timer runs :meth:`Scheduler.step`, publishes the outbox (marking rows sent once the
@@ -19,9 +21,16 @@ import structlog
 
 from hpcrl_common.access import SCHEDULER_SUBSCRIBER
 from hpcrl_common.broker import Consumer, Delivery, Publish
-from hpcrl_common.messages import BenchResult, Message, WeightUpdate
-from hpcrl_common.topology import BENCH_RESULTS, WEIGHT_UPDATES
+from hpcrl_common.messages import BenchResult, CandidateCommitment, Message, WeightUpdate
+from hpcrl_common.topology import (
+    BENCH_RESULTS,
+    CANDIDATE_COMMITMENTS,
+    CONSUMER_HEADER,
+    SOURCE_QUEUE_HEADER,
+    WEIGHT_UPDATES,
+)
 from hpcrl_scheduler.scheduler import Scheduler
+from hpcrl_scheduler.store import DEAD_LETTER_SUFFIX
 
 log = structlog.get_logger("hpcrl.scheduler")
 METRICS_REFRESH_S = 2.0
@@ -38,6 +47,7 @@ class SchedulerService:
         self._pending: dict[int, Future] = {}
         self._refreshed_at = -METRICS_REFRESH_S
         consumer.subscribe(BENCH_RESULTS, self._on_result)
+        consumer.subscribe(CANDIDATE_COMMITMENTS, self._on_commitment)
         consumer.subscribe_fanout(
             WEIGHT_UPDATES, SCHEDULER_SUBSCRIBER, self._on_weight_update, durable=True
         )
@@ -46,6 +56,11 @@ class SchedulerService:
     def _on_result(self, message: Message, delivery: Delivery) -> list[Publish]:
         assert isinstance(message, BenchResult)
         self.scheduler.handle_result(message, publisher=delivery.user_id)
+        return []
+
+    def _on_commitment(self, message: Message, _delivery: Delivery) -> list[Publish]:
+        assert isinstance(message, CandidateCommitment)
+        self.scheduler.handle_commitment(message)
         return []
 
     def _on_weight_update(self, message: Message, _delivery: Delivery) -> list[Publish]:
@@ -87,8 +102,23 @@ class SchedulerService:
             else:
                 log.warning("publish failed; will retry", seq=seq, error=repr(future.exception()))
         for seq, queue, message in store.unsent():
-            if seq not in self._pending:
-                self._pending[seq] = self.consumer.publish(Publish(topology.name(queue), message))
+            if seq in self._pending:
+                continue
+            if queue.endswith(DEAD_LETTER_SUFFIX):  # a held result refused: its dead letter
+                base = queue.removesuffix(DEAD_LETTER_SUFFIX)
+                item = Publish(
+                    topology.name(base),
+                    message,
+                    exchange=topology.dead_letter_inbox(base),
+                    headers=(
+                        *store.outbox_headers(seq).items(),
+                        (SOURCE_QUEUE_HEADER, topology.name(base)),
+                        (CONSUMER_HEADER, self.consumer.client),
+                    ),
+                )
+            else:
+                item = Publish(topology.name(queue), message)
+            self._pending[seq] = self.consumer.publish(item)
 
     def health(self) -> tuple[bool, dict[str, Any]]:
         detail: dict[str, Any] = {

@@ -1,4 +1,5 @@
-"""The scheduler's durable state in SQLite (WAL): pool, groups, results, outbox, counters.
+"""The scheduler's durable state in SQLite (WAL): pool, groups, results, outbox, counters,
+the generator's commitments and the results that wait for theirs.
 
 Every state change and the messages it causes are written in one transaction; messages go
 to an outbox and are published from there (and marked sent after the broker's confirm), so
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from hpcrl_common.messages import BenchResult, Message, decode, encode
+from hpcrl_common.topology import REASON_HEADER
 from hpcrl_scheduler.selection import SEED_ID, Program
 
 GroupState = Literal["pending", "published", "closed"]
@@ -61,6 +63,17 @@ CREATE TABLE IF NOT EXISTS outbox (
     seq INTEGER PRIMARY KEY AUTOINCREMENT, queue TEXT NOT NULL, message_id TEXT NOT NULL,
     body BLOB NOT NULL, sent INTEGER NOT NULL DEFAULT 0);
 CREATE INDEX IF NOT EXISTS outbox_unsent ON outbox (sent, seq);
+CREATE TABLE IF NOT EXISTS outbox_headers (seq INTEGER PRIMARY KEY, headers TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS commitments (
+    candidate_id TEXT NOT NULL, rollout_sha256 TEXT NOT NULL, completion_sha256 TEXT NOT NULL,
+    group_id TEXT NOT NULL, received_at REAL NOT NULL,
+    PRIMARY KEY (candidate_id, rollout_sha256, completion_sha256));
+CREATE INDEX IF NOT EXISTS commitments_group ON commitments (group_id);
+CREATE TABLE IF NOT EXISTS held_results (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL, group_id TEXT NOT NULL,
+    rollout_sha256 TEXT NOT NULL, publisher TEXT, held_since REAL NOT NULL,
+    body BLOB NOT NULL, UNIQUE (id, rollout_sha256));
+CREATE INDEX IF NOT EXISTS held_results_group ON held_results (group_id);
 """
 
 # Columns renamed since a run could have started: (table, old name, new name). Applied in
@@ -69,6 +82,20 @@ RENAMED_COLUMNS: tuple[tuple[str, str, str], ...] = (
     # It held "sent" / "no_rollout" / "empty", never a batch.
     ("groups", "batch", "outcome"),
 )
+
+
+# An outbox row for ``<queue>`` + this goes to that queue's dead letters (its inbox).
+DEAD_LETTER_SUFFIX = ".dlq"
+
+
+@dataclass(frozen=True)
+class HeldResult:
+    """A result waiting for its candidate's commitment (``held_results``)."""
+
+    seq: int
+    result: BenchResult
+    publisher: str | None
+    held_since: float
 
 
 @dataclass(frozen=True)
@@ -461,6 +488,86 @@ class Store:
         )
         return {row[0]: (row[1], row[2]) for row in rows}
 
+    # --- commitments (hpcrl_scheduler.commitments) -----------------------------------
+
+    def add_commitment(
+        self,
+        candidate_id: str,
+        *,
+        group_id: str,
+        rollout_sha256: str,
+        completion_sha256: str,
+        at: float,
+    ) -> bool:
+        """File what the generator sent as ``candidate_id``; False if it was filed already."""
+        with self._lock:
+            cursor = self._db.execute(
+                "INSERT OR IGNORE INTO commitments (candidate_id, rollout_sha256,"
+                " completion_sha256, group_id, received_at) VALUES (?, ?, ?, ?, ?)",
+                (candidate_id, rollout_sha256, completion_sha256, group_id, at),
+            )
+            return cursor.rowcount > 0
+
+    def commitments_of(self, candidate_id: str) -> list[tuple[str, str]]:
+        """(rollout_sha256, completion_sha256) of each candidate the generator committed to
+        under this id (more than one when a request was sampled again)."""
+        rows = self._query(
+            "SELECT rollout_sha256, completion_sha256 FROM commitments WHERE candidate_id = ?"
+            " ORDER BY received_at",
+            (candidate_id,),
+        )
+        return [(r[0], r[1]) for r in rows]
+
+    def forget_commitments(self, group_id: str) -> None:
+        """A closed group's commitments are of no more use (its later results are late)."""
+        self._execute("DELETE FROM commitments WHERE group_id = ?", (group_id,))
+
+    def hold_result(
+        self, result: BenchResult, *, rollout_sha256: str, publisher: str | None, at: float
+    ) -> bool:
+        """Keep a result until its candidate's commitment comes; False if held already."""
+        with self._lock:
+            cursor = self._db.execute(
+                "INSERT OR IGNORE INTO held_results (id, group_id, rollout_sha256, publisher,"
+                " held_since, body) VALUES (?, ?, ?, ?, ?, ?)",
+                (result.id, result.group_id, rollout_sha256, publisher, at, encode(result)),
+            )
+            return cursor.rowcount > 0
+
+    def _held(self, where: str, params: tuple[Any, ...]) -> list[HeldResult]:
+        rows = self._query(
+            f"SELECT seq, publisher, held_since, body FROM held_results WHERE {where} ORDER BY seq",
+            params,
+        )
+        return [
+            HeldResult(
+                r["seq"], decode(bytes(r["body"]), BenchResult), r["publisher"], r["held_since"]
+            )
+            for r in rows
+        ]
+
+    def held_results_of(self, candidate_id: str) -> list[HeldResult]:
+        return self._held("id = ?", (candidate_id,))
+
+    def held_results_of_group(self, group_id: str) -> list[HeldResult]:
+        return self._held("group_id = ?", (group_id,))
+
+    def held_since_before(self, at: float) -> list[HeldResult]:
+        return self._held("held_since < ?", (at,))
+
+    def release_held(self, seq: int) -> bool:
+        """Stop holding it; False if it was released already."""
+        with self._lock:
+            cursor = self._db.execute("DELETE FROM held_results WHERE seq = ?", (seq,))
+            return cursor.rowcount > 0
+
+    def count_held(self) -> int:
+        return int(self._scalar("SELECT COUNT(*) FROM held_results"))
+
+    def restart_holds(self, at: float) -> None:
+        """Held results wait for their commitment from ``at`` (time spent down is free)."""
+        self._execute("UPDATE held_results SET held_since = ?", (at,))
+
     # --- outbox -----------------------------------------------------------------------
 
     def enqueue(self, queue: str, message: Message) -> None:
@@ -468,6 +575,20 @@ class Store:
             "INSERT INTO outbox (queue, message_id, body) VALUES (?, ?, ?)",
             (queue, message.id, encode(message)),
         )
+
+    def enqueue_dead_letter(self, base: str, message: Message, reason: str) -> None:
+        """Dead-letter ``message`` of queue ``base`` (already acked: held, then refused)
+        through the outbox, with the reason as a consumer's dead letter has it."""
+        self.enqueue(base + DEAD_LETTER_SUFFIX, message)
+        seq = self._scalar("SELECT last_insert_rowid()")
+        self._execute(
+            "INSERT INTO outbox_headers (seq, headers) VALUES (?, ?)",
+            (seq, json.dumps({REASON_HEADER: reason[:4000]})),
+        )
+
+    def outbox_headers(self, seq: int) -> dict[str, str]:
+        value = self._scalar("SELECT headers FROM outbox_headers WHERE seq = ?", (seq,))
+        return {} if value is None else json.loads(value)
 
     def unsent(self, limit: int = 500) -> list[tuple[int, str, Message]]:
         rows = self._query(

@@ -45,6 +45,8 @@ class Publish:
     message: Message
     exchange: str = ""
     mandatory: bool = True
+    # AMQP headers (text values), e.g. the reason of a dead letter published by a handler.
+    headers: tuple[tuple[str, str], ...] = ()
 
 
 class ChannelRefused(pika.exceptions.AMQPChannelError):
@@ -80,6 +82,7 @@ def publish_on(
         type=item.message.schema_tag(),
         timestamp=int(time.time()),
         user_id=user_id,
+        headers=dict(item.headers) or None,
     )
     exchange = item.exchange or inbox_of(item.routing_key)
     channel.basic_publish(
