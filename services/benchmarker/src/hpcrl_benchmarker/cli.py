@@ -58,9 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument(
         "--reference",
         action="store_true",
-        help="also time the task's OpenBLAS routine (cblas_dgemm for matmul, "
-        "cblas_dgemv for gemv) at the reward size on this node, now, as a "
-        "kernel is timed, and compare (JSON: a 'reference' key)",
+        help="also time the task's references on this node, now, as a kernel is "
+        "timed, and compare: its OpenBLAS routine at the reward size (cblas_dgemm "
+        "for matmul, cblas_dgemv for gemv) and, for a memory-bound task (gemv, "
+        "stencil, spmv), the node's memory bandwidth (STREAM's triad; the kernel's "
+        "GB/s as a share of it). JSON: a 'reference' key with 'openblas' and 'triad', "
+        "and 'roof_share'",
     )
 
     serve = commands.add_parser(
@@ -120,12 +123,16 @@ def _check(args: argparse.Namespace) -> int:
     except InternalError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    openblas = reference.openblas if reference is not None else None
+    triad = reference.triad if reference is not None else None
+    roof_share = bandwidth / triad.gbytes_per_s if bandwidth is not None and triad else None
     if args.json:
         data = verdict.to_json()
         if moved is not None:
             data["gbytes_per_s"] = bandwidth
         if reference is not None:
             data["reference"] = reference.to_json()
+            data["roof_share"] = roof_share
         print(json.dumps(data))
     else:
         print(f"status:      {verdict.status}")
@@ -137,18 +144,25 @@ def _check(args: argparse.Namespace) -> int:
                 f"{t.median_s * 1e3:.3f}, min {t.min_s * 1e3:.3f}, max {t.max_s * 1e3:.3f}, "
                 f"cv {t.cv:.2%}, attempts {t.attempts}{', noisy' if t.noisy else ''})"
             )
-        if bandwidth is not None:
+        if bandwidth is not None and moved is not None:
             print(
                 f"bandwidth:   {bandwidth:.2f} GB/s ({moved / 1e6:.1f} MB moved per call at "
                 "least, over the mean time)"
             )
-        if reference is not None:
+        if openblas is not None:
             share = (
-                f"; the kernel reaches {verdict.gflops / reference.gflops:.0%} of it"
+                f"; the kernel reaches {verdict.gflops / openblas.gflops:.0%} of it"
                 if verdict.gflops is not None
                 else ""
             )
-            print(f"reference:   {reference.text()}{share}")
+            print(f"reference:   {openblas.text()}{share}")
+        if triad is not None:
+            share = (
+                f"; the kernel's {bandwidth:.2f} GB/s is {roof_share:.0%} of it"
+                if roof_share is not None and bandwidth is not None
+                else ""
+            )
+            print(f"memory roof: {triad.text()}{share}")
         print(f"techniques:  {', '.join(verdict.techniques) or '-'}")
         print(f"generalizes: {verdict.generalizes}")
         print(f"host:        {verdict.host.host_class}")

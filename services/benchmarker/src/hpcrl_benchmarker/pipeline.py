@@ -40,7 +40,12 @@ from hpcrl_benchmarker.build import Compiled
 from hpcrl_benchmarker.config import BenchmarkerSection
 from hpcrl_benchmarker.host import HostProfile, detect, reuse_freed_memory
 from hpcrl_benchmarker.metrics import LOCK_TIMEOUTS, LOCK_WAIT, RETIMED, SANDBOX_START
-from hpcrl_benchmarker.reference import Reference, ReferenceUnavailable, time_reference
+from hpcrl_benchmarker.reference import (
+    References,
+    ReferenceUnavailable,
+    time_reference,
+    time_triad,
+)
 from hpcrl_benchmarker.runner import FrameWatch, HarnessRun
 from hpcrl_benchmarker.steps import InternalError, Measurement, Phase, StepFailure
 from hpcrl_benchmarker.verdict import Verdict
@@ -519,15 +524,35 @@ class Benchmarker:
             return self._expect(task, plan.verify + plan.timing)
         return plan.expected.result()
 
-    def reference(self, task: TaskSpec, runs: int = 9) -> Reference:
-        """The task's OpenBLAS routine at its reward size, timed now on this node as a
-        kernel is (its CPUs and threads, under the timing lock; ``reference`` module)."""
+    def reference(self, task: TaskSpec, runs: int = 9) -> References:
+        """The task's performance references, timed now on this node as a kernel is (its
+        CPUs and threads, under the timing lock; ``reference`` module): its OpenBLAS routine
+        at the reward size (matmul, gemv), and for a memory-bound task (one whose harness
+        counts the bytes a call moves: gemv, stencil, spmv) the node's memory bandwidth,
+        STREAM's triad."""
         threads, cpus, _ = self._cpu_set()
+        harness = harnesses.for_task(task)
         with self.exclusive_timing():
             try:
-                return time_reference(task, threads=threads, cpus=cpus, runs=runs)
+                openblas = (
+                    time_reference(task, threads=threads, cpus=cpus, runs=runs)
+                    if harness.timed_routine
+                    else None
+                )
+                triad = (
+                    time_triad(
+                        compiler=task.compile.compiler,
+                        flags=task.compile_flags("O3"),
+                        env=self.harness_env(),
+                        threads=threads,
+                        cpus=cpus,
+                    )
+                    if harness.bytes_moved(task.sizes.reward) is not None
+                    else None
+                )
             except ReferenceUnavailable as exc:
                 raise InternalError(str(exc)) from None
+        return References(openblas, triad)
 
     def _cpu_set(self) -> tuple[int, list[int], list[int]]:
         """(OpenMP threads, the CPUs a kernel runs on, the CPUs this process may use).

@@ -13,6 +13,15 @@ takes a core, its team of all the cores was seen 5x slower than one thread). For
 memory-bound task the bandwidth it reaches (the harness's bytes moved per call over the
 time) comes beside its GFLOPS.
 
+The memory-bound tasks (GEMV, the stencil, SpMV) are also measured against the node's memory
+bandwidth, the roof a streaming kernel can reach: STREAM's triad, a[j] = b[j] + s c[j]
+(``triad.c``, compiled here with the tasks' flags), three arrays of at least 4x the
+last-level cache and 64 MiB each (STREAM's rule), one untimed pass and then ``runs`` timed
+ones, on one thread and on the kernel's threads, on the kernel's CPUs and under the same lock.
+Bytes per pass as STREAM counts them: 24 per element (b and c read, a written; the write-
+allocate read of a is not counted, as the tasks' bytes-moved figures do not count it
+either). The figure is STREAM's: the best pass of the faster thread count.
+
     python -m hpcrl_benchmarker.reference <harness> '<sizes as JSON>' <runs> <threads,...> <cpus>
 """
 
@@ -21,11 +30,15 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
+from importlib import resources
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -61,8 +74,129 @@ class Reference:
         )
 
 
+@dataclass(frozen=True)
+class Triad:
+    """The node's memory bandwidth, measured now: STREAM's triad (module docstring)."""
+
+    gbytes_per_s: float  # STREAM's figure: 24 n bytes over the fastest pass
+    median_gbytes_per_s: float  # over the median pass
+    elements: int  # per array
+    runs_s: list[float]  # the timed passes of the faster thread count
+    threads: int
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def text(self) -> str:
+        mib = self.elements * 8 / 2**20
+        return (
+            f"STREAM triad {self.gbytes_per_s:.1f} GB/s (best of {len(self.runs_s)} passes, "
+            f"median {self.median_gbytes_per_s:.1f}; 3 arrays of {mib:.0f} MiB, "
+            f"{self.threads} thread{'s' if self.threads != 1 else ''}, this node, now)"
+        )
+
+
+@dataclass(frozen=True)
+class References:
+    """A task's performance references on this node, now: its OpenBLAS routine (matmul,
+    gemv) and, for a memory-bound task (gemv, stencil, spmv), the memory bandwidth."""
+
+    openblas: Reference | None
+    triad: Triad | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "openblas": None if self.openblas is None else self.openblas.to_json(),
+            "triad": None if self.triad is None else self.triad.to_json(),
+        }
+
+
 class ReferenceUnavailable(RuntimeError):
     pass
+
+
+TRIAD_MIN_BYTES = 64 * 2**20  # per array
+TRIAD_MAX_BYTES = 2**30
+
+
+def last_level_cache_bytes() -> int:
+    """The largest cache of CPU 0 (sysfs), 0 where the kernel does not say."""
+    largest = 0
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        units = {"K": 2**10, "M": 2**20, "G": 2**30}
+        scale = units.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            largest = max(largest, int(digits) * scale)
+    return largest
+
+
+def triad_elements() -> int:
+    """Elements per array: STREAM's rule (4x the last-level cache), at least 64 MiB and at
+    most 1 GiB per array."""
+    wanted = max(4 * last_level_cache_bytes(), TRIAD_MIN_BYTES)
+    return min(wanted, TRIAD_MAX_BYTES) // 8
+
+
+def time_triad(
+    *,
+    compiler: str,
+    flags: list[str],
+    env: dict[str, str],
+    threads: int,
+    cpus: list[int],
+    runs: int = 10,
+) -> Triad:
+    """STREAM's triad on ``cpus`` with one thread and with ``threads`` (module docstring);
+    the faster counts. ``env`` is the harness's (OpenMP waiting and binding). The caller
+    holds the timing lock."""
+    elements = triad_elements()
+    counts = sorted({1, threads})
+    with tempfile.TemporaryDirectory(prefix="hpcrl-triad-") as scratch:
+        source = Path(scratch) / "triad.c"
+        source.write_text((resources.files("hpcrl_benchmarker") / "triad.c").read_text())
+        binary = Path(scratch) / "triad"
+        try:
+            subprocess.run(
+                [compiler, *flags, str(source), "-o", str(binary)],
+                check=True,
+                capture_output=True,
+                text=True,
+                timeout=TIMEOUT_S,
+            )
+            argv = [str(binary), str(elements), str(runs), ",".join(map(str, counts))]
+            if cpus and shutil.which("taskset"):
+                argv = ["taskset", "--cpu-list", ",".join(map(str, cpus)), *argv]
+            done = subprocess.run(
+                argv,
+                capture_output=True,
+                text=True,
+                timeout=TIMEOUT_S,
+                env={**os.environ, **env, "OMP_THREAD_LIMIT": str(max(counts))},
+            )
+        except subprocess.CalledProcessError as exc:
+            raise ReferenceUnavailable(f"the triad did not compile: {exc.stderr[-500:]}") from None
+        except subprocess.TimeoutExpired:
+            raise ReferenceUnavailable(f"the triad did not finish within {TIMEOUT_S:g} s") from None
+    if done.returncode != 0:
+        raise ReferenceUnavailable(
+            f"the triad failed (exit {done.returncode}): {done.stderr.strip()[-500:]}"
+        )
+    measured = json.loads(done.stdout)["runs_s"]
+    timed = {int(n): [float(r) for r in runs_s] for n, runs_s in measured.items()}
+    best = min(timed, key=lambda n: min(timed[n]))
+    moved = 24.0 * elements
+    return Triad(
+        gbytes_per_s=moved / min(timed[best]) / 1e9,
+        median_gbytes_per_s=moved / statistics.median(timed[best]) / 1e9,
+        elements=elements,
+        runs_s=timed[best],
+        threads=best,
+    )
 
 
 def time_reference(task: TaskSpec, *, threads: int, cpus: list[int], runs: int = 9) -> Reference:
