@@ -66,7 +66,7 @@ def test_the_task_is_data_its_harness_a_template_and_a_description(gemv_task: Ta
     with pytest.raises(harnesses.HarnessError, match="takes sizes M, N"):
         harnesses.for_task(wrong)
     with pytest.raises(harnesses.HarnessError, match="no harness"):
-        harnesses.for_task(gemv_task.model_copy(update={"harness": "spmv"}))
+        harnesses.for_task(gemv_task.model_copy(update={"harness": "no_such_harness"}))
 
 
 def test_the_reference_and_the_check_name_y() -> None:
@@ -230,15 +230,21 @@ def test_the_guard_zones_are_every_harness_s(judge: Judge) -> None:
 
 
 def test_openblas_dgemv_is_timed_as_the_reference(bench: Benchmarker, gemv_task: TaskSpec) -> None:
-    reference = bench.reference(gemv_task, runs=5)
+    references = bench.reference(gemv_task, runs=5)
+    reference = references.openblas
+    assert reference is not None
     assert reference.routine == "cblas_dgemv" and len(reference.runs_s) == 5
     assert reference.gflops == pytest.approx(2 * 1023 * 1021 / reference.median_s / 1e9)
     assert reference.gbytes_per_s == pytest.approx(
         8 * (1023 * 1021 + 1021 + 1023) / reference.median_s / 1e9
     )
     assert reference.core and reference.threads >= 1
+    # GEMV is memory-bound: the node's bandwidth (STREAM's triad) comes with it.
+    assert references.triad is not None and references.triad.gbytes_per_s > 0
     dgemm = bench.reference(load_task("matmul"), runs=3)
-    assert dgemm.routine == "cblas_dgemm" and dgemm.gflops > 0 and dgemm.gbytes_per_s is None
+    assert dgemm.triad is None and dgemm.openblas is not None
+    assert dgemm.openblas.routine == "cblas_dgemm" and dgemm.openblas.gflops > 0
+    assert dgemm.openblas.gbytes_per_s is None
 
 
 def test_check_judges_a_gemv_kernel_and_times_the_reference(tmp_path: Path) -> None:
@@ -272,8 +278,10 @@ def test_check_judges_a_gemv_kernel_and_times_the_reference(tmp_path: Path) -> N
     assert verdict["gbytes_per_s"] == pytest.approx(
         verdict["gflops"] * 4 * (1023 * 1021 + 1021 + 1023) / (1023 * 1021)
     )
-    assert verdict["reference"]["routine"] == "cblas_dgemv"
-    assert verdict["reference"]["gflops"] > 0
+    assert verdict["reference"]["openblas"]["routine"] == "cblas_dgemv"
+    assert verdict["reference"]["openblas"]["gflops"] > 0
+    triad = verdict["reference"]["triad"]
+    assert verdict["roof_share"] == pytest.approx(verdict["gbytes_per_s"] / triad["gbytes_per_s"])
     # A GEMM kernel is not a GEMV kernel.
     out = subprocess.run(
         [
