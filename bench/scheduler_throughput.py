@@ -1,7 +1,7 @@
 """Scheduler throughput without the broker: how fast results are filed and groups closed
-(SQLite WAL, one transaction per result), and how long planning an iteration takes for a
-large pool. Prints its figures; the scheduler must not be the bottleneck next to
-benchmarking (~1 s per candidate per core).
+(SQLite WAL, one transaction per result, each checked against the generator's commitment),
+and how long planning an iteration takes for a large pool. Prints its figures; the
+scheduler must not be the bottleneck next to benchmarking (~1 s per candidate per core).
 
     .venv/bin/python bench/scheduler_throughput.py [--groups 200] [--group-size 16]
 """
@@ -14,7 +14,18 @@ import time
 from pathlib import Path
 
 from hpcrl_common.logs import configure_logging
-from hpcrl_common.messages import BenchResult, BenchSpec, HostInfo, PackedArray, RolloutData
+from hpcrl_common.messages import (
+    BenchResult,
+    BenchSpec,
+    CandidateCommitment,
+    CommitmentEntry,
+    HostInfo,
+    PackedArray,
+    RolloutData,
+    commitment_id,
+    rollout_sha256,
+    text_sha256,
+)
 from hpcrl_scheduler.config import SchedulerConfig, SchedulerSection
 from hpcrl_scheduler.scheduler import Scheduler
 from hpcrl_scheduler.store import Store
@@ -56,6 +67,21 @@ def result(group_id: str, index: int, stage: int) -> BenchResult:
     )
 
 
+def commitment_to(results: list[BenchResult]) -> CandidateCommitment:
+    entries = [
+        CommitmentEntry(
+            index=r.index,
+            rollout_sha256=rollout_sha256(r.rollout),  # type: ignore[arg-type]
+            completion_sha256=text_sha256(r.id),
+        )
+        for r in results
+    ]
+    group_id = results[0].group_id
+    return CandidateCommitment(
+        id=commitment_id(group_id, entries), group_id=group_id, entries=entries
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--groups", type=int, default=200, help="node budget per iteration")
@@ -86,8 +112,12 @@ def main() -> None:
             groups = scheduler.store.groups_in_flight()
             started = time.perf_counter()
             for group in groups:
-                for index in range(group.group_size):
-                    scheduler.handle_result(result(group.id, index, group.target_stage))
+                # As in a run: the generator's commitment to the group first (one message,
+                # filed in one transaction), then each result checked against it.
+                results = [result(group.id, i, group.target_stage) for i in range(group.group_size)]
+                scheduler.handle_commitment(commitment_to(results))
+                for each in results:
+                    scheduler.handle_result(each)
                     filed += 1
             elapsed = time.perf_counter() - started
             file_seconds += elapsed

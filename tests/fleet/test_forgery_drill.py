@@ -16,7 +16,8 @@ Each phase is a test of its own (in order, on the one fleet of its parametrizati
 
 1. *residual rights*, each role on the broker: no delete of another replica's queue (it is
    exclusive: RESOURCE_LOCKED), no bind of ``weight-updates`` into another role's inbox, no
-   write into the dead-letter exchange or another queue's dead letters (ACCESS_REFUSED); what
+   write into the dead-letter exchange or another queue's dead letters, no candidate
+   commitment but the generator's (ACCESS_REFUSED); what
    RabbitMQ cannot withhold (``hpcrl_common.access``): a purge of its own input (done with
    every service frozen and nothing ready, so that it takes nothing), a generator's bind of
    ``weight-updates`` into ``code-to-bench.in`` (kept for the whole run: it must deliver
@@ -28,13 +29,17 @@ Each phase is a test of its own (in order, on the one fleet of its parametrizati
 4. *client* (reward client alice naming bob's queue): the one forgery that only publisher
    authentication stops; without it the verdict goes to bob, as documented;
 5. *benchmarker*: with the replica frozen holding a whole group, a success of 5,000 GFLOPS
-   claiming a peak of 1e6 for the real host's class, one under the peak (0.9 x) that does
-   not reproduce, and one with an honest figure whose rollout is not the candidate's;
-6. *benchmarker*, on the next group: a success under the peak without its source: it
-   cannot be measured again, so it is dropped (``scheduler.confirm_without_source``);
+   claiming a peak of 1e6 for the real host's class, one under the peak (0.9 x, no token
+   data) that does not reproduce, and one with an honest figure whose rollout is not the
+   candidate's (40 x token 66): not what the generator committed to, so dead-lettered;
+6. *benchmarker*, on the next group: a success under the peak without its source (and
+   without token data): it cannot be measured again, so it is dropped
+   (``scheduler.confirm_without_source``);
 7. *generator*: with the generator frozen holding a request, the text of a correct kernel
-   with token ids ``[66] * 40``;
-8. whether phase 5's foreign rollout was trained (xfail: it was; see its reason);
+   with token ids ``[66] * 40``, and the generator's commitment to it (the credential may
+   commit to what it sends);
+8. phase 5's foreign rollout was not trained: the group went to the learner with the
+   genuine candidate's tokens in its place;
 9. *the run carried on*: the experiment finished, genuine versions loaded, nothing lost;
    the dead-letter queues hold exactly the forgeries, each with its reason;
 10. phase 7's refused batch and phase 3's forged ones count as done (dropped) for the
@@ -69,6 +74,7 @@ from hpcrl_common.messages import (
     BenchResult,
     BenchSpec,
     Candidate,
+    CandidateCommitment,
     GenerateRequest,
     HostInfo,
     PackedArray,
@@ -84,6 +90,7 @@ from hpcrl_common.messages import (
 from hpcrl_common.task import builtin_seed
 from hpcrl_common.topology import (
     BENCH_RESULTS,
+    CANDIDATE_COMMITMENTS,
     CODE_TO_BENCH,
     CONSUMER_HEADER,
     GENERATE_REQUESTS,
@@ -482,6 +489,16 @@ class TestForgeryDrill:
                         t.dead_letter_inbox(b), t.name(b), b"x"
                     )
                     refused[(role, f"purge {base}")] = lambda ch, b=base: ch.queue_purge(t.name(b))
+        # Only the generator commits to candidates; only the scheduler reads commitments.
+        for role in ROLES:
+            if role != "generator":
+                refused[(role, "write a candidate commitment")] = lambda ch: ch.basic_publish(
+                    t.work_exchange(CANDIDATE_COMMITMENTS), t.name(CANDIDATE_COMMITMENTS), b"x"
+                )
+            if role != "scheduler":
+                refused[(role, "purge candidate-commitments")] = lambda ch: ch.queue_purge(
+                    t.name(CANDIDATE_COMMITMENTS)
+                )
         codes = {f"{role}: {what}": as_(role, action) for (role, what), action in refused.items()}
         assert {what for what, code in codes.items() if code != 403} == set(), codes
 
@@ -517,6 +534,7 @@ class TestForgeryDrill:
         own = {
             "scheduler": [
                 t.name(BENCH_RESULTS),
+                t.name(CANDIDATE_COMMITMENTS),
                 t.subscriber_queue(WEIGHT_UPDATES, SCHEDULER_SUBSCRIBER),
             ],
             "generator": [t.name(GENERATE_REQUESTS)],
@@ -783,7 +801,8 @@ class TestForgeryDrill:
                 rollout,
                 text_sha256(judged),
             )
-            inflated = result(2, round(0.9 * peak, 1), host, rollout, text_sha256(judged))
+            # No token data: it tests the second measurement, not the commitment.
+            inflated = result(2, round(0.9 * peak, 1), host)
             # An honest figure for a correct kernel.
             steering = result(1, 0.1, host, rollout, text_sha256(judged))
             with drill.publisher("benchmarker") as publisher:
@@ -791,12 +810,12 @@ class TestForgeryDrill:
                     *(Publish(t.name(BENCH_RESULTS), r) for r in (above, inflated, steering))
                 )
             drill.await_dead(BENCH_RESULTS, above.id, 1)
+            # Its rollout is not the one the generator committed to for candidate 1.
+            drill.await_dead(BENCH_RESULTS, steering.id, 1)
             wait_for(
-                lambda: (
-                    {r.id for r in fleet.store.results_of(target.id)} == {inflated.id, steering.id}
-                ),
+                lambda: {r.id for r in fleet.store.results_of(target.id)} == {inflated.id},
                 30,
-                "the two under the peak filed",
+                "the one under the peak with no token data filed",
             )
         finally:
             drill.thaw("benchmarker")
@@ -808,6 +827,17 @@ class TestForgeryDrill:
             (
                 "gflops 5000 is above the peak of host class",
                 f"{host.host_class!r}, {peak:g} GFLOPS (seen; the result claims 1e+06)",
+            ),
+        )
+        check_reasons(drill, drill.expected[-1])
+        drill.expect(
+            BENCH_RESULTS,
+            steering.id,
+            1,
+            "benchmarker",
+            (
+                f"result {steering.id} refused (rollout_mismatch)",
+                "is not the one the generator committed to",
             ),
         )
         check_reasons(drill, drill.expected[-1])
@@ -837,7 +867,7 @@ class TestForgeryDrill:
 
     def test_6_benchmarker_success_without_source(self, drill: Drill):
         """Phase 5's forger again, on the next group: a success of 0.8 x the class's peak
-        with no source (index 0), its own tokens and their hash."""
+        with no source (index 0) and no token data."""
         t, fleet = drill.t, drill.fleet
         host, peak = drill.notes["host"], drill.notes["peak"]
         target = freeze_benchmarker_holding_a_group(drill)
@@ -855,8 +885,8 @@ class TestForgeryDrill:
                 bench=request.bench,
                 host=host,
                 benchmarker=FORGED_REPLICA,
-                rollout=drill.notes["rollout"],
-                completion_sha256=drill.notes["sha"],
+                # No token data: with the forger's, the commitment refuses it first (phase 5).
+                rollout=None,
             )
             with drill.publisher("benchmarker") as publisher:
                 publisher.publish(Publish(t.name(BENCH_RESULTS), claim))
@@ -899,8 +929,14 @@ class TestForgeryDrill:
                     policy_version=request.min_policy_version,
                 ),
             )
+            # The generator's credential commits to what it sends, so the scheduler takes it;
+            # the learner's check of tokens against the judged text is what stops it.
+            commitment = CandidateCommitment.of([forged], "generator-forged")
             with drill.publisher("generator") as publisher:
-                publisher.publish(Publish(t.name(CODE_TO_BENCH), forged))
+                publisher.publish(
+                    Publish(t.name(CANDIDATE_COMMITMENTS), commitment),
+                    Publish(t.name(CODE_TO_BENCH), forged),
+                )
 
             def judged() -> BenchResult | None:
                 fleet.check_alive()
@@ -935,16 +971,6 @@ class TestForgeryDrill:
         drill.refused_batches.add(target.id)
         drill.lap("generator")
 
-    @pytest.mark.xfail(
-        strict=True,
-        reason=(
-            "not stopped on today's code: a benchmarker credential writes a result's rollout (the "
-            "generator's token ids) and completion_sha256 (the hash of the text it judged), and "
-            "nothing ties either to the candidate the generator sent, so a success with a correct "
-            "kernel's source and an honest figure passes the peak, is confirmed by a second "
-            "measurement, and has the learner train 40 x token 66 at the group's top reward"
-        ),
-    )
     def test_8_benchmarker_rollout_is_the_candidates(self, drill: Drill):
         fleet = drill.fleet
         group_id, forged_id = drill.notes["steering"]
@@ -967,6 +993,20 @@ class TestForgeryDrill:
             f"{forged[0].reward:g} (group {group_id}, confirmed: a correct kernel's source at "
             f"0.1 GFLOPS)"
         )
+        # The forgery was refused at the scheduler, and the group trained whole with the
+        # genuine candidate 1 (judged once the replica thawed) in its place.
+        assert not forged and trained, (forged, trained)
+        [sample] = [s for s in batch.samples if s.candidate_id == forged_id]
+        assert sample.completion_token_ids.numpy().tolist() != TOKENS_66
+        assert (
+            fleet.metric(
+                drill.procs["scheduler"],
+                "hpcrl_scheduler_results_ignored_total",
+                reason="rollout_mismatch",
+            )
+            == 1
+        )
+        assert len(drill.dead_of(BENCH_RESULTS, forged_id)) == 1
 
     def test_9_the_run_carried_on(self, drill: Drill):
         t, fleet, procs = drill.t, drill.fleet, drill.procs
