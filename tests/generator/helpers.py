@@ -7,14 +7,17 @@ from pathlib import Path
 
 import pytest
 
+from hpcrl_common.broker import Publish
 from hpcrl_common.messages import (
     BenchSpec,
     Candidate,
+    CandidateCommitment,
     ChatMessage,
     GenerateRequest,
     SamplingParams,
     decode,
 )
+from hpcrl_common.topology import CANDIDATE_COMMITMENTS
 from hpcrl_generator.sampling import Sample
 
 PROMPT = [
@@ -117,3 +120,17 @@ def assert_same_samples(got: Sequence[Sample], want: Sequence[Sample], tol: floa
 def tokens(candidate: Candidate) -> list[int]:
     assert candidate.rollout is not None
     return candidate.rollout.completion_token_ids.numpy().tolist()
+
+
+def candidates(out: Sequence[Publish]) -> list[Candidate]:
+    """The candidates a request's handler publishes, once checked that the group's
+    commitment goes first (to candidate-commitments) and commits to each of them."""
+    first, *rest = out
+    assert first.routing_key.endswith(CANDIDATE_COMMITMENTS), first.routing_key
+    found = [p.message for p in rest]
+    assert all(isinstance(c, Candidate) for c in found), found
+    expected = CandidateCommitment.of(found)  # type: ignore[arg-type]
+    commitment = first.message
+    assert isinstance(commitment, CandidateCommitment)
+    assert (commitment.id, commitment.entries) == (expected.id, expected.entries)
+    return found  # type: ignore[return-value]

@@ -18,7 +18,7 @@ from hpcrl_generator.config import GeneratorSection
 from hpcrl_generator.service import Generator, SamplingFailed, VersionNotReady
 
 from .conftest import commit_version
-from .helpers import request, tokens
+from .helpers import candidates, request, tokens
 from .loop import run_weight_loop
 
 
@@ -30,7 +30,7 @@ def greedy_tokens(model_dir) -> list[int]:
         Topology("x"),
         replica="ref",
     )
-    (candidate, *_) = [p.message for p in generator.on_request(request("ref"), None)]
+    (candidate, *_) = candidates(generator.on_request(request("ref"), None))
     return tokens(candidate)
 
 
@@ -68,9 +68,9 @@ def test_a_late_replica_starts_from_the_newest_valid_version(tiny_models, tmp_pa
     generator = make(tiny_models, tmp_path)
     generator.start()
     assert generator.tracker.loaded == 2 and generator.sampler.version == 2
-    out = generator.on_request(request("late"), None)
-    assert all(p.message.rollout.policy_version == 2 for p in out)
-    assert tokens(out[0].message) == greedy_tokens(tiny_models["v2"])
+    out = candidates(generator.on_request(request("late"), None))
+    assert all(c.rollout.policy_version == 2 for c in out)
+    assert tokens(out[0]) == greedy_tokens(tiny_models["v2"])
 
 
 def test_a_bad_announcement_is_refused_and_the_policy_keeps_serving(tiny_models, tmp_path):
@@ -85,8 +85,8 @@ def test_a_bad_announcement_is_refused_and_the_policy_keeps_serving(tiny_models,
         generator.on_weight_update(lying, None)
     assert REGISTRY.get_sample_value(*refused) == (before or 0) + 1
     assert generator.tracker.loaded == 0
-    out = generator.on_request(request("still-v0"), None)
-    assert out[0].message.rollout.policy_version == 0
+    out = candidates(generator.on_request(request("still-v0"), None))
+    assert out[0].rollout.policy_version == 0
 
 
 def test_an_announcement_is_loaded_at_once_when_the_engine_is_idle(tiny_models, tmp_path):
@@ -111,8 +111,8 @@ def test_a_prompt_longer_than_the_context_is_rejected(tiny_models):
     long = [ChatMessage(role="user", content="register blocking " * 40)]
     with pytest.raises(Reject, match="no room for a completion"):
         generator.on_request(request("long", prompt=long), None)
-    out = generator.on_request(request("short", max_tokens=500), None)  # capped, not refused
-    assert len(tokens(out[0].message)) + len(out[0].message.rollout.prompt_token_ids) <= 80
+    out = candidates(generator.on_request(request("short", max_tokens=500), None))  # capped
+    assert len(tokens(out[0])) + len(out[0].rollout.prompt_token_ids) <= 80
 
 
 def test_waiting_for_a_floor_or_for_the_engine_is_not_busy_time(tiny_models, tmp_path):
@@ -159,7 +159,7 @@ def queue_behind_the_engine(generator: Generator, requests) -> tuple[list[int], 
 
     def send(req) -> None:
         try:
-            outcomes[req.id] = [p.message for p in generator.on_request(req, None)]
+            outcomes[req.id] = candidates(generator.on_request(req, None))
         except Exception as exc:  # the outcome under test
             outcomes[req.id] = exc
 
@@ -184,7 +184,7 @@ def test_requests_waiting_for_the_engine_are_sampled_together(tiny_models, tmp_p
     for req in requests:
         got = outcomes[req.id]
         assert [c.group_id for c in got] == [req.id] * 2
-        want = [p.message for p in alone.on_request(req, None)]
+        want = candidates(alone.on_request(req, None))
         assert [tokens(c) for c in got] == [tokens(c) for c in want]
 
 
