@@ -47,7 +47,9 @@ class BootstrapSettings:
     heads: int = 4
     kv_heads: int = 2
     intermediate_size: int = 688
-    max_positions: int = 2048
+    # Room for the longest taught pair: a stage 5-6 prompt (its parent inside) plus the
+    # target reach ~3,000 tokens, and at 2,048 half of the stage-5 examples were left out.
+    max_positions: int = 3072
     steps: int = 700
     batch_size: int = 8
     learning_rate: float = 2e-3
@@ -179,6 +181,7 @@ def _build(
     )
     report("tokenizer", vocab_size=settings.vocab_size)
     tokenizer = train_tokenizer(chat_texts(examples[:6000]), vocab_size=settings.vocab_size)
+    tokenizer.model_max_length = settings.max_positions
     shape = ModelShape(
         hidden_size=settings.hidden_size,
         layers=settings.layers,
