@@ -11,7 +11,7 @@ last. ``--breakdown`` also times each step alone, sandboxed and bare (the run's 
 up beforehand, as the service does during the compile), and a sandbox start.
 
     .venv/bin/python bench/benchmarker_overhead.py [--repeats 5] [--timing-attempts 1]
-                                                   [--breakdown] [--task matmul|gemv]
+                                                   [--breakdown] [--task matmul|gemv|stencil|spmv]
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ KERNELS = Path(__file__).resolve().parent.parent / "tests" / "benchmarker" / "ke
 TASK_KERNELS = {
     "matmul": ("naive.c", "ikj_omp.c", "avx2_prefetch.c"),
     "gemv": ("gemv/naive.c", "gemv/omp.c", "gemv/slow.c"),
+    "stencil": ("stencil/naive.c", "stencil/omp.c", "stencil/slow.c"),
+    "spmv": ("spmv/naive.c", "spmv/omp.c", "spmv/slow.c"),
 }
 
 
