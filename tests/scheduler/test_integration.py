@@ -30,6 +30,7 @@ from hpcrl_common.broker import Consumer, Publish
 from hpcrl_common.config import BrokerSettings
 from hpcrl_common.messages import (
     Candidate,
+    CandidateCommitment,
     GenerateRequest,
     PackedArray,
     RolloutBatch,
@@ -37,7 +38,13 @@ from hpcrl_common.messages import (
     candidate_id,
     decode,
 )
-from hpcrl_common.topology import CODE_TO_BENCH, GENERATE_REQUESTS, ROLLOUT_BATCHES, Topology
+from hpcrl_common.topology import (
+    CANDIDATE_COMMITMENTS,
+    CODE_TO_BENCH,
+    GENERATE_REQUESTS,
+    ROLLOUT_BATCHES,
+    Topology,
+)
 
 from ..conftest import RunningConsumer, list_queues
 from .canned import EXPECTED, completion
@@ -74,7 +81,9 @@ def scripted_generator(topology: Topology, seen: list[GenerateRequest]):
                 generator="scripted",
             )
             outputs.append(Publish(topology.name(CODE_TO_BENCH), candidate))
-        return outputs
+        # As the generator does: its commitment to the group's candidates goes first.
+        commitment = CandidateCommitment.of([p.message for p in outputs], "scripted")  # type: ignore[misc]
+        return [Publish(topology.name(CANDIDATE_COMMITMENTS), commitment), *outputs]
 
     return handle
 
