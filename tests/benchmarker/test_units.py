@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from hpcrl_benchmarker import checks, gemm
+from hpcrl_benchmarker import checks, gemm, harnesses, spmv, stencil, verify
 from hpcrl_benchmarker.cscan import main_file_lines
 from hpcrl_benchmarker.extract import ExtractError, extract
 from hpcrl_benchmarker.host import HostProfile, IsaRefused, parse_cpuinfo
@@ -16,6 +16,7 @@ from hpcrl_benchmarker.verdict import timing_stats
 from hpcrl_common.csource import blank_comments_and_literals
 from hpcrl_common.rewards import FAILURE_REWARDS as REWARDS
 from hpcrl_common.rewards import reward_for_status as reward
+from hpcrl_common.task import load_task
 
 SIG = "void matmul_optimized(double *A, double *B, double *C, int M, int N, int K)"
 BODY = "{ C[0] = A[0] * B[0] + M + N + K; }"
@@ -290,3 +291,114 @@ LEXER_VARIANTS = {
 def test_constructs_gcc_reads_are_read_by_the_source_check(name: str) -> None:
     source, reason = LEXER_VARIANTS[name]
     assert any(reason in r for r in checks.source_violations(source)), name
+
+
+# --- the parent's inputs, references and full check: fast forms, the same bits --------------
+
+
+def _whole_array_values(seed: int, count: int) -> np.ndarray:
+    """splitmix64 values the plain way (whole-array passes): the blocked generator's oracle."""
+    with np.errstate(over="ignore"):
+        z = np.arange(1, count + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+        z += np.uint64(seed)
+        z ^= z >> np.uint64(30)
+        z *= np.uint64(0xBF58476D1CE4E5B9)
+        z ^= z >> np.uint64(27)
+        z *= np.uint64(0x94D049BB133111EB)
+        z ^= z >> np.uint64(31)
+    return (z >> np.uint64(11)).astype(np.float64) * 2.0**-52 - 1.0
+
+
+@pytest.mark.parametrize("seed", [0, 7, 2**63 - 1, 2**64 - 1])
+def test_blocked_generator_is_the_whole_array_one(seed: int) -> None:
+    block = harnesses.BLOCK
+    for count in (0, 1, 5, block - 1, block, block + 1, 3 * block + 17):
+        whole = _whole_array_values(seed, count)
+        assert np.array_equal(harnesses.random_values(seed, count), whole)
+        words = harnesses.random_words(seed, count)
+        assert np.array_equal((words >> np.uint64(11)) * 2.0**-52 - 1.0, whole)
+
+
+@pytest.mark.parametrize("task_name", ["matmul", "gemv", "stencil", "spmv"])
+def test_the_templates_own_fill_makes_numpys_inputs(task_name: str) -> None:
+    """The parent makes each job's inputs with the template's fill_inputs, compiled without
+    the kernel (harnesses.native_inputs); numpy's forms (numpy_inputs) are the same bits at
+    every size of the task and at seeds whose salted forms use all 64 bits."""
+    task = load_task(task_name)
+    harness = harnesses.for_task(task)
+    assert harnesses.native_library(harness.name) is not None  # gcc is here: it must build
+    for sizes in (task.sizes.reward, *task.sizes.verify):
+        for seed in (1, 2**63 - 1, 0x5DEECE66DA3B1F7F):
+            layout = harness.input_layout(sizes)
+            assert layout is not None
+            native = harnesses.native_inputs(
+                harness.name, [sizes[d] for d in harness.dims], layout, seed
+            )
+            assert native is not None
+            made = harness.numpy_inputs(sizes, seed)
+            assert len(native) == len(made)
+            for ours, theirs in zip(native, made, strict=True):
+                assert ours.dtype == theirs.dtype and ours.shape == theirs.shape
+                assert np.array_equal(ours, theirs), (sizes, seed)
+    # Sizes the harness would refuse (0, past its MAX_DIM) are never filled natively.
+    dims = [0] * len(harness.dims)
+    assert harnesses.native_inputs(harness.name, dims, ((np.float64, (1,)),), 1) is None
+
+
+def test_stencil_reference_in_blocks_is_the_whole_grid_sweep() -> None:
+    for n, m in [(1, 1), (2, 7), (3, 3), (1000, 3), (33, 1000), (40, 16385), (1023, 1021)]:
+        (u,) = stencil.numpy_inputs({"N": n, "M": m}, n * 31 + m)
+        whole = u.copy()
+        if n > 2 and m > 2:
+            inner = whole[1:-1, 1:-1]
+            np.add(u[:-2, 1:-1], u[2:, 1:-1], out=inner)
+            inner += u[1:-1, :-2]
+            inner += u[1:-1, 2:]
+            inner *= 0.25
+        assert np.array_equal(stencil.reference(u), whole), (n, m)
+
+
+def test_spmv_products_in_blocks_of_rows_are_one_bincount() -> None:
+    for sizes in (
+        {"M": 20011, "N": 19997, "NNZ": 700001},
+        {"M": 3, "N": 2, "NNZ": 40000},  # rows far longer than a block
+        {"M": 1009, "N": 1013, "NNZ": 37},
+        {"M": 1, "N": 7, "NNZ": 5},
+    ):
+        rowptr, col, val, x = spmv.inputs(sizes, 99)
+        a = spmv.csr(rowptr, col, val)
+        terms = val * x[col]
+        y, term_sizes = spmv.products(a, x)
+        assert np.array_equal(y, np.bincount(a.rows, weights=terms, minlength=a.m))
+        whole = np.bincount(a.rows, weights=np.abs(terms), minlength=a.m)
+        assert np.array_equal(term_sizes, whole)
+
+
+def test_the_precomputed_bound_gives_the_same_verdicts() -> None:
+    """verify.with_bound (tolerance x |ref|, computed with the reference) changes no verdict:
+    right, wrong, unwritten and cancelling outputs, and another tolerance, read the same."""
+    job = stencil.STENCIL.job("v", {"N": 301, "M": 257}, 4242)
+    plain = stencil.STENCIL.expect(job, 100, True, np.random.default_rng(5))
+    bounded = verify.with_bound(plain, 1e-6)
+    assert bounded.bound is not None and plain.bound is None
+    assert plain.full is not None
+    outputs = [plain.full.copy()]
+    wrong = plain.full.copy()
+    wrong[150, 100] += 1e-3  # not a check point, only the full check sees it
+    outputs.append(wrong)
+    hole = plain.full.copy()
+    hole[-1, -2] = np.nan
+    outputs.append(hole)
+    close = plain.full * (1 + 5e-7)  # within the tolerance everywhere
+    outputs.append(close)
+    far = plain.full * (1 + 2e-6)
+    outputs.append(far)
+    for out in outputs:
+        for tolerance in (1e-6, 1e-5):
+            assert verify.check_expected(out, bounded, tolerance) == verify.check_expected(
+                out, plain, tolerance
+            )
+    assert verify.check_expected(outputs[0], bounded, 1e-6) == ""
+    assert "v[150][100]" in verify.check_expected(wrong, bounded, 1e-6)
+    assert "not written" in verify.check_expected(hole, bounded, 1e-6)
+    assert verify.check_expected(far, bounded, 1e-6) != ""

@@ -18,6 +18,7 @@ from hpcrl_benchmarker.harnesses import (
     CBLAS_ROW_MAJOR,
     SECOND_SALT,
     Harness,
+    Layout,
     openblas,
     pointer,
 )
@@ -63,7 +64,13 @@ NAMES = Names(
 _GATHER_LIMIT = 512
 
 
-def inputs(sizes: Sizes, seed: int) -> tuple[np.ndarray, np.ndarray]:
+def inputs(sizes: Sizes, seed: int) -> tuple[np.ndarray, ...]:
+    """A and B from the seed, made by the template's own code (``Harness.inputs``)."""
+    return GEMM.inputs(sizes, seed)
+
+
+def numpy_inputs(sizes: Sizes, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """A and B from the seed with numpy, bit for bit the template's."""
     m, n, k = sizes["M"], sizes["N"], sizes["K"]
     a = random_matrix(seed, m * k).reshape(m, k)
     b = random_matrix(seed ^ SECOND_SALT, k * n).reshape(k, n)
@@ -172,8 +179,12 @@ class Gemm(Harness):
     def output_shape(self, sizes: Sizes) -> tuple[int, ...]:
         return (sizes["M"], sizes["N"])
 
-    def inputs(self, sizes: Sizes, seed: int) -> tuple[np.ndarray, ...]:
-        return inputs(sizes, seed)
+    def input_layout(self, sizes: Sizes) -> Layout:
+        m, n, k = sizes["M"], sizes["N"], sizes["K"]
+        return ((np.float64, (m, k)), (np.float64, (k, n)))
+
+    def numpy_inputs(self, sizes: Sizes, seed: int) -> tuple[np.ndarray, ...]:
+        return numpy_inputs(sizes, seed)
 
     def reference_into(self, inputs: tuple[np.ndarray, ...], out: np.ndarray) -> None:
         _dgemm(*inputs, out)

@@ -30,6 +30,7 @@ from hpcrl_benchmarker.harnesses import (
     CBLAS_ROW_MAJOR,
     SECOND_SALT,
     Harness,
+    Layout,
     openblas,
     pointer,
     random_values,
@@ -42,7 +43,13 @@ NAMES = Names(
 )
 
 
-def inputs(sizes: Sizes, seed: int) -> tuple[np.ndarray, np.ndarray]:
+def inputs(sizes: Sizes, seed: int) -> tuple[np.ndarray, ...]:
+    """A and x from the seed, made by the template's own code (``Harness.inputs``)."""
+    return GEMV.inputs(sizes, seed)
+
+
+def numpy_inputs(sizes: Sizes, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """A and x from the seed with numpy, bit for bit the template's."""
     m, n = sizes["M"], sizes["N"]
     return random_values(seed, m * n).reshape(m, n), random_values(seed ^ SECOND_SALT, n)
 
@@ -89,8 +96,12 @@ class Gemv(Harness):
     def output_shape(self, sizes: Sizes) -> tuple[int, ...]:
         return (sizes["M"],)
 
-    def inputs(self, sizes: Sizes, seed: int) -> tuple[np.ndarray, ...]:
-        return inputs(sizes, seed)
+    def input_layout(self, sizes: Sizes) -> Layout:
+        m, n = sizes["M"], sizes["N"]
+        return ((np.float64, (m, n)), (np.float64, (n,)))
+
+    def numpy_inputs(self, sizes: Sizes, seed: int) -> tuple[np.ndarray, ...]:
+        return numpy_inputs(sizes, seed)
 
     def reference_into(self, inputs: tuple[np.ndarray, ...], out: np.ndarray) -> None:
         _dgemv(*inputs, out)

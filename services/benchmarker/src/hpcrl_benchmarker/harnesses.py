@@ -17,50 +17,93 @@ import ctypes
 import ctypes.util
 import importlib
 import os
+import shutil
+import subprocess
+import tempfile
+import threading
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from importlib import resources
+from pathlib import Path
 
 import numpy as np
+import structlog
 
+from hpcrl_benchmarker.exitcodes import harness_defines
 from hpcrl_benchmarker.host import openblas_coretype
 from hpcrl_benchmarker.protocol import Job
 from hpcrl_benchmarker.verify import Expected, Names
 from hpcrl_common.task import Sizes, TaskSpec
 
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+GOLDEN = 0x9E3779B97F4A7C15  # splitmix64's increment: word k is mix(seed + k * GOLDEN)
+_GOLDEN = np.uint64(GOLDEN)
+_MASK64 = (1 << 64) - 1
 # The second input's seed is the job's seed xor this (the templates use the same constant).
 SECOND_SALT = 0x5DEECE66DA3B1F7F
 CBLAS_ROW_MAJOR, CBLAS_NO_TRANS = 101, 111
+# Set to 1: the parent makes every input with numpy (the ``numpy_inputs`` of each task), not
+# with the template's own code (``native_inputs``); the tests compare the two.
+NUMPY_INPUTS_ENV = "HPCRL_NUMPY_INPUTS"
+
+log = structlog.get_logger("hpcrl.benchmarker")
 
 
-def random_words(seed: int, count: int) -> np.ndarray:
+# Elements per block of the generators below: their arrays (a block's words, one temporary,
+# its share of the output) stay in the L2 cache, where whole-array passes over 8 MB went to
+# memory once per operation (13 of them): 2-3x faster on a shared 2-core node.
+BLOCK = 16384
+
+
+def random_words(seed: int, count: int, out: np.ndarray | None = None) -> np.ndarray:
     """The splitmix64 words mix(seed + k * golden), k = 1 .. count, as uint64: the harness's
-    ``draw`` (the integers behind ``fill``'s values, and SpMV's structure). In place, one
-    temporary."""
+    ``draw`` (the integers behind ``fill``'s values, and SpMV's structure). Made in blocks
+    of ``BLOCK`` (in cache), into ``out`` if given."""
+    words = np.empty(count, dtype=np.uint64) if out is None else out
+    assert words.dtype == np.uint64 and words.shape == (count,)
+    step = np.arange(1, min(count, BLOCK) + 1, dtype=np.uint64)
+    tmp = np.empty_like(step)
     with np.errstate(over="ignore"):
-        z = np.arange(1, count + 1, dtype=np.uint64)
-        z *= _GOLDEN
-        z += np.uint64(seed)
-        shifted = z >> np.uint64(30)
-        z ^= shifted
-        z *= np.uint64(0xBF58476D1CE4E5B9)
-        np.right_shift(z, np.uint64(27), out=shifted)
-        z ^= shifted
-        z *= np.uint64(0x94D049BB133111EB)
-        np.right_shift(z, np.uint64(31), out=shifted)
-        z ^= shifted
-    return z
+        step *= _GOLDEN
+        for start in range(0, count, BLOCK):
+            stop = min(count, start + BLOCK)
+            mix_block(seed + start * GOLDEN, step[: stop - start], words[start:stop], tmp)
+    return words
+
+
+def mix_block(base: int, step: np.ndarray, z: np.ndarray, tmp: np.ndarray) -> None:
+    """z = mix(base + step), where step holds k * golden (k = 1, 2, ...), mod 2^64."""
+    t = tmp[: len(z)]
+    np.add(step, np.uint64(base & _MASK64), out=z)
+    np.right_shift(z, np.uint64(30), out=t)
+    z ^= t
+    z *= np.uint64(0xBF58476D1CE4E5B9)
+    np.right_shift(z, np.uint64(27), out=t)
+    z ^= t
+    z *= np.uint64(0x94D049BB133111EB)
+    np.right_shift(z, np.uint64(31), out=t)
+    z ^= t
 
 
 def random_values(seed: int, count: int) -> np.ndarray:
-    """splitmix64 values in [-1, 1), bit-identical to the harness's ``fill``. In place, one
-    temporary: 9.5 ms for GEMV's 1 M values against 14.6 ms with a new array per step (the
-    references of a candidate's ten jobs are computed while it compiles)."""
-    z = random_words(seed, count)
-    z >>= np.uint64(11)
-    values = z.astype(np.float64)
-    values *= 2.0**-52  # (z >> 11) * 2^-53 * 2, exactly
-    values -= 1.0
+    """splitmix64 values in [-1, 1), bit-identical to the harness's ``fill``: (z >> 11) 2^-52
+    - 1, exactly. In blocks of ``BLOCK`` words (in cache): ~12 ms for GEMV's 1 M values
+    on this loaded 2-core node, against 27-30 ms with whole-array passes (and 40+ ms with a
+    new array per step)."""
+    values = np.empty(count, dtype=np.float64)
+    n = min(count, BLOCK)
+    step = np.arange(1, n + 1, dtype=np.uint64)
+    z, tmp = np.empty_like(step), np.empty_like(step)
+    with np.errstate(over="ignore"):
+        step *= _GOLDEN
+        for start in range(0, count, BLOCK):
+            stop = min(count, start + BLOCK)
+            w = z[: stop - start]
+            mix_block(seed + start * GOLDEN, step[: stop - start], w, tmp)
+            w >>= np.uint64(11)
+            v = values[start:stop]
+            v[...] = w
+            v *= 2.0**-52
+            v -= 1.0
     return values
 
 
@@ -92,6 +135,94 @@ def pointer(array: np.ndarray) -> ctypes._Pointer[ctypes.c_double]:
     return array.ctypes.data_as(ctypes.POINTER(ctypes.c_double))
 
 
+# (dtype, shape) of each input, in the template's order.
+Layout = tuple[tuple[type[np.generic], tuple[int, ...]], ...]
+
+_NATIVE: dict[str, ctypes.CDLL | None] = {}
+_NATIVE_LOCK = threading.Lock()
+
+
+def native_library(name: str) -> ctypes.CDLL | None:
+    """The template ``harness/<name>.c`` with ``harness.h``, compiled once per process with
+    -DHARNESS_INPUTS_ONLY as a shared library of its own ``fill_inputs`` (no kernel, no main:
+    trusted code only), or None where it cannot be built (no compiler; ``NUMPY_INPUTS_ENV``):
+    the inputs are then numpy's, the same bits, slower."""
+    with _NATIVE_LOCK:
+        if name not in _NATIVE:
+            _NATIVE[name] = None if os.environ.get(NUMPY_INPUTS_ENV) == "1" else _build(name)
+        return _NATIVE[name]
+
+
+def _build(name: str) -> ctypes.CDLL | None:
+    package = resources.files("hpcrl_benchmarker.harness")
+    compiler = shutil.which("gcc") or shutil.which("cc")
+    if compiler is None or not (package / f"{name}.c").is_file():
+        return None
+    # A private directory (0700), removed as soon as the library is mapped.
+    with tempfile.TemporaryDirectory(prefix="hpcrl-inputs-") as directory:
+        for entry in package.iterdir():
+            if entry.name == f"{name}.c" or entry.name.endswith(".h"):
+                (Path(directory) / entry.name).write_bytes(entry.read_bytes())
+        library = Path(directory) / f"lib{name}-inputs.so"
+        command = [
+            compiler,
+            "-O2",
+            "-march=native",
+            "-shared",
+            "-fPIC",
+            "-fvisibility=hidden",
+            "-DHARNESS_INPUTS_ONLY",
+            *harness_defines(),
+            f"{name}.c",
+            "-o",
+            str(library),
+        ]
+        try:
+            subprocess.run(command, cwd=directory, check=True, capture_output=True, timeout=120)
+            lib = ctypes.CDLL(str(library))
+        except (OSError, subprocess.SubprocessError) as exc:
+            log.warning(
+                "inputs made with numpy: the template's fill did not build",
+                harness=name,
+                error=str(exc)[:500],
+            )
+            return None
+    lib.hpcrl_inputs.restype = ctypes.c_int
+    lib.hpcrl_dims.restype = ctypes.c_int
+    lib.hpcrl_max_dim.restype = ctypes.c_long
+    lib.hpcrl_input_bytes.restype = ctypes.c_size_t
+    lib.hpcrl_input_bytes.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int)]
+    lib.hpcrl_fill_inputs.restype = None
+    lib.hpcrl_fill_inputs.argtypes = [
+        ctypes.POINTER(ctypes.c_void_p),
+        ctypes.POINTER(ctypes.c_int),
+        ctypes.c_uint64,
+    ]
+    return lib
+
+
+def native_inputs(
+    name: str, dims: Sequence[int], layout: Layout, seed: int
+) -> tuple[np.ndarray, ...] | None:
+    """The inputs of one job made by the template's own ``fill_inputs`` (``native_library``)
+    into arrays of ``layout``, or None where there is no library or the sizes are not ones
+    the harness takes (it would refuse the job line). A layout whose byte sizes are not the
+    template's is a bug: refused. ctypes lets go of the GIL during the fill."""
+    lib = native_library(name)
+    if lib is None or len(dims) != lib.hpcrl_dims() or len(layout) != lib.hpcrl_inputs():
+        return None
+    if not all(isinstance(d, int) and 1 <= d <= lib.hpcrl_max_dim() for d in dims):
+        return None
+    sizes = (ctypes.c_int * len(dims))(*dims)
+    arrays = tuple(np.empty(shape, dtype=dtype) for dtype, shape in layout)
+    for i, array in enumerate(arrays):
+        if array.nbytes != lib.hpcrl_input_bytes(i, sizes):
+            raise HarnessError(f"harness {name!r}: input {i} has another size in its template")
+    pointers = (ctypes.c_void_p * len(arrays))(*(a.ctypes.data for a in arrays))
+    lib.hpcrl_fill_inputs(pointers, sizes, ctypes.c_uint64(seed & _MASK64))
+    return arrays
+
+
 class HarnessError(ValueError):
     """A task that its harness cannot run (unknown harness, sizes it does not take)."""
 
@@ -114,9 +245,23 @@ class Harness(ABC):
     def output_shape(self, sizes: Sizes) -> tuple[int, ...]:
         """The shape of one call's output."""
 
-    @abstractmethod
     def inputs(self, sizes: Sizes, seed: int) -> tuple[np.ndarray, ...]:
-        """The inputs the template fills from ``seed``, bit for bit."""
+        """The inputs the template fills from ``seed``, bit for bit: made by the template's
+        own code where it builds (``native_inputs``), else by ``numpy_inputs``."""
+        layout = self.input_layout(sizes)
+        if layout is not None:
+            made = native_inputs(self.name, [sizes[d] for d in self.dims], layout, seed)
+            if made is not None:
+                return made
+        return self.numpy_inputs(sizes, seed)
+
+    def input_layout(self, sizes: Sizes) -> Layout | None:
+        """(dtype, shape) of each input, in the template's order; None: numpy makes them."""
+        return None
+
+    @abstractmethod
+    def numpy_inputs(self, sizes: Sizes, seed: int) -> tuple[np.ndarray, ...]:
+        """The same inputs made with numpy (the template's arithmetic written again)."""
 
     @abstractmethod
     def reference_into(self, inputs: tuple[np.ndarray, ...], out: np.ndarray) -> None:

@@ -513,8 +513,11 @@ class Benchmarker:
         rng = np.random.default_rng(secrets.randbits(64))
         points = task.verification
         return [
-            harnesses.get(job.harness.name).expect(
-                job, points.random_points, points.corners_and_centre, rng
+            verify.with_bound(
+                harnesses.get(job.harness.name).expect(
+                    job, points.random_points, points.corners_and_centre, rng
+                ),
+                points.rel_tolerance,
             )
             for job in jobs
         ]

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hpcrl_benchmarker import protocol
-from hpcrl_benchmarker.harnesses import Harness, random_values, random_words
+from hpcrl_benchmarker.harnesses import BLOCK, GOLDEN, Harness, Layout, mix_block, random_values
 from hpcrl_benchmarker.verify import Expected, Names, Points, floored_scale, sample_points
 from hpcrl_common.task import Sizes
 
@@ -76,51 +76,118 @@ class Matrix:
 
 
 def matrix(sizes: Sizes, seed: int) -> Matrix:
-    """The job's matrix, bit for bit the template's (the per-entry modulos done on the rows'
-    tables or on the near-diagonal quarter only: numpy's uint64 modulo is slow)."""
+    """The job's matrix, made by the template's own code (``Harness.inputs``)."""
+    rowptr, col, val, _ = inputs(sizes, seed)
+    return csr(rowptr, col, val)
+
+
+def csr(rowptr: np.ndarray, col: np.ndarray, val: np.ndarray) -> Matrix:
+    """The matrix of these arrays, with each entry's row."""
+    rows = np.repeat(np.arange(len(rowptr) - 1, dtype=np.intp), np.diff(rowptr))
+    return Matrix(rowptr, col, val, rows)
+
+
+def numpy_matrix(sizes: Sizes, seed: int) -> Matrix:
+    """The job's matrix with numpy, bit for bit the template's. In blocks of ``BLOCK`` entries, each
+    block's words and temporaries in cache (whole-array passes over 700,001 words went to
+    memory once per operation), and every modulo by a constant done as x - (x // d) d
+    (numpy divides an array by a scalar quickly, but its modulo is ~15x slower)."""
     m, n, nnz = sizes["M"], sizes["N"], sizes["NNZ"]
     u64 = np.uint64
-    h = random_words(seed ^ ROW_SALT, nnz)
-    t = h >> u64(43)
-    t *= (h >> u64(22)) & u64(0x1FFFFF)
-    h >>= u64(1)
-    h &= u64(0x1FFFFF)
-    t *= h
-    t >>= u64(42)
-    t *= u64(m)
-    t >>= u64(21)
+    block = min(nnz, BLOCK)
+    step = np.arange(1, block + 1, dtype=np.uint64)
+    step *= u64(GOLDEN)
+    z, t, tmp = np.empty_like(step), np.empty_like(step), np.empty_like(step)
+    # The rows: entry k's value of the skewed law, t < M, is counted; row scatter[t] is its
+    # row, and scatter is a bijection of the rows, so a row's count is its t's.
+    by_law = np.zeros(m, dtype=np.intp)
+    with np.errstate(over="ignore"):
+        for begin in range(0, nnz, BLOCK):
+            size = min(nnz, begin + BLOCK) - begin
+            h, law, other = z[:size], t[:size], tmp[:size]
+            mix_block((seed ^ ROW_SALT) + begin * GOLDEN, step[:size], h, other)
+            np.right_shift(h, u64(43), out=law)
+            np.right_shift(h, u64(22), out=other)
+            other &= u64(0x1FFFFF)
+            law *= other
+            h >>= u64(1)
+            h &= u64(0x1FFFFF)
+            law *= h
+            law >>= u64(42)
+            law *= u64(m)
+            law >>= u64(21)
+            by_law += np.bincount(law.view(np.int64), minlength=m)
     # The scatter (r * SCATTER + offset) mod M, as a table of the M rows.
-    offset = u64(_mix(seed ^ ROW_SALT) % m)
-    scatter = (np.arange(m, dtype=np.uint64) * u64(SCATTER) + offset) % u64(m)
-    entry_rows = scatter.view(np.int64)[t.view(np.int64)]
-    counts = np.bincount(entry_rows, minlength=m)
+    scatter = np.arange(m, dtype=np.uint64) * u64(SCATTER) + u64(_mix(seed ^ ROW_SALT) % m)
+    scatter -= scatter // u64(m) * u64(m)
+    counts = np.empty(m, dtype=np.intp)
+    counts[scatter.view(np.int64)] = by_law
     rowptr = np.zeros(m + 1, dtype=np.int32)
     np.cumsum(counts, out=rowptr[1:])
     rows = np.repeat(np.arange(m, dtype=np.intp), counts)
-    h = random_words(seed ^ COL_SALT, nnz)
-    near = np.flatnonzero((h & u64(3)) == 0)
-    close = h[near]
-    close >>= u64(8)
-    close %= u64(33)
-    close += (np.arange(m, dtype=np.uint64) * u64(n) // u64(m))[rows[near]]
-    close += u64(16 * n - 16)
-    close %= u64(n)
-    h >>= u64(32)
-    h *= u64(n)
-    h >>= u64(32)
-    h[near] = close
-    col = h.astype(np.int32)
+    # The columns, by position k in CSR order: a quarter near the row's diagonal position.
+    diagonal = np.arange(m, dtype=np.uint64) * u64(n) // u64(m)
+    col = np.empty(nnz, dtype=np.int32)
+    with np.errstate(over="ignore"):
+        for begin in range(0, nnz, BLOCK):
+            size = min(nnz, begin + BLOCK) - begin
+            h = z[:size]
+            mix_block((seed ^ COL_SALT) + begin * GOLDEN, step[:size], h, tmp[:size])
+            near = np.flatnonzero((h & u64(3)) == 0)
+            close = h[near]
+            close >>= u64(8)
+            close -= close // u64(33) * u64(33)  # (h >> 8) % 33
+            close += diagonal[rows[begin + near]]
+            close += u64(16 * n - 16)
+            close -= close // u64(n) * u64(n)  # (diagonal + ... + 16 n - 16) % n
+            h >>= u64(32)
+            h *= u64(n)
+            h >>= u64(32)
+            h[near] = close
+            col[begin : begin + size] = h
     return Matrix(rowptr, col, random_values(seed ^ VAL_SALT, nnz), rows)
 
 
 def inputs(sizes: Sizes, seed: int) -> tuple[np.ndarray, ...]:
-    a = matrix(sizes, seed)
+    """rowptr, col, val and x from the seed, made by the template's own code."""
+    return SPMV.inputs(sizes, seed)
+
+
+def numpy_inputs(sizes: Sizes, seed: int) -> tuple[np.ndarray, ...]:
+    """The same with numpy, bit for bit."""
+    a = numpy_matrix(sizes, seed)
     return a.rowptr, a.col, a.val, random_values(seed ^ X_SALT, sizes["N"])
+
+
+def products(a: Matrix, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(y, the term sizes): y_i = sum of val[k] x[col[k]] over row i's entries in their
+    order (empty rows: 0), and sum |val[k] x[col[k]]| likewise (the full check's
+    denominators). In blocks of whole rows (~``BLOCK`` entries): each row is summed in one
+    ``np.bincount``, from 0 and in order, so the bits are those of one over all entries."""
+    m = a.m
+    y, sizes = np.zeros(m), np.zeros(m)
+    # Row boundaries about BLOCK entries apart (a row longer than that is a block alone).
+    cuts = np.searchsorted(a.rowptr, np.arange(0, int(a.rowptr[-1]), BLOCK), side="right") - 1
+    bounds = [*np.unique(cuts[cuts > 0]).tolist(), m]
+    top = 0
+    for bottom in bounds:
+        if bottom <= top:
+            continue
+        first, last = int(a.rowptr[top]), int(a.rowptr[bottom])
+        if last > first:
+            terms = x[a.col[first:last]]
+            terms *= a.val[first:last]
+            rows = a.rows[first:last] - top
+            y[top:bottom] = np.bincount(rows, weights=terms, minlength=bottom - top)
+            np.abs(terms, out=terms)
+            sizes[top:bottom] = np.bincount(rows, weights=terms, minlength=bottom - top)
+        top = bottom
+    return y, sizes
 
 
 def reference(a: Matrix, x: np.ndarray) -> np.ndarray:
     """y_i = sum of val[k] x[col[k]] over row i's entries, in their order (empty rows: 0)."""
-    return np.bincount(a.rows, weights=a.val * x[a.col], minlength=a.m)
+    return products(a, x)[0]
 
 
 @dataclass(frozen=True)
@@ -141,13 +208,16 @@ class Spmv(Harness):
     def output_shape(self, sizes: Sizes) -> tuple[int, ...]:
         return (sizes["M"],)
 
-    def inputs(self, sizes: Sizes, seed: int) -> tuple[np.ndarray, ...]:
-        return inputs(sizes, seed)
+    def input_layout(self, sizes: Sizes) -> Layout:
+        m, n, nnz = sizes["M"], sizes["N"], sizes["NNZ"]
+        return ((np.int32, (m + 1,)), (np.int32, (nnz,)), (np.float64, (nnz,)), (np.float64, (n,)))
+
+    def numpy_inputs(self, sizes: Sizes, seed: int) -> tuple[np.ndarray, ...]:
+        return numpy_inputs(sizes, seed)
 
     def reference_into(self, inputs: tuple[np.ndarray, ...], out: np.ndarray) -> None:
         rowptr, col, val, x = inputs
-        rows = np.repeat(np.arange(len(rowptr) - 1), np.diff(rowptr))
-        out[...] = reference(Matrix(rowptr, col, val, rows), x)
+        out[...] = reference(csr(rowptr, col, val), x)
 
     def expect(
         self,
@@ -156,12 +226,9 @@ class Spmv(Harness):
         corners_and_centre: bool,
         rng: np.random.Generator,
     ) -> Expected:
-        a = matrix(job.sizes, job.seed)
-        x = random_values(job.seed ^ X_SALT, job.sizes["N"])
-        terms = a.val * x[a.col]
-        ref = np.bincount(a.rows, weights=terms, minlength=a.m)
-        np.abs(terms, out=terms)
-        every = floored_scale(ref, np.bincount(a.rows, weights=terms, minlength=a.m))
+        rowptr, col, val, x = inputs(job.sizes, job.seed)
+        ref, sizes = products(csr(rowptr, col, val), x)
+        every = floored_scale(ref, sizes)
         points = sample_points(ref.shape, random_points, corners_and_centre, rng)
         return Expected(points, ref[points], every[points], NAMES, ref, _Scales(every))
 

@@ -33,26 +33,42 @@ from dataclasses import dataclass
 import numpy as np
 
 from hpcrl_benchmarker import protocol
-from hpcrl_benchmarker.harnesses import Harness, random_values
+from hpcrl_benchmarker.harnesses import BLOCK, Harness, Layout, random_values
 from hpcrl_benchmarker.verify import Expected, Names, Points, floored_scale, sample_points
 from hpcrl_common.task import Sizes
 
 NAMES = Names(output="v", inputs="u", arrays="u or v", full_check="full-grid check", points="the")
 
 
-def inputs(sizes: Sizes, seed: int) -> tuple[np.ndarray]:
+def inputs(sizes: Sizes, seed: int) -> tuple[np.ndarray, ...]:
+    """u from the seed, made by the template's own code (``Harness.inputs``)."""
+    return STENCIL.inputs(sizes, seed)
+
+
+def numpy_inputs(sizes: Sizes, seed: int) -> tuple[np.ndarray]:
+    """u from the seed with numpy, bit for bit the template's."""
     n, m = sizes["N"], sizes["M"]
     return (random_values(seed, n * m).reshape(n, m),)
 
 
 def reference_into(u: np.ndarray, v: np.ndarray) -> None:
-    """One sweep: v = u on the boundary, 0.25 (n + s + w + e) inside (added in that order)."""
-    v[...] = u
-    if u.shape[0] > 2 and u.shape[1] > 2:
-        inner = v[1:-1, 1:-1]
-        np.add(u[:-2, 1:-1], u[2:, 1:-1], out=inner)
-        inner += u[1:-1, :-2]
-        inner += u[1:-1, 2:]
+    """One sweep: v = u on the boundary, 0.25 (n + s + w + e) inside (added in that order).
+    In blocks of rows (~``BLOCK`` elements, in cache): the same operations on each element,
+    bit for bit, 3-5x faster than whole-grid passes at the reward size."""
+    n, m = u.shape
+    if n <= 2 or m <= 2:
+        v[...] = u
+        return
+    v[0], v[-1] = u[0], u[-1]
+    step = max(1, BLOCK // m)
+    for top in range(1, n - 1, step):
+        bottom = min(n - 1, top + step)
+        block = v[top:bottom]
+        block[:, 0], block[:, -1] = u[top:bottom, 0], u[top:bottom, -1]
+        inner = block[:, 1:-1]
+        np.add(u[top - 1 : bottom - 1, 1:-1], u[top + 1 : bottom + 1, 1:-1], out=inner)
+        inner += u[top:bottom, :-2]
+        inner += u[top:bottom, 2:]
         inner *= 0.25
 
 
@@ -99,8 +115,11 @@ class Stencil(Harness):
     def output_shape(self, sizes: Sizes) -> tuple[int, ...]:
         return (sizes["N"], sizes["M"])
 
-    def inputs(self, sizes: Sizes, seed: int) -> tuple[np.ndarray, ...]:
-        return inputs(sizes, seed)
+    def input_layout(self, sizes: Sizes) -> Layout:
+        return ((np.float64, (sizes["N"], sizes["M"])),)
+
+    def numpy_inputs(self, sizes: Sizes, seed: int) -> tuple[np.ndarray, ...]:
+        return numpy_inputs(sizes, seed)
 
     def reference_into(self, inputs: tuple[np.ndarray, ...], out: np.ndarray) -> None:
         reference_into(inputs[0], out)

@@ -323,6 +323,29 @@ static int lock_down(int no_threads) {
     return (int)syscall(__NR_seccomp, SECCOMP_SET_MODE_FILTER, SECCOMP_FILTER_FLAG_TSYNC, &prog);
 }
 
+#ifdef HARNESS_INPUTS_ONLY
+/* The trusted parent's copy of the inputs (harnesses.NativeInputs): this file and a template
+ * compiled as a shared library with -DHARNESS_INPUTS_ONLY, without the kernel (call_kernel,
+ * the only use of it, is static and unused, so never emitted), main or the lock-down. The
+ * parent then makes every job's inputs with the template's own fill_inputs, bit for bit
+ * what the harness makes from the same seed, in a few ms where numpy needs tens. */
+#define HPCRL_EXPORT __attribute__((visibility("default")))
+HPCRL_EXPORT int hpcrl_inputs(void) {
+    return HARNESS_INPUTS;
+}
+HPCRL_EXPORT int hpcrl_dims(void) {
+    return HARNESS_DIMS;
+}
+HPCRL_EXPORT long hpcrl_max_dim(void) {
+    return MAX_DIM;
+}
+HPCRL_EXPORT size_t hpcrl_input_bytes(int input, const int *dims) {
+    return input_bytes(input, dims);
+}
+HPCRL_EXPORT void hpcrl_fill_inputs(void *const *in, const int *dims, uint64_t seed) {
+    fill_inputs(in, dims, seed);
+}
+#else
 int main(int argc, char **argv) {
     if (argc < 2 || argc > 3) return HARNESS_EXIT_BAD_INPUT;
     int data = atoi(argv[1]), marks = argc == 3 ? atoi(argv[2]) : data;
@@ -426,4 +449,5 @@ int main(int argc, char **argv) {
     if (send_mark(MARK_FD, nonce, j, MARK_END, 0, 0)) return HARNESS_EXIT_WRITE_FAILED;
     return 0;
 }
+#endif /* HARNESS_INPUTS_ONLY */
 #endif
