@@ -9,6 +9,7 @@ from hpcrl_bootstrap.build import host_isa
 from hpcrl_bootstrap.chat import format_chat
 from hpcrl_bootstrap.examples import chat_texts, make_examples
 from hpcrl_bootstrap.tokenizer import train_tokenizer
+from hpcrl_bootstrap.train import encode_examples
 from hpcrl_common.task import load_task
 
 
@@ -74,3 +75,14 @@ def test_chat_template_is_qwen_style_and_special_tokens_are_set(trained, tmp_pat
         loaded.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == rendered
     )
     assert loaded.eos_token_id == tokenizer.eos_token_id
+
+
+def test_examples_over_the_length_are_left_out_by_index(trained) -> None:
+    tokenizer, held_out = trained
+    full, none_out = encode_examples(held_out, tokenizer, 100_000)
+    lengths = [len(e.input_ids) for e in full]
+    assert not none_out and len(full) == len(held_out)
+    cut = sorted(lengths)[len(lengths) // 2]
+    kept, too_long = encode_examples(held_out, tokenizer, cut)
+    assert too_long == [i for i, n in enumerate(lengths) if n > cut]
+    assert len(kept) + len(too_long) == len(held_out) and too_long

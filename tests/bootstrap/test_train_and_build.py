@@ -98,6 +98,8 @@ def test_tiny_bootstrap_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture
     assert info["training"]["steps"] == 3 and info["key"] == TINY.key()
     # Nothing left out without a word: every example is kept or counted.
     assert info["examples_kept"] + info["examples_left_out_too_long"] == TINY.examples
+    by_kind = info["examples_left_out_too_long_by_mode_and_stage"]
+    assert sum(by_kind.values()) == info["examples_left_out_too_long"]
     corpus = json.loads((out / CORPUS_FILE).read_text())
     timed = [row for row in corpus if row["status"] == "success"]
     assert timed and all(row["gflops"] > 0 for row in timed)

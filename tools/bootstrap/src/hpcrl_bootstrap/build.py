@@ -201,8 +201,18 @@ def _build(
         seed=settings.seed,
     )
     encoded, too_long = encode_examples(examples, tokenizer, train_settings.max_tokens)
+    # Per mode and stage: long examples are the higher stages' (a parent in the prompt, a
+    # long kernel after it), so a total alone hides a stage that is barely taught.
+    too_long_by_kind = dict(
+        sorted(Counter(f"{examples[i].mode}@{examples[i].target_stage}" for i in too_long).items())
+    )
     if too_long:
-        report("examples", kept=len(encoded), left_out_longer_than_max_positions=too_long)
+        report(
+            "examples",
+            kept=len(encoded),
+            left_out_longer_than_max_positions=len(too_long),
+            by_mode_and_stage=too_long_by_kind,
+        )
     model = build_model(shape, tokenizer, settings.seed)
     params = sum(p.numel() for p in model.parameters())
     report("train", steps=settings.steps, parameters=params, examples=len(encoded), bf16=bf16)
@@ -226,7 +236,8 @@ def _build(
         "pairs_left_out": dict(pairs.left_out),
         "examples_by_mode": dict(sorted(Counter(e.mode for e in examples).items())),
         "examples_kept": len(encoded),
-        "examples_left_out_too_long": too_long,
+        "examples_left_out_too_long": len(too_long),
+        "examples_left_out_too_long_by_mode_and_stage": too_long_by_kind,
         "mean_tokens_per_example": round(mean_tokens, 1),
         "bf16_autocast": bf16,
         "training": dataclasses.asdict(summary),

@@ -65,21 +65,23 @@ class TrainSummary:
 
 def encode_examples(
     examples: Sequence[Example], tokenizer: PreTrainedTokenizerFast, max_tokens: int
-) -> tuple[list[Encoded], int]:
-    """Prompt (chat template with the generation prompt) + completion + end of turn; and how
-    many examples were longer than ``max_tokens`` and left out (the caller reports it)."""
+) -> tuple[list[Encoded], list[int]]:
+    """Prompt (chat template with the generation prompt) + completion + end of turn; and the
+    indices of the examples longer than ``max_tokens``, left out (the caller reports them)."""
     prompts = [render_chat(tokenizer, [m.model_dump() for m in ex.prompt]) for ex in examples]
     prompt_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
     completion_ids = tokenizer([ex.completion for ex in examples], add_special_tokens=False)[
         "input_ids"
     ]
     eos = tokenizer.eos_token_id
-    encoded = []
-    for p, c in zip(prompt_ids, completion_ids, strict=True):
+    encoded, too_long = [], []
+    for index, (p, c) in enumerate(zip(prompt_ids, completion_ids, strict=True)):
         ids = [*p, *c, eos]
         if len(ids) <= max_tokens:
             encoded.append(Encoded(ids, len(p)))
-    return encoded, len(examples) - len(encoded)
+        else:
+            too_long.append(index)
+    return encoded, too_long
 
 
 def batches(
