@@ -372,6 +372,10 @@ def test_spmv_products_in_blocks_of_rows_are_one_bincount() -> None:
         assert np.array_equal(y, np.bincount(a.rows, weights=terms, minlength=a.m))
         whole = np.bincount(a.rows, weights=np.abs(terms), minlength=a.m)
         assert np.array_equal(term_sizes, whole)
+        # The check points' denominators alone (the expectation's): the same bits.
+        rows = np.random.default_rng(1).integers(0, a.m, size=105)
+        at = spmv.row_term_sizes(rowptr, col, val, x, rows)
+        assert np.array_equal(at, whole[rows])
 
 
 def test_the_precomputed_bound_gives_the_same_verdicts() -> None:

@@ -53,23 +53,25 @@ def numpy_inputs(sizes: Sizes, seed: int) -> tuple[np.ndarray]:
 
 def reference_into(u: np.ndarray, v: np.ndarray) -> None:
     """One sweep: v = u on the boundary, 0.25 (n + s + w + e) inside (added in that order).
-    In blocks of rows (~``BLOCK`` elements, in cache): the same operations on each element,
-    bit for bit, 3-5x faster than whole-grid passes at the reward size."""
+
+    The interior rows as one flat range, in blocks of ``BLOCK`` elements (in cache, and
+    contiguous: 2.5x faster than a block of rows' 2-D views, and than whole-grid passes):
+    their first and last columns get sweep values there and are put back from u after.
+    Every interior element sees the same operations in the same order: the same bits."""
     n, m = u.shape
     if n <= 2 or m <= 2:
         v[...] = u
         return
+    flat_u, flat_v = u.reshape(-1), v.reshape(-1)
+    for start in range(m + 1, n * m - m - 1, BLOCK):
+        stop = min(n * m - m - 1, start + BLOCK)
+        out = flat_v[start:stop]
+        np.add(flat_u[start - m : stop - m], flat_u[start + m : stop + m], out=out)
+        out += flat_u[start - 1 : stop - 1]
+        out += flat_u[start + 1 : stop + 1]
+        out *= 0.25
     v[0], v[-1] = u[0], u[-1]
-    step = max(1, BLOCK // m)
-    for top in range(1, n - 1, step):
-        bottom = min(n - 1, top + step)
-        block = v[top:bottom]
-        block[:, 0], block[:, -1] = u[top:bottom, 0], u[top:bottom, -1]
-        inner = block[:, 1:-1]
-        np.add(u[top - 1 : bottom - 1, 1:-1], u[top + 1 : bottom + 1, 1:-1], out=inner)
-        inner += u[top:bottom, :-2]
-        inner += u[top:bottom, 2:]
-        inner *= 0.25
+    v[:, 0], v[:, -1] = u[:, 0], u[:, -1]
 
 
 def reference(u: np.ndarray) -> np.ndarray:

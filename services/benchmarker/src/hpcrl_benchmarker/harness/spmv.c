@@ -47,16 +47,29 @@ static uint64_t draw(uint64_t seed, size_t k) {
     return mix(seed + (uint64_t)(k + 1) * 0x9E3779B97F4A7C15ull);
 }
 
+/* x % d for x < 2^50 and 0 < d <= MAX_DIM, exactly, without a division (tens of cycles; the
+ * row loop needs one per entry): x / d from the reciprocal errs by less than 1/8, so the
+ * truncated quotient is off by at most one, and one correction gives the remainder. */
+static uint64_t mod_by(uint64_t x, uint64_t d, double reciprocal) {
+    uint64_t q = (uint64_t)(int64_t)((double)(int64_t)x * reciprocal);
+    int64_t r = (int64_t)(x - q * d);
+    if (r < 0) r += (int64_t)d;
+    else if (r >= (int64_t)d) r -= (int64_t)d;
+    return (uint64_t)r;
+}
+
 static void fill_inputs(void *const *in, const int *d, uint64_t seed) {
     int *rowptr = in[0], *col = in[1];
     uint64_t m = (uint64_t)d[0], n = (uint64_t)d[1];
     size_t nnz = (size_t)d[2];
+    double per_m = 1.0 / (double)m, per_n = 1.0 / (double)n;
     uint64_t offset = mix(seed ^ ROW_SALT) % m;
     for (uint64_t i = 0; i <= m; i++) rowptr[i] = 0;
     for (size_t k = 0; k < nnz; k++) {
         uint64_t h = draw(seed ^ ROW_SALT, k);
         uint64_t t = ((h >> 43) * ((h >> 22) & 0x1FFFFF) * ((h >> 1) & 0x1FFFFF)) >> 42;
-        uint64_t row = (((t * m) >> 21) * SCATTER + offset) % m;
+        /* (r * SCATTER + offset) % m, r < m <= 2^24: below 2^49 */
+        uint64_t row = mod_by(((t * m) >> 21) * SCATTER + offset, m, per_m);
         rowptr[row + 1]++;
     }
     for (uint64_t i = 0; i < m; i++) rowptr[i + 1] += rowptr[i];
@@ -64,7 +77,8 @@ static void fill_inputs(void *const *in, const int *d, uint64_t seed) {
         uint64_t diagonal = i * n / m;
         for (int k = rowptr[i]; k < rowptr[i + 1]; k++) {
             uint64_t h = draw(seed ^ COL_SALT, (size_t)k);
-            col[k] = (int)((h & 3) == 0 ? (diagonal + (h >> 8) % 33 + 16 * n - 16) % n
+            /* (diagonal + (h >> 8) % 33 + 16 n - 16) % n: below 17 n + 33 */
+            col[k] = (int)((h & 3) == 0 ? mod_by(diagonal + (h >> 8) % 33 + 16 * n - 16, n, per_n)
                                         : ((h >> 32) * n) >> 32);
         }
     }
