@@ -60,6 +60,9 @@ class TaskSpec(_Section):
     verification: Verification = Verification()
     timing: TimingSpec = TimingSpec()
     compile: CompileSpec
+    # A seed program's file, beside the TOML (a task loaded by path); a built-in task's seed is
+    # ``tasks/<name>.seed.c``. See ``seed_program``.
+    seed: str | None = None
 
     @field_validator("flops")
     @classmethod
@@ -93,21 +96,60 @@ def builtin_tasks() -> list[str]:
 
 
 def load_task(name_or_path: str | Path) -> TaskSpec:
-    """A built-in task by name (``matmul``) or a task TOML by path."""
+    """A built-in task by name (``matmul``) or a task TOML by path.
+
+    A task loaded by path may bring its own harness template (``harness = "axpy.c"``, its
+    description ``axpy.py`` beside it) and seed program (``seed = "axpy.seed.c"``): both are
+    read relative to the TOML's directory and held as absolute paths."""
     text = str(name_or_path)
+    directory: Path | None = None
     if text.endswith(".toml") or "/" in text:
-        source, where = Path(text).read_bytes(), text
+        try:
+            source, where = Path(text).read_bytes(), text
+        except OSError as exc:
+            raise TaskError(f"cannot read task file {text}: {exc.strerror}") from None
+        directory = Path(text).resolve().parent
     else:
         resource = resources.files("hpcrl_common.tasks") / f"{text}.toml"
         if not resource.is_file():
             raise TaskError(f"unknown task {text!r} (built in: {', '.join(builtin_tasks())})")
         source, where = resource.read_bytes(), f"built-in task {text}"
     try:
-        return TaskSpec.model_validate(tomllib.loads(source.decode()))
+        task = TaskSpec.model_validate(tomllib.loads(source.decode()))
     except tomllib.TOMLDecodeError as exc:
         raise TaskError(f"{where} is not valid TOML: {exc}") from None
     except ValidationError as exc:
         raise TaskError(f"{where}: {describe_errors(exc)}") from None
+    return _with_own_files(task, directory, where)
+
+
+def _with_own_files(task: TaskSpec, directory: Path | None, where: str) -> TaskSpec:
+    own_harness = is_template_path(task.harness)
+    if directory is None:
+        if own_harness or task.seed is not None:
+            raise TaskError(f"{where}: a built-in task names a built-in harness and no seed file")
+        return task
+    update: dict[str, str] = {}
+    if own_harness:
+        update["harness"] = str(directory / task.harness)
+    if task.seed is not None:
+        update["seed"] = str(directory / task.seed)
+    for key, path in update.items():
+        if not Path(path).is_file():
+            raise TaskError(f"{where}: {key} file {path} does not exist")
+    return task.model_copy(update=update)
+
+
+def is_template_path(harness: str) -> bool:
+    """A task's own harness template (a ``.c`` file) rather than a built-in harness's name."""
+    return harness.endswith(".c")
+
+
+def seed_program(task: TaskSpec) -> str | None:
+    """The task's seed program: its own file (``seed``), else the built-in one, else None."""
+    if task.seed is not None:
+        return Path(task.seed).read_text()
+    return builtin_seed(task.name)
 
 
 def builtin_seed(task_name: str) -> str | None:

@@ -22,12 +22,11 @@ import shlex
 import subprocess
 import threading
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 
 import structlog
 
-from hpcrl_benchmarker import checks, cscan, sandbox
+from hpcrl_benchmarker import checks, cscan, harnesses, sandbox
 from hpcrl_benchmarker.exitcodes import CompileExit, harness_defines
 from hpcrl_benchmarker.steps import InternalError
 from hpcrl_common.task import TaskSpec
@@ -187,15 +186,12 @@ def harness_object(
     """The harness template (with the ``harness.h`` it includes) compiled once per
     (template, task function, compiler) and process, and checked against what was compiled
     before every use."""
-    package = resources.files("hpcrl_benchmarker.harness")
-    template = package / f"{task.harness}.c"
-    if not template.is_file():
-        raise InternalError(f"no harness template {task.harness!r} for task {task.name!r}")
-    text = template.read_bytes()
+    try:
+        template = harnesses.Template.of(task.harness)
+    except harnesses.HarnessError as exc:
+        raise InternalError(f"task {task.name!r}: {exc}") from None
     # The part every template includes (harness.h: the protocol, the lock-down).
-    headers = {
-        entry.name: entry.read_bytes() for entry in package.iterdir() if entry.name.endswith(".h")
-    }
+    text, headers, stem = template.text, template.headers, template.stem
     flags = [
         "-O2",
         "-march=native",
@@ -206,7 +202,7 @@ def harness_object(
     sources = text + b"".join(name.encode() + body for name, body in sorted(headers.items()))
     key = hashlib.sha256(sources + repr((flags, compiler_version)).encode()).hexdigest()[:16]
     directory = work_dir / f"harness-{key}"
-    obj = directory / f"{task.harness}.o"
+    obj = directory / f"{stem}.o"
     with lock:
         compiled = _COMPILED.get(obj)
         if compiled is not None and _digest(obj) == compiled:
@@ -214,11 +210,8 @@ def harness_object(
         if compiled is not None:
             log.warning("the cached harness changed on disk; compiling it again", path=str(obj))
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        for name, body in headers.items():
-            (directory / name).write_bytes(body)
-        source = directory / f"{task.harness}.c"
-        source.write_bytes(text)
-        partial = directory / f".{task.harness}.o.{os.getpid()}"
+        source = template.write(directory)
+        partial = directory / f".{stem}.o.{os.getpid()}"
         subprocess.run(
             [task.compile.compiler, *flags, "-c", str(source), "-o", str(partial)],
             check=True,

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import hashlib
 import importlib
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -23,6 +25,7 @@ import tempfile
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
@@ -33,7 +36,7 @@ from hpcrl_benchmarker.exitcodes import harness_defines
 from hpcrl_benchmarker.host import openblas_coretype
 from hpcrl_benchmarker.protocol import Job
 from hpcrl_benchmarker.verify import Expected, Names
-from hpcrl_common.task import Sizes, TaskSpec
+from hpcrl_common.task import Sizes, TaskSpec, is_template_path
 
 GOLDEN = 0x9E3779B97F4A7C15  # splitmix64's increment: word k is mix(seed + k * GOLDEN)
 _GOLDEN = np.uint64(GOLDEN)
@@ -154,16 +157,18 @@ def native_library(name: str) -> ctypes.CDLL | None:
 
 
 def _build(name: str) -> ctypes.CDLL | None:
-    package = resources.files("hpcrl_benchmarker.harness")
     compiler = shutil.which("gcc") or shutil.which("cc")
-    if compiler is None or not (package / f"{name}.c").is_file():
+    try:
+        template = Template.of(name)
+    except HarnessError:
+        return None
+    if compiler is None:
         return None
     # A private directory (0700), removed as soon as the library is mapped.
     with tempfile.TemporaryDirectory(prefix="hpcrl-inputs-") as directory:
-        for entry in package.iterdir():
-            if entry.name == f"{name}.c" or entry.name.endswith(".h"):
-                (Path(directory) / entry.name).write_bytes(entry.read_bytes())
-        library = Path(directory) / f"lib{name}-inputs.so"
+        template.write(Path(directory))
+        stem = template.stem
+        library = Path(directory) / f"lib{stem}-inputs.so"
         command = [
             compiler,
             "-O2",
@@ -173,7 +178,7 @@ def _build(name: str) -> ctypes.CDLL | None:
             "-fvisibility=hidden",
             "-DHARNESS_INPUTS_ONLY",
             *harness_defines(),
-            f"{name}.c",
+            f"{stem}.c",
             "-o",
             str(library),
         ]
@@ -230,7 +235,9 @@ class HarnessError(ValueError):
 class Harness(ABC):
     """One harness template's description (see the module's docstring)."""
 
-    name: str  # the task's `harness` and the template harness/<name>.c
+    # The task's `harness`: a built-in template harness/<name>.c, or a task's own template's
+    # path (set when its description is loaded).
+    name: str
     dims: tuple[str, ...]  # the sizes on a job's line, in the order the template reads them
     names: Names  # how messages name its arrays
     routine: str  # the reference routine, the task's `reference`
@@ -286,11 +293,52 @@ class Harness(ABC):
                     f"task {task.name!r}: harness {self.name!r} takes sizes "
                     f"{', '.join(self.dims)}, not {', '.join(sizes) or 'none'}"
                 )
+        lib = native_library(self.name)
+        largest = max(
+            n for sizes in (task.sizes.reward, *task.sizes.verify) for n in sizes.values()
+        )
+        if lib is not None and largest > lib.hpcrl_max_dim():
+            raise HarnessError(
+                f"task {task.name!r}: size {largest} is above its harness's MAX_DIM "
+                f"({lib.hpcrl_max_dim()}; a template defines MAX_DIM before harness.h)"
+            )
         if task.reference != self.routine:
             raise HarnessError(
                 f"task {task.name!r}: harness {self.name!r} verifies against "
                 f"{self.routine}, not {task.reference}"
             )
+
+
+@dataclass(frozen=True)
+class Template:
+    """A harness's C source: the template and the headers it includes (``harness.h``, the
+    package's), for a built-in harness's name or a task's own template path."""
+
+    stem: str  # the file name without .c: what the compiled files are called
+    text: bytes
+    headers: dict[str, bytes]
+
+    @classmethod
+    def of(cls, name: str) -> Template:
+        package = resources.files("hpcrl_benchmarker.harness")
+        headers = {e.name: e.read_bytes() for e in package.iterdir() if e.name.endswith(".h")}
+        if is_template_path(name):
+            path = Path(name)
+            if not path.is_file():
+                raise HarnessError(f"no harness template {name}")
+            return cls(path.stem, path.read_bytes(), headers)
+        template = package / f"{name}.c"
+        if not template.is_file():
+            raise HarnessError(f"no harness template {name!r}")
+        return cls(name, template.read_bytes(), headers)
+
+    def write(self, directory: Path) -> Path:
+        """The template and its headers written into ``directory``; the template's path."""
+        for header, body in self.headers.items():
+            (directory / header).write_bytes(body)
+        source = directory / f"{self.stem}.c"
+        source.write_bytes(self.text)
+        return source
 
 
 # harness name -> the module whose HARNESS describes it
@@ -302,13 +350,43 @@ REGISTRY = {
 }
 
 
+_OWN: dict[str, Harness] = {}
+_OWN_LOCK = threading.Lock()
+
+
 def get(name: str) -> Harness:
+    """A built-in harness by name, or a task's own by its template's path (``load_task``
+    makes it absolute), described by the Python file beside it (``axpy.c``: ``axpy.py``,
+    which defines ``HARNESS``)."""
+    if is_template_path(name):
+        return _own(name)
     module = REGISTRY.get(name)
     if module is None:
         raise HarnessError(f"no harness {name!r} (known: {', '.join(sorted(REGISTRY))})")
     harness = importlib.import_module(module).HARNESS
     assert isinstance(harness, Harness) and harness.name == name
     return harness
+
+
+def _own(template: str) -> Harness:
+    """The description of a task's own template, loaded once per process. It is the task
+    author's code, run in this trusted process like the built-in descriptions."""
+    with _OWN_LOCK:
+        if template in _OWN:
+            return _OWN[template]
+        path = Path(template).with_suffix(".py")
+        module_name = "hpcrl_task_harness_" + hashlib.sha256(template.encode()).hexdigest()[:12]
+        spec = importlib.util.spec_from_file_location(module_name, path)
+        if spec is None or spec.loader is None or not path.is_file():
+            raise HarnessError(f"harness {template}: no description {path} beside it")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        harness = getattr(module, "HARNESS", None)
+        if not isinstance(harness, Harness):
+            raise HarnessError(f"{path} defines no HARNESS (a hpcrl_benchmarker Harness)")
+        harness.name = template  # how jobs, the reference and the build find it again
+        _OWN[template] = harness
+        return harness
 
 
 def for_task(task: TaskSpec) -> Harness:
