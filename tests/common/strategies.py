@@ -25,6 +25,7 @@ from hpcrl_common.messages import (
     WeightUpdate,
     candidate_id,
     commitment_id,
+    text_sha256,
 )
 from hpcrl_common.rewards import MAX_ABS_REWARD, reward_for_status
 
@@ -229,9 +230,14 @@ def candidate_commitments(draw: st.DrawFn) -> CandidateCommitment:
         CommitmentEntry(
             index=index,
             rollout_sha256=draw(text_hashes),
-            completion_sha256=draw(text_hashes),
+            completion_sha256=text_sha256(body),
+            completion=body,
         )
-        for index in indices
+        for index, body in zip(
+            indices,
+            draw(st.lists(text, min_size=len(indices), max_size=len(indices))),
+            strict=True,
+        )
     ]
     return CandidateCommitment(
         id=commitment_id(group, entries),

@@ -14,6 +14,7 @@ from hpcrl_common.messages import (
     BenchResult,
     Candidate,
     CandidateCommitment,
+    CandidateCommitmentV1,
     MessageError,
     PackedArray,
     RolloutBatch,
@@ -374,3 +375,40 @@ def test_a_commitment_under_another_id_or_twice_one_index_is_refused():
         decode(msgpack.packb(twice))
     with pytest.raises(ValueError, match="one group"):
         CandidateCommitment.of([sample_candidate("g7", 2), sample_candidate("g8", 2)])
+
+
+def test_a_commitment_carries_each_candidates_text_under_its_hash():
+    """candidate-commitment/2: the text a winner's second measurement compiles, checked at
+    the boundary against the hash the id and the results are held to."""
+    candidate = sample_candidate("g7", 2)
+    commitment = CandidateCommitment.of([candidate])
+    assert commitment.schema_tag() == "candidate-commitment/2"
+    [entry] = commitment.entries
+    assert entry.completion == candidate.completion
+    raw = msgpack.unpackb(encode(commitment))
+    swapped = {**raw["entries"][0], "completion": "```c\nvoid fast(void) {}\n```\n"}
+    with pytest.raises(MessageError, match=r"completion_sha256 .* is not the hash of its"):
+        decode(msgpack.packb({**raw, "entries": [swapped]}))
+    no_text = {k: v for k, v in raw["entries"][0].items() if k != "completion"}
+    with pytest.raises(MessageError, match=r"entries\.0\.completion: Field required"):
+        decode(msgpack.packb({**raw, "entries": [no_text]}))
+
+
+def test_a_commitment_of_major_1_is_still_read_as_it_is():
+    """A generator of the release before commits with hashes only: read (a rolling upgrade)
+    as a CandidateCommitmentV1, under the same id; a /1 with texts is not one."""
+    commitment = CandidateCommitment.of([sample_candidate("g7", 2), sample_candidate("g7", 3)])
+    raw = msgpack.unpackb(encode(commitment))
+    hashes = [{k: v for k, v in e.items() if k != "completion"} for e in raw["entries"]]
+    old = decode(
+        msgpack.packb({**raw, "schema": "candidate-commitment/1", "entries": hashes}),
+        CandidateCommitment,
+    )
+    assert isinstance(old, CandidateCommitmentV1) and old.id == commitment.id
+    assert [(e.index, e.completion_sha256) for e in old.entries] == [
+        (e.index, e.completion_sha256) for e in commitment.entries
+    ]
+    with pytest.raises(MessageError, match=r"entries\.0\.completion: Extra inputs"):
+        decode(msgpack.packb({**raw, "schema": "candidate-commitment/1"}))
+    with pytest.raises(MessageError, match="this build reads 2, 1"):
+        decode(msgpack.packb({**raw, "schema": "candidate-commitment/3"}))

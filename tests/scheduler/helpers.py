@@ -114,17 +114,31 @@ def program(
     )
 
 
-def commitment(results: Sequence[BenchResult], generator: str = "") -> CandidateCommitment:
-    """What the generator committed to for these results' candidates: their rollouts and,
-    where a result reports one, the text judged (else any text)."""
-    entries = [
-        CommitmentEntry(
-            index=r.index,
-            rollout_sha256=rollout_sha256(r.rollout),
-            completion_sha256=r.completion_sha256 or text_sha256(f"candidate {r.id}"),
+def completion_of(res: BenchResult) -> str:
+    """The text a result's candidate had: its reported source in a C block (which the
+    benchmarker's extraction gives back as that source)."""
+    return f"```c\n{res.source or f'/* candidate {res.id} */'}\n```\n"
+
+
+def commitment(
+    results: Sequence[BenchResult], generator: str = "", texts: dict[int, str] | None = None
+) -> CandidateCommitment:
+    """What the generator committed to for these results' candidates: their rollouts and
+    texts (``texts`` by index, else :func:`completion_of`; a result that reports the hash of
+    the text it judged must be given that text)."""
+    entries = []
+    for r in {r.index: r for r in results if r.rollout is not None}.values():
+        text = (texts or {}).get(r.index, completion_of(r))
+        if r.completion_sha256 is not None and r.completion_sha256 != text_sha256(text):
+            raise ValueError(f"{r.id} reports judging another text: pass it in texts")
+        entries.append(
+            CommitmentEntry(
+                index=r.index,
+                rollout_sha256=rollout_sha256(r.rollout),
+                completion_sha256=text_sha256(text),
+                completion=text,
+            )
         )
-        for r in {r.index: r for r in results if r.rollout is not None}.values()
-    ]
     group_id = results[0].group_id
     return CandidateCommitment(
         id=commitment_id(group_id, entries), group_id=group_id, entries=entries, generator=generator

@@ -99,7 +99,7 @@ def test_a_committed_rollout_is_trained_and_any_other_refused(
             judged(result(request.id, i, gflops=1.0 + i, source=f"int k{i};"), texts[i])
             for i in range(2)
         ]
-        publish(publisher, topology, commitment(genuine), genuine[0])
+        publish(publisher, topology, commitment(genuine, texts=dict(enumerate(texts))), genuine[0])
         # Candidate 1, an honest figure at the group's top, with the forger's tokens (and
         # the hash of their text); then with the genuine tokens but another judged text.
         steering = forged(genuine[1])

@@ -65,8 +65,12 @@ def bench_result(
     benchmarker: str = "benchmarker-a",
     status: str = "success",
     hostname: str = "node1",
+    kernel: int | None = None,
 ) -> BenchResult:
-    base = result(group_id, index, status, gflops, source=f"/* kernel {index} */ void k(){{}}")
+    """``kernel``: whose source it reports (a confirmation's: the candidate it measured
+    again, whose committed text yields that source); its own index by default."""
+    kernel = index if kernel is None else kernel
+    base = result(group_id, index, status, gflops, source=f"/* kernel {kernel} */ void k(){{}}")
     return BenchResult.model_validate(
         {**base.model_dump(), "host": host(peak, hostname=hostname), "benchmarker": benchmarker}
     )
@@ -179,7 +183,9 @@ def test_a_winner_that_does_not_reproduce_is_dropped_and_its_host_suspect(
         assert check.generator == f"confirm|evil|{CLASS}"
         assert "/* kernel 1 */" in check.completion
         assert take(raw_channel, topology.name(ROLLOUT_BATCHES), RolloutBatch, timeout=1.0) == []
-        second = bench_result(check.group_id, 0, 1.9, benchmarker="benchmarker-b", hostname="node2")
+        second = bench_result(
+            check.group_id, 0, 1.9, benchmarker="benchmarker-b", hostname="node2", kernel=1
+        )
         publisher.publish(Publish(topology.name(BENCH_RESULTS), second))
         [again] = take(raw_channel, topology.name(CODE_TO_BENCH), Candidate)
         assert again.group_id == f"{request.id}.confirm2"
@@ -295,7 +301,7 @@ def test_a_winner_is_not_confirmed_by_its_own_broker_user_where_another_has_the_
     [first] = confirmations()
     deliver(
         scheduler,
-        bench_result(first.group_id, 0, 29.0, benchmarker="evil-2"),
+        bench_result(first.group_id, 0, 29.0, benchmarker="evil-2", kernel=1),
         publisher="hpcrl-benchmarker.site-a",
     )  # itself: not enough
     assert scheduler.store.group(request.id).state != "closed"
@@ -303,7 +309,7 @@ def test_a_winner_is_not_confirmed_by_its_own_broker_user_where_another_has_the_
     assert second.group_id == f"{request.id}.confirm2" and "/* kernel 1 */" in second.completion
     deliver(
         scheduler,
-        bench_result(second.group_id, 0, 2.2, benchmarker="b-site-b"),
+        bench_result(second.group_id, 0, 2.2, benchmarker="b-site-b", kernel=1),
         publisher="hpcrl-benchmarker.site-b",
     )  # the other site: 13x less
     assert "node1/evil" in scheduler.suspect_hosts()

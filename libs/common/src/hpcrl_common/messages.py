@@ -12,6 +12,7 @@ import hashlib
 import math
 import re
 import time
+from collections.abc import Sequence
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 import msgpack
@@ -335,18 +336,38 @@ class BenchResult(Message):
         return self
 
 
-class CommitmentEntry(Strict):
-    """What the generator sent as candidate ``index`` of a group."""
+class CommitmentEntryV1(Strict):
+    """What the generator sent as candidate ``index`` of a group, as hashes only
+    (``candidate-commitment/1``)."""
 
     index: Annotated[int, Field(ge=0, lt=1024)]
     rollout_sha256: TextHash  # rollout_sha256(candidate.rollout)
     completion_sha256: TextHash  # text_sha256(candidate.completion)
 
 
-def commitment_id(group_id: str, entries: list[CommitmentEntry]) -> str:
+class CommitmentEntry(CommitmentEntryV1):
+    """What the generator sent as candidate ``index`` of a group: the hash of its rollout,
+    and its text with the text's hash (checked: ``text_sha256(completion)``). The text is
+    what a winner's second measurement compiles (``hpcrl_scheduler.confirm``)."""
+
+    completion: LongText  # candidate.completion
+
+    @model_validator(mode="after")
+    def _text_is_hashed(self) -> CommitmentEntry:
+        actual = text_sha256(self.completion)
+        if actual != self.completion_sha256:
+            raise ValueError(
+                f"candidate {self.index}: completion_sha256 {self.completion_sha256[:16]}… is "
+                f"not the hash of its completion ({actual[:16]}…)"
+            )
+        return self
+
+
+def commitment_id(group_id: str, entries: Sequence[CommitmentEntryV1]) -> str:
     """``<group id>@<16 hex>``: the group and a digest of what is committed, so that a
     group sampled again (a redelivered request) commits under an id of its own, which a
-    consumer's memory of handled ids does not swallow."""
+    consumer's memory of handled ids does not swallow. The same for both majors (the text
+    is in the digest through its hash)."""
     digest = hashlib.sha256()
     for entry in sorted(entries, key=lambda e: e.index):
         digest.update(
@@ -355,15 +376,30 @@ def commitment_id(group_id: str, entries: list[CommitmentEntry]) -> str:
     return f"{group_id}@{digest.hexdigest()[:16]}"
 
 
+def _check_commitment(commitment: CandidateCommitment | CandidateCommitmentV1) -> None:
+    indices = [entry.index for entry in commitment.entries]
+    if len(set(indices)) != len(indices):
+        raise ValueError("a candidate index is committed twice")
+    expected = commitment_id(commitment.group_id, commitment.entries)
+    if commitment.id != expected:
+        raise ValueError(f"commitment id must be {expected!r}, got {commitment.id!r}")
+
+
 class CandidateCommitment(Message):
     """Generator → scheduler (``candidate-commitments``): what the generator sent for each
-    candidate of one group (the hashes of its rollout and of its text), published before the
+    candidate of one group (the hash of its rollout, and its text), published before the
     candidates. The scheduler takes a result's rollout (the tokens the learner trains) only
     when it is one the generator committed to for that candidate id, and the text the
-    benchmarker says it judged only when it is that candidate's; only the generator role may
-    publish here (``hpcrl_common.access``)."""
+    benchmarker says it judged only when it is that candidate's; a group winner's second
+    measurement compiles the committed text, not the source the first benchmarker reported.
+    Only the generator role may publish here (``hpcrl_common.access``).
+
+    Major 2 added each candidate's text (``CommitmentEntry.completion``);
+    ``candidate-commitment/1`` (hashes only) is still read, as
+    :class:`CandidateCommitmentV1`, during a rolling upgrade."""
 
     SCHEMA_NAME: ClassVar[str] = "candidate-commitment"
+    SCHEMA_MAJOR: ClassVar[int] = 2
 
     group_id: MessageId
     entries: Annotated[list[CommitmentEntry], Field(min_length=1, max_length=1024)]
@@ -372,12 +408,7 @@ class CandidateCommitment(Message):
 
     @model_validator(mode="after")
     def _stable_id(self) -> CandidateCommitment:
-        indices = [entry.index for entry in self.entries]
-        if len(set(indices)) != len(indices):
-            raise ValueError("a candidate index is committed twice")
-        expected = commitment_id(self.group_id, self.entries)
-        if self.id != expected:
-            raise ValueError(f"commitment id must be {expected!r}, got {self.id!r}")
+        _check_commitment(self)
         return self
 
     @classmethod
@@ -394,6 +425,7 @@ class CandidateCommitment(Message):
                     index=candidate.index,
                     rollout_sha256=rollout_sha256(candidate.rollout),
                     completion_sha256=text_sha256(candidate.completion),
+                    completion=candidate.completion,
                 )
             )
         group_id = candidates[0].group_id
@@ -403,6 +435,29 @@ class CandidateCommitment(Message):
             entries=entries,
             generator=generator,
         )
+
+
+class CandidateCommitmentV1(Message):
+    """``candidate-commitment/1`` (hashes only), still read during a rolling upgrade. It has
+    no text, so it cannot become a ``candidate-commitment/2``: :meth:`upgrade` hands it on as
+    it is, and the scheduler files its hashes (a winner of its candidates has no committed
+    text to be measured again from: ``scheduler.require_committed_text``)."""
+
+    SCHEMA_NAME: ClassVar[str] = "candidate-commitment"
+    SCHEMA_MAJOR: ClassVar[int] = 1
+
+    group_id: MessageId
+    entries: Annotated[list[CommitmentEntryV1], Field(min_length=1, max_length=1024)]
+    generator: ShortText = ""
+    created_at: Timestamp = Field(default_factory=time.time)
+
+    @model_validator(mode="after")
+    def _stable_id(self) -> CandidateCommitmentV1:
+        _check_commitment(self)
+        return self
+
+    def upgrade(self) -> CandidateCommitmentV1:
+        return self
 
 
 class RolloutSample(Strict):
@@ -543,9 +598,11 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         RewardRequest,
     )
 }
-# Older majors still read (a rolling upgrade), each with an ``upgrade()`` to the current one.
+# Older majors still read (a rolling upgrade), each with an ``upgrade()`` to the current one
+# (or, where the current one holds more than the old one carried, to itself: the consumer
+# then takes either, as the scheduler takes both majors of ``candidate-commitment``).
 LEGACY_TYPES: dict[tuple[str, int], type[Message]] = {
-    (cls.SCHEMA_NAME, cls.SCHEMA_MAJOR): cls for cls in (WeightUpdateV1,)
+    (cls.SCHEMA_NAME, cls.SCHEMA_MAJOR): cls for cls in (WeightUpdateV1, CandidateCommitmentV1)
 }
 
 # --- wire format --------------------------------------------------------------------------

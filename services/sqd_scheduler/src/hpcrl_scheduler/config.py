@@ -160,6 +160,15 @@ class SchedulerSection(ServiceSection):
         "(generators of an older release during a rolling upgrade). A commitment that does "
         "not match dead-letters the result either way",
     )
+    require_committed_text: bool = Field(
+        True,
+        description="a group winner is measured again from the text the generator committed "
+        "to for its candidate (candidate-commitment/2), and its reported source must be what "
+        "that text yields; a winner without a committed text is dropped (its successor "
+        "confirmed). false: such a winner is measured again from the source it reports "
+        "(generators of an older release, committing with candidate-commitment/1, during a "
+        "rolling upgrade)",
+    )
     commitment_wait_s: float = Field(
         300.0,
         gt=0,

@@ -2,9 +2,17 @@
 
 When a group is ready to close, its best success (the group's maximum, so also every
 candidate for the run's best) is sent to ``code-to-bench`` again as a *confirmation*: a
-candidate of its own (group ``<group id>.confirm<round>``, index 0, the winner's source as
-the completion, no token data) whose ``generator`` field names the replica and host class of
+candidate of its own (group ``<group id>.confirm<round>``, index 0, no token data) whose
+completion is **the text the generator committed to** for the winner's candidate (its
+``candidate-commitment/2``, kept in the store until the group closes:
+:mod:`hpcrl_scheduler.commitments`), not the source the first benchmarker reported, and
+whose ``generator`` field names the replica and host class of
 the first measurement (``confirm|<replica>|<host class>``, :mod:`hpcrl_common.confirmation`).
+The confirming replica extracts and compiles that text itself. Extraction is deterministic,
+so its ``source`` must be the first result's, character for character: a first result that
+reports another source (a fast kernel from elsewhere, reported against a slow candidate
+whose genuine tokens would then be trained at the top reward) is a disagreement, whatever
+the two timings say.
 A benchmarker hands such a candidate back once when it is the replica named, or of another
 class, so that another host of the class measures it where one exists; on its second
 delivery any replica measures it (a single replica then times it a second time: a real
@@ -18,12 +26,17 @@ The group stays open (its rewards, pool children and rollout batch wait) until t
   group's other successes count at most that much (each measured once, none may beat a
   confirmed winner: so one confirmation per group, not one per near-tie), and the group
   closes;
-* **disagreed**: a failure, or GFLOPS that far below the claim: the winner is dropped from
+* **disagreed**: the committed text yields another source than the one reported (or no
+  kernel at all: ``format_violation``), a failure, or GFLOPS that far below the claim: the
+  winner is dropped from
   the group (no reward, not in the pool or the batch), both results and the reporting host
   are marked suspect (``hpcrl_scheduler_suspect_results_total``, a warning in the log, the
   host under ``suspect_hosts`` in ``/healthz``), and the group's next best is confirmed in
   turn (at most ``confirm_rounds`` re-measurements per group);
-* **inconclusive**: measured on another host class (not comparable), or confirmed by the
+* **inconclusive**: measured on another host class (not comparable; a source that differs
+  is a disagreement on any class: extraction does not depend on the host), a success that
+  reports no source to compare (a confirmer with ``include_source = false``), or confirmed
+  by the
   broker user (``user_id``) that sent the winner while another user has sent results of
   the class (a benchmarker credential also reads ``code-to-bench``, and must not confirm
   its own claim where another site could): another round. Where one user holds every host
@@ -33,6 +46,17 @@ The tolerance only decides what is *suspect*: between two processes on a busy 2-
 the same kernel's GFLOPS differ by up to 2x (``bench/confirm_cost.py`` saw 0.92 against
 0.46), so the default (2.0: a claim over 3x the second measurement) marks no honest host of
 such a node, while the lower-measurement rule already takes any gain from a smaller lie.
+
+A winner whose candidate has no committed text (its commitment was a
+``candidate-commitment/1``, of a generator of an older release; or none came: a result
+without token data is not checked against commitments) is dropped unconfirmed
+(``no_text``) and its successor confirmed, like one without its source; with
+``scheduler.require_committed_text = false`` (a rolling upgrade) it is re-measured from the
+source it reports instead, as before commitments carried text (``reported_source``), and
+that source is not compared.
+
+Where a winner is confirmed from its committed text, the pool keeps the confirmer's source
+for it: the two are the same text, since any difference is a disagreement.
 
 A confirmation that does not come within ``group_deadline_s`` drops the winner unconfirmed
 (and the group closes); so does running out of rounds while the winner is still unconfirmed
@@ -46,6 +70,7 @@ group>``), written in the same transaction as the outbox row of the confirmation
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -67,6 +92,9 @@ class ConfirmState:
     round: int = 0
     waiting: str | None = None  # the result id being confirmed
     confirm_group: str = ""  # the group id of the confirmation candidate in flight
+    # Whether the confirmation in flight measures the committed text (so its source must be
+    # the winner's), or the source the winner reports (no committed text).
+    from_text: bool = False
     reason: str = "complete"  # why the group was closing when the round was issued
     confirmed: list[str] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)
@@ -105,22 +133,48 @@ def confirm_group_id(group_id: str, round_: int) -> str:
     return f"{group_id}.confirm{round_}"
 
 
-def confirmation(winner: BenchResult, group_id: str, round_: int) -> Candidate:
-    """The candidate that re-measures ``winner`` (whose ``source`` is set)."""
-    assert winner.source is not None
+def confirmation(
+    winner: BenchResult, group_id: str, round_: int, text: str | None = None
+) -> Candidate:
+    """The candidate that re-measures ``winner``: the generator's committed ``text`` of its
+    candidate, or (None) the source the winner reports (then set)."""
+    if text is None:
+        assert winner.source is not None
+        text = f"```c\n{winner.source}\n```\n"
     group = confirm_group_id(group_id, round_)
     return Candidate(
         id=candidate_id(group, 0),
         group_id=group,
         index=0,
-        completion=f"```c\n{winner.source}\n```\n",
+        completion=text,
         bench=winner.bench,
         generator=label.label(winner.benchmarker, winner.host.host_class),
     )
 
 
-def judge(first: BenchResult, second: BenchResult, tolerance: float) -> tuple[Verdict, str]:
-    """Whether ``second`` confirms ``first`` (a success), and why not."""
+def judge(
+    first: BenchResult, second: BenchResult, tolerance: float, *, from_text: bool = False
+) -> tuple[Verdict, str]:
+    """Whether ``second`` confirms ``first`` (a success), and why not. ``from_text``:
+    ``second`` measured the committed text of ``first``'s candidate, so the source it
+    extracted must be the one ``first`` reports."""
+    if from_text:
+        claim = f"{first.gflops:g} GFLOPS claimed"
+        if second.source is not None and second.source != first.source:
+            return "disagreed", (
+                f"{claim} for a source that is not what the committed text yields: measured "
+                f"again, the text gave {_describe(second.source)}, the result reported "
+                f"{_describe(first.source)}"
+            )
+        if second.status == "format_violation":
+            return "disagreed", (
+                f"{claim} for a source, but the committed text measured again yields no "
+                f"kernel (format_violation: {second.error[:200]})"
+            )
+        if second.status == "success" and second.source is None:
+            return "inconclusive", (
+                "the second measurement reports no source to compare with the committed text's"
+            )
     if second.host.host_class != first.host.host_class:
         return "inconclusive", (
             f"measured on host class {second.host.host_class!r}, not {first.host.host_class!r}"
@@ -134,6 +188,13 @@ def judge(first: BenchResult, second: BenchResult, tolerance: float) -> tuple[Ve
             f"again (beyond the tolerance {tolerance:g})"
         )
     return "agreed", f"{first.gflops:g} GFLOPS claimed, {second.gflops:g} measured again"
+
+
+def _describe(source: str | None) -> str:
+    if source is None:
+        return "no source"
+    digest = hashlib.sha256(source.encode("utf-8", "surrogatepass")).hexdigest()
+    return f"{len(source)} characters (sha256 {digest[:12]}…)"
 
 
 def host_key(result: BenchResult) -> str:

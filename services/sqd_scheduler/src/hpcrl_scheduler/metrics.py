@@ -39,8 +39,9 @@ HELD_RESULTS = Counter(
 )
 COMMITMENTS = Counter(
     "hpcrl_scheduler_commitments_total",
-    "Generators' candidate commitments: filed, duplicate (filed already), late (group "
-    "closed), refused (no such group or index: dead-lettered)",
+    "Generators' candidate commitments: filed, filed_without_text (a candidate-commitment/1 "
+    "of an older generator: hashes only), duplicate (filed already), late (group closed), "
+    "refused (no such group or index: dead-lettered)",
     ["outcome"],
 )
 EXCLUDED = Counter(
@@ -53,10 +54,13 @@ NO_ROLLOUT = Counter(
 )
 CONFIRMATIONS = Counter(
     "hpcrl_scheduler_confirmations_total",
-    "Second measurements of group winners: requested; answered agreed, disagreed (winner "
-    "dropped, host suspect) or inconclusive (another host class); winners dropped timed_out "
-    "or unconfirmed (rounds spent); no_source (not re-measurable: dropped, or counted with "
-    "confirm_without_source = count)",
+    "Second measurements of group winners (of the generator's committed text): requested; "
+    "answered agreed, disagreed (the committed text yields another source than the one "
+    "reported, or measures far below the claim: winner dropped, host suspect) or "
+    "inconclusive (another host class); winners dropped timed_out or unconfirmed (rounds "
+    "spent); no_source (not re-measurable: dropped, or counted with confirm_without_source "
+    "= count); no_text (no committed text: dropped); reported_source (no committed text, "
+    "re-measured from the source it reports: require_committed_text = false)",
     ["outcome"],
 )
 SUSPECT_RESULTS = Counter(

@@ -24,7 +24,9 @@ from hpcrl_common.messages import (
     BenchResult,
     BenchSpec,
     CandidateCommitment,
+    CandidateCommitmentV1,
     ChatMessage,
+    CommitmentEntry,
     GenerateRequest,
     SamplingParams,
     WeightUpdate,
@@ -412,10 +414,11 @@ class Scheduler:
         )
         return f"result {result.id} refused ({reason}): {why}"
 
-    def handle_commitment(self, commitment: CandidateCommitment) -> None:
-        """File the generator's commitment to a group's candidates; decide the results held
-        for it. Refused (:class:`Reject`): of no group of this scheduler, or of an index
-        outside the group."""
+    def handle_commitment(self, commitment: CandidateCommitment | CandidateCommitmentV1) -> None:
+        """File the generator's commitment to a group's candidates (with their texts; a
+        ``candidate-commitment/1`` of an older generator has hashes only); decide the results
+        held for it. Refused (:class:`Reject`): of no group of this scheduler, or of an
+        index outside the group."""
         now = self.clock()
         with self.store.tx() as s:
             group = s.group(commitment.group_id)
@@ -432,15 +435,25 @@ class Scheduler:
                 metrics.COMMITMENTS.labels("late").inc()
                 return  # its results were decided; later ones are late anyway
             fresh = 0
+            texts = isinstance(commitment, CandidateCommitment)
             for entry in commitment.entries:
                 fresh += s.add_commitment(
                     candidate_id(group.id, entry.index),
                     group_id=group.id,
                     rollout_sha256=entry.rollout_sha256,
                     completion_sha256=entry.completion_sha256,
+                    completion=entry.completion if isinstance(entry, CommitmentEntry) else None,
                     at=now,
                 )
-            metrics.COMMITMENTS.labels("filed" if fresh else "duplicate").inc()
+            outcome = ("filed" if texts else "filed_without_text") if fresh else "duplicate"
+            metrics.COMMITMENTS.labels(outcome).inc()
+            if fresh and not texts:
+                log.warning(
+                    "a candidate-commitment/1 (no texts) filed: its group's winner cannot be "
+                    "measured again from the committed text (scheduler.require_committed_text)",
+                    commitment=commitment.id,
+                    generator=commitment.generator,
+                )
             for entry in commitment.entries:
                 self._decide_held(candidate_id(group.id, entry.index), now)
 
@@ -681,10 +694,33 @@ class Scheduler:
             state.dropped.append(winner.id)
             s.set(key, state.to_json())
             return self._confirming(group, results, now, reason, overdue)
+        text = s.committed_text(
+            winner.id,
+            rollout_sha256=None if winner.rollout is None else rollout_sha256(winner.rollout),
+            completion_sha256=winner.completion_sha256,
+        )
+        if text is None and self.section.require_committed_text:
+            # Measured again from the source it reports, a fast kernel from elsewhere
+            # reported against a slow candidate would be confirmed (and that candidate's
+            # tokens trained at the top reward): only the generator's text is measured.
+            metrics.CONFIRMATIONS.labels("no_text").inc()
+            log.warning(
+                "group winner without a committed text dropped",
+                group=group.id,
+                result=winner.id,
+                gflops=winner.gflops,
+                benchmarker=winner.benchmarker,
+            )
+            state.dropped.append(winner.id)
+            s.set(key, state.to_json())
+            return self._confirming(group, results, now, reason, overdue)
+        if text is None:
+            metrics.CONFIRMATIONS.labels("reported_source").inc()
         state.round += 1
         state.waiting = winner.id
         state.reason = reason
-        candidate = confirm.confirmation(winner, group.id, state.round)
+        state.from_text = text is not None
+        candidate = confirm.confirmation(winner, group.id, state.round, text)
         state.confirm_group = candidate.group_id
         s.set(key, state.to_json())
         s.set(confirm.INDEX_PREFIX + candidate.group_id, group.id)
@@ -698,6 +734,7 @@ class Scheduler:
             gflops=winner.gflops,
             round=state.round,
             benchmarker=winner.benchmarker,
+            committed_text=state.from_text,
         )
         return True
 
@@ -735,7 +772,9 @@ class Scheduler:
         if first is None:  # cannot be: the winner was stored before it was sent
             raise Reject(f"confirmation {result.id}: result {state.waiting} is not stored")
         self._note_publisher(result, publisher)
-        verdict, why = confirm.judge(first, result, self.section.confirm_tolerance)
+        verdict, why = confirm.judge(
+            first, result, self.section.confirm_tolerance, from_text=state.from_text
+        )
         first_user = s.get(confirm.PUBLISHER_PREFIX + first.id)
         if (
             verdict == "agreed"

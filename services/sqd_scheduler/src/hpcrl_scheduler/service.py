@@ -21,7 +21,13 @@ import structlog
 
 from hpcrl_common.access import SCHEDULER_SUBSCRIBER
 from hpcrl_common.broker import Consumer, Delivery, Publish
-from hpcrl_common.messages import BenchResult, CandidateCommitment, Message, WeightUpdate
+from hpcrl_common.messages import (
+    BenchResult,
+    CandidateCommitment,
+    CandidateCommitmentV1,
+    Message,
+    WeightUpdate,
+)
 from hpcrl_common.topology import (
     BENCH_RESULTS,
     CANDIDATE_COMMITMENTS,
@@ -59,7 +65,8 @@ class SchedulerService:
         return []
 
     def _on_commitment(self, message: Message, _delivery: Delivery) -> list[Publish]:
-        assert isinstance(message, CandidateCommitment)
+        # Either major: /1 (hashes only) during a rolling upgrade of the generators.
+        assert isinstance(message, CandidateCommitment | CandidateCommitmentV1)
         self.scheduler.handle_commitment(message)
         return []
 

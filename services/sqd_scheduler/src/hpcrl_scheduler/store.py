@@ -66,7 +66,7 @@ CREATE INDEX IF NOT EXISTS outbox_unsent ON outbox (sent, seq);
 CREATE TABLE IF NOT EXISTS outbox_headers (seq INTEGER PRIMARY KEY, headers TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS commitments (
     candidate_id TEXT NOT NULL, rollout_sha256 TEXT NOT NULL, completion_sha256 TEXT NOT NULL,
-    group_id TEXT NOT NULL, received_at REAL NOT NULL,
+    group_id TEXT NOT NULL, received_at REAL NOT NULL, completion TEXT,
     PRIMARY KEY (candidate_id, rollout_sha256, completion_sha256));
 CREATE INDEX IF NOT EXISTS commitments_group ON commitments (group_id);
 CREATE TABLE IF NOT EXISTS held_results (
@@ -81,6 +81,12 @@ CREATE INDEX IF NOT EXISTS held_results_group ON held_results (group_id);
 RENAMED_COLUMNS: tuple[tuple[str, str, str], ...] = (
     # It held "sent" / "no_rollout" / "empty", never a batch.
     ("groups", "batch", "outcome"),
+)
+# Columns added since a run could have started: (table, column, declaration). Added on a
+# writable open where the table exists without them (SCHEMA creates new tables whole).
+ADDED_COLUMNS: tuple[tuple[str, str, str], ...] = (
+    # The committed text (candidate-commitment/2); NULL where a /1 carried hashes only.
+    ("commitments", "completion", "TEXT"),
 )
 
 
@@ -159,6 +165,10 @@ def _migrate(db: sqlite3.Connection) -> None:
             present = _columns(db, table)
             if old in present and new not in present:
                 db.execute(f"ALTER TABLE {table} RENAME COLUMN {old} TO {new}")
+        for table, column, declaration in ADDED_COLUMNS:
+            present = _columns(db, table)
+            if present and column not in present:
+                db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {declaration}")
     except BaseException:
         db.execute("ROLLBACK")
         raise
@@ -497,14 +507,20 @@ class Store:
         group_id: str,
         rollout_sha256: str,
         completion_sha256: str,
+        completion: str | None,
         at: float,
     ) -> bool:
-        """File what the generator sent as ``candidate_id``; False if it was filed already."""
+        """File what the generator sent as ``candidate_id`` (``completion``: its text, None
+        from a ``candidate-commitment/1``); False if it was filed already (with its text,
+        where it has one now)."""
         with self._lock:
             cursor = self._db.execute(
-                "INSERT OR IGNORE INTO commitments (candidate_id, rollout_sha256,"
-                " completion_sha256, group_id, received_at) VALUES (?, ?, ?, ?, ?)",
-                (candidate_id, rollout_sha256, completion_sha256, group_id, at),
+                "INSERT INTO commitments (candidate_id, rollout_sha256, completion_sha256,"
+                " group_id, received_at, completion) VALUES (?, ?, ?, ?, ?, ?)"
+                " ON CONFLICT (candidate_id, rollout_sha256, completion_sha256) DO UPDATE"
+                " SET completion = excluded.completion"
+                " WHERE completion IS NULL AND excluded.completion IS NOT NULL",
+                (candidate_id, rollout_sha256, completion_sha256, group_id, at, completion),
             )
             return cursor.rowcount > 0
 
@@ -517,6 +533,20 @@ class Store:
             (candidate_id,),
         )
         return [(r[0], r[1]) for r in rows]
+
+    def committed_text(
+        self, candidate_id: str, *, rollout_sha256: str | None, completion_sha256: str | None
+    ) -> str | None:
+        """The text the generator committed to as ``candidate_id``: of the commitment whose
+        rollout and text hashes are the ones given (where given), else of its first one;
+        None where no commitment of it carried a text."""
+        rows = self._query(
+            "SELECT completion FROM commitments WHERE candidate_id = ? AND completion IS NOT"
+            " NULL ORDER BY rollout_sha256 IS NOT ?, completion_sha256 IS NOT ?, received_at"
+            " LIMIT 1",
+            (candidate_id, rollout_sha256, completion_sha256),
+        )
+        return rows[0][0] if rows else None
 
     def forget_commitments(self, group_id: str) -> None:
         """A closed group's commitments are of no more use (its later results are late)."""
