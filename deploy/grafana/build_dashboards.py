@@ -398,6 +398,14 @@ def fleet() -> DashboardSpec:
             stacked=True,
         ),
         ts(
+            "Results by task",
+            "Verdicts published per second over the fleet, by task (a replica serves every "
+            "task it is allowed: matmul, gemv, stencil, spmv or a task of one's own).",
+            q(f"sum by (task) (rate(hpcrl_benchmarker_results_total[{RATE}]))", "{{task}}"),
+            unit="ops",
+            stacked=True,
+        ),
+        ts(
             "Results per replica",
             "Verdicts published per second by each replica.",
             q(f"sum by (instance) (rate(hpcrl_benchmarker_results_total[{RATE}]))", "{{instance}}"),
@@ -468,9 +476,13 @@ def fleet() -> DashboardSpec:
         ),
         ts(
             "GFLOPS measured per replica",
-            "Median GFLOPS of the successes each replica "
-            "measured: replicas of one host class should agree.",
-            *quantiles("hpcrl_benchmarker_gflops", by="instance", qs=(0.5,)),
+            "Median GFLOPS of the successes each replica measured, per task: replicas of "
+            "one host class should agree on a task.",
+            q(
+                "histogram_quantile(0.5, sum by (le, instance, task) "
+                f"(rate(hpcrl_benchmarker_gflops_bucket[{RATE}])))",
+                "p50 {{instance}} {{task}}",
+            ),
             unit="GFLOPS",
             width=12,
         ),

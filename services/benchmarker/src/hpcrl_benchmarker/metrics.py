@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram, Info
 
-RESULTS = Counter("hpcrl_benchmarker_results_total", "Verdicts published, by status", ["status"])
+# `task` is the task's name (its TOML's `name`): a replica serves every task it is allowed, and
+# GFLOPS of different kernels are not comparable.
+RESULTS = Counter(
+    "hpcrl_benchmarker_results_total", "Verdicts published, by task and status", ["task", "status"]
+)
 GFLOPS = Histogram(
     "hpcrl_benchmarker_gflops",
-    "GFLOPS of successful candidates",
-    ["stage", "opt_level"],
+    "GFLOPS of successful candidates, by task, stage and opt level",
+    ["task", "stage", "opt_level"],
     buckets=(0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000),
 )
 STEP_SECONDS = Histogram(

@@ -125,7 +125,7 @@ class BenchHandler:
             # Slurm and systemd signal every process of the replica, the sandboxed kernel
             # included: a failure that ends during shutdown may be ours, not the kernel's.
             raise InternalError(f"shutting down: {verdict.status} not trusted; handed back")
-        self._observe(message, verdict)
+        self._observe(message, verdict, task.name)
         return [
             Publish(
                 self.results_queue,
@@ -147,16 +147,18 @@ class BenchHandler:
         return False
 
     @staticmethod
-    def _observe(message: Candidate, verdict: Verdict) -> None:
+    def _observe(message: Candidate, verdict: Verdict, task: str) -> None:
         # A scheduler's confirmation re-measures a verdict already counted: its time counts
         # (steps), not a second verdict (hpcrl_scheduler_confirmations_total counts it).
         again = confirmation.parse(message.generator) is not None
         if not again:
-            RESULTS.labels(verdict.status).inc()
+            RESULTS.labels(task=task, status=verdict.status).inc()
         if verdict.timing is not None and verdict.timing.noisy:
             NOISY.inc()
         if verdict.gflops is not None and not again:
-            GFLOPS.labels(str(message.bench.stage), message.bench.opt_level).observe(verdict.gflops)
+            GFLOPS.labels(
+                task=task, stage=str(message.bench.stage), opt_level=message.bench.opt_level
+            ).observe(verdict.gflops)
         for step, seconds in verdict.durations_s.items():
             STEP_SECONDS.labels(step).observe(seconds)
         timing = verdict.timing
