@@ -4,10 +4,14 @@ A benchmarker passes each candidate's ``rollout`` (prompt and completion token i
 log-probs, policy version) through to its result and reports the hash of the text it judged
 (``completion_sha256``); both are written by the benchmarker, so on their own they tie
 nothing to what the generator sent. The generator therefore commits to its candidates: with
-each group it publishes a ``candidate-commitment/1`` (``candidate-commitments``, a queue only
+each group it publishes a ``candidate-commitment/2`` (``candidate-commitments``, a queue only
 the generator role may write) holding, per candidate index, the hash of the rollout it sent
-(:func:`hpcrl_common.messages.rollout_sha256`) and of the text (``text_sha256``). The
-scheduler files a result that carries a rollout only when:
+(:func:`hpcrl_common.messages.rollout_sha256`), and the text with its hash (``text_sha256``,
+checked on decode). The text stays in the store with the commitment until the group closes:
+a group winner's second measurement compiles it (:mod:`hpcrl_scheduler.confirm`), so a
+benchmarker cannot have a fast kernel from elsewhere, reported against a slow candidate,
+confirmed. A ``candidate-commitment/1`` (hashes only, a generator of the release before) is
+read and filed without text. The scheduler files a result that carries a rollout only when:
 
 * the rollout's hash is one the generator committed to for that candidate id (a request
   sampled again after a generator's crash commits again under a new id: each is kept), and
