@@ -16,9 +16,11 @@ from hpcrl_common.task import builtin_seed, load_task
 from hpcrl_evaluate.evalset import (
     PARENT_FILES,
     PARENT_STAGES,
+    SEED_SPECS,
     SPECS,
     build_set,
     parent_source,
+    specs_for,
 )
 from hpcrl_evaluate.run import prompt_seed
 
@@ -124,3 +126,19 @@ def test_fixed_parents_pass_the_benchmarker(name: str, tmp_path: Path) -> None:
         "prefetch": ["openmp", "prefetch", "register_blocking", "simd"],
     }[name]
     assert verdict["techniques"] == expected
+
+
+@pytest.mark.parametrize("name", ["gemv", "stencil", "spmv"])
+def test_every_task_has_a_fixed_set_from_its_seed(name: str) -> None:
+    task = load_task(name)
+    prompts = build_set(task, "avx2")
+    assert [p.spec for p in prompts] == list(specs_for(name)) == list(SEED_SPECS)
+    seed = builtin_seed(name)
+    assert seed is not None and parent_source("seed", task) == seed
+    for prompt in prompts:
+        text = prompt.messages[-1].content
+        assert task.signature in text or task.function in text
+        if prompt.spec.parent is not None:
+            assert seed.strip() in text
+    # stage 1 prompts first: the target (>= 50 % correct) is read on them
+    assert [p.stage for p in prompts] == [1, 1, 2]

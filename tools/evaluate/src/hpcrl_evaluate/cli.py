@@ -14,7 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from hpcrl_common.task import TaskError, load_task
-from hpcrl_evaluate.evalset import SPECS, build_set
+from hpcrl_evaluate.evalset import SEED_SPECS, SPECS, build_set
 from hpcrl_evaluate.run import (
     METRICS,
     BackendOptions,
@@ -24,8 +24,11 @@ from hpcrl_evaluate.run import (
     resolve_versions,
 )
 
+MATMUL_SET = "; ".join(f"{i}: {s.name}" for i, s in enumerate(SPECS))
+SEED_SET = "; ".join(f"{i}: {s.name}" for i, s in enumerate(SEED_SPECS))
 EPILOG = f"""\
-The set ({len(SPECS)} prompts): {"; ".join(f"{i}: {s.name}" for i, s in enumerate(SPECS))}.
+The set for matmul ({len(SPECS)} prompts): {MATMUL_SET}. For any other task \
+({len(SEED_SPECS)} prompts, from its seed program): {SEED_SET}.
 Each prompt is sampled K times per version with a seed derived from (--seed, prompt index),
 so sample i of prompt p is paired across versions. Metrics: share correct (status success),
 mean raw reward (GFLOPS on success, the penalty otherwise), mean GFLOPS counting failures as
@@ -139,16 +142,16 @@ def _positive(text: str) -> int:
     return value
 
 
-def _prompt_indices(text: str | None, parser: argparse.ArgumentParser) -> list[int]:
+def _prompt_indices(text: str | None, size: int, parser: argparse.ArgumentParser) -> list[int]:
     if text is None:
-        return list(range(len(SPECS)))
+        return list(range(size))
     try:
         chosen = [int(part) for part in text.split(",")]
     except ValueError:
         parser.error(f"--prompts: comma-separated indices expected, got {text!r}")
-    bad = [i for i in chosen if not 0 <= i < len(SPECS)]
+    bad = [i for i in chosen if not 0 <= i < size]
     if bad or len(set(chosen)) != len(chosen):
-        parser.error(f"--prompts: indices must be distinct, 0..{len(SPECS) - 1}, got {text!r}")
+        parser.error(f"--prompts: indices must be distinct, 0..{size - 1}, got {text!r}")
     return chosen
 
 
@@ -177,7 +180,7 @@ def setup(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Evaluati
         parser.error(str(exc))
     isa = host_isa()
     every = build_set(task, isa)
-    prompts = [every[i] for i in _prompt_indices(args.prompts, parser)]
+    prompts = [every[i] for i in _prompt_indices(args.prompts, len(every), parser)]
     return Evaluation(
         model=args.model.resolve(),
         refs=refs,

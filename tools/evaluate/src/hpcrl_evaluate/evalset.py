@@ -16,7 +16,7 @@ from importlib import resources
 
 from hpcrl_common.messages import ChatMessage
 from hpcrl_common.prompts import PromptMode, build_prompt
-from hpcrl_common.task import TaskSpec, builtin_seed
+from hpcrl_common.task import TaskSpec, seed_program
 
 # Parent name -> .c file under hpcrl_evaluate/parents ("seed" is the task's own seed program).
 PARENT_FILES: dict[str, str] = {
@@ -55,7 +55,8 @@ class PromptSpec:
         return f"{self.mode} {self.parent}@{self.target_stage}"
 
 
-# The set. Order matters: a prompt's index names it in reports and derives its sampling seed.
+# The sets. Order matters: a prompt's index names it in reports and derives its sampling seed.
+# GEMM's, with a hand-written parent per stage:
 SPECS: tuple[PromptSpec, ...] = (
     PromptSpec("seed", 1, None),
     PromptSpec("improve", 1, "seed"),
@@ -70,6 +71,20 @@ SPECS: tuple[PromptSpec, ...] = (
     PromptSpec("improve", 5, "prefetch"),
     PromptSpec("deepen", 6, "prefetch"),
 )
+# Any other task's (gemv, stencil, spmv, a task of one's own): the hand-written parents are
+# GEMM kernels, so its set starts from its own seed program: write one, make it faster, add
+# the next stage's technique.
+SEED_SPECS: tuple[PromptSpec, ...] = (
+    PromptSpec("seed", 1, None),
+    PromptSpec("improve", 1, "seed"),
+    PromptSpec("deepen", 2, "seed"),
+)
+SETS: dict[str, tuple[PromptSpec, ...]] = {"matmul": SPECS}
+
+
+def specs_for(task_name: str) -> tuple[PromptSpec, ...]:
+    """The fixed set of a task: GEMM's own, else the one every other task has."""
+    return SETS.get(task_name, SEED_SPECS)
 
 
 @dataclass(frozen=True)
@@ -88,24 +103,32 @@ class EvalPrompt:
         return self.spec.target_stage
 
 
-def parent_source(name: str, task_name: str = "matmul") -> str:
-    """Source of a fixed parent: the task's seed program, or a file shipped with the package."""
+def parent_source(name: str, task: TaskSpec | None = None) -> str:
+    """Source of a fixed parent: the task's seed program (GEMM's when no task is given), or a
+    file shipped with the package."""
     if name == "seed":
-        seed = builtin_seed(task_name)
+        if task is None:
+            from hpcrl_common.task import load_task
+
+            task = load_task("matmul")
+        seed = seed_program(task)
         if seed is None:
-            raise ValueError(f"task {task_name!r} has no built-in seed program")
+            raise ValueError(f"task {task.name!r} has no seed program")
         return seed
     if name not in PARENT_FILES:
         raise ValueError(f"unknown parent {name!r} (known: seed, {', '.join(PARENT_FILES)})")
     return (resources.files("hpcrl_evaluate") / "parents" / PARENT_FILES[name]).read_text()
 
 
-def build_set(task: TaskSpec, isa: str, specs: tuple[PromptSpec, ...] = SPECS) -> list[EvalPrompt]:
-    """The chat messages of every prompt, for the hosts' ISA (``avx512`` or ``avx2``)."""
+def build_set(
+    task: TaskSpec, isa: str, specs: tuple[PromptSpec, ...] | None = None
+) -> list[EvalPrompt]:
+    """The chat messages of every prompt of the task's set (``specs_for``), for the hosts'
+    ISA (``avx512`` or ``avx2``)."""
     prompts = []
-    for index, spec in enumerate(specs):
+    for index, spec in enumerate(specs or specs_for(task.name)):
         # The scheduler passes the seed program as the seed prompt's parent too (unused).
-        parent = parent_source(spec.parent or "seed", task.name)
+        parent = parent_source(spec.parent or "seed", task)
         messages = build_prompt(
             task,
             target_stage=spec.target_stage,
