@@ -1,5 +1,6 @@
 """Scheduler throughput without the broker: how fast results are filed and groups closed
-(SQLite WAL, one transaction per result, each checked against the generator's commitment),
+(SQLite WAL, one transaction per result, each checked against the generator's commitment,
+which carries each candidate's text: --text-bytes, ~6 KB as a completion of ~1,500 tokens),
 and how long planning an iteration takes for a large pool. Prints its figures; the
 scheduler must not be the bottleneck next to benchmarking (~1 s per candidate per core).
 
@@ -23,6 +24,8 @@ from hpcrl_common.messages import (
     PackedArray,
     RolloutData,
     commitment_id,
+    decode,
+    encode,
     rollout_sha256,
     text_sha256,
 )
@@ -67,15 +70,24 @@ def result(group_id: str, index: int, stage: int) -> BenchResult:
     )
 
 
-def commitment_to(results: list[BenchResult]) -> CandidateCommitment:
-    entries = [
-        CommitmentEntry(
-            index=r.index,
-            rollout_sha256=rollout_sha256(r.rollout),  # type: ignore[arg-type]
-            completion_sha256=text_sha256(r.id),
+def completion(res: BenchResult, size: int) -> str:
+    """A completion of about ``size`` characters around the result's source."""
+    text = f"Here is the kernel.\n```c\n{res.source}\n```\n"
+    return text + "x" * max(0, size - len(text))
+
+
+def commitment_to(results: list[BenchResult], text_bytes: int) -> CandidateCommitment:
+    entries = []
+    for r in results:
+        text = completion(r, text_bytes)
+        entries.append(
+            CommitmentEntry(
+                index=r.index,
+                rollout_sha256=rollout_sha256(r.rollout),  # type: ignore[arg-type]
+                completion_sha256=text_sha256(text),
+                completion=text,
+            )
         )
-        for r in results
-    ]
     group_id = results[0].group_id
     return CandidateCommitment(
         id=commitment_id(group_id, entries), group_id=group_id, entries=entries
@@ -87,6 +99,9 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=200, help="node budget per iteration")
     parser.add_argument("--group-size", type=int, default=16)
     parser.add_argument("--iterations", type=int, default=3)
+    parser.add_argument(
+        "--text-bytes", type=int, default=6000, help="each committed completion's size"
+    )
     args = parser.parse_args()
     configure_logging("bench", "warning")
     with tempfile.TemporaryDirectory() as tmp:
@@ -105,21 +120,31 @@ def main() -> None:
         scheduler = Scheduler(config, Store(Path(tmp) / "bench.sqlite"))
         filed = 0
         file_seconds = 0.0
+        wire_seconds = 0.0
+        commitments = 0
         for _ in range(args.iterations):
             started = time.perf_counter()
             scheduler.step()  # plans the iteration from the previous pool and admits it
             plan_s = time.perf_counter() - started
             groups = scheduler.store.groups_in_flight()
             started = time.perf_counter()
+            wire_before = wire_seconds
             for group in groups:
                 # As in a run: the generator's commitment to the group first (one message,
                 # filed in one transaction), then each result checked against it.
                 results = [result(group.id, i, group.target_stage) for i in range(group.group_size)]
-                scheduler.handle_commitment(commitment_to(results))
+                commitment = commitment_to(results, args.text_bytes)
+                # Its wire round trip (what the consumer does; the texts hashed on decode)
+                # is timed apart: filing starts from the decoded message, as before.
+                began = time.perf_counter()
+                commitment = decode(encode(commitment), CandidateCommitment)
+                wire_seconds += time.perf_counter() - began
+                commitments += 1
+                scheduler.handle_commitment(commitment)
                 for each in results:
                     scheduler.handle_result(each)
                     filed += 1
-            elapsed = time.perf_counter() - started
+            elapsed = time.perf_counter() - started - (wire_seconds - wire_before)
             file_seconds += elapsed
             pool = len(scheduler.store.pool(scheduler.iteration()))
             print(
@@ -134,7 +159,9 @@ def main() -> None:
         print(
             f"total: {filed} results in {file_seconds:.2f} s = {filed / file_seconds:.0f} "
             f"results/s (each stored, joined, and its group closed into a rollout batch); "
-            f"metrics refresh {refresh_ms:.1f} ms"
+            f"metrics refresh {refresh_ms:.1f} ms; a commitment's encode + decode "
+            f"{wire_seconds / max(1, commitments) * 1000:.2f} ms ({args.group_size} x "
+            f"{args.text_bytes} B texts)"
         )
 
 
