@@ -35,19 +35,27 @@ Each phase is a test of its own (in order, on the one fleet of its parametrizati
 6. *benchmarker*, on the next group: a success under the peak without its source (and
    without token data): it cannot be measured again, so it is dropped
    (``scheduler.confirm_without_source``);
-7. *generator*: with the generator frozen holding a request, the text of a correct kernel
+7. *benchmarker*, on the next group: a correct kernel's source from elsewhere, with an
+   honest figure, reported for one of the group's candidates (a text of the tiny policy that
+   holds no kernel) with that candidate's genuine tokens and the hash of its genuine text:
+   everything the commitment checks is right, and the success is the group's winner. Its
+   second measurement compiles the generator's committed text, not the reported source, so
+   it is a disagreement (the host suspect) and the candidate's tokens are not trained at the
+   top reward. The candidates are read off a tap queue the administrator binds to
+   ``code-to-bench``'s inbox, as the forging replica would have them;
+8. *generator*: with the generator frozen holding a request, the text of a correct kernel
    with token ids ``[66] * 40``, and the generator's commitment to it (the credential may
-   commit to what it sends);
-8. phase 5's foreign rollout was not trained: the group went to the learner with the
+   commit to what it sends); its winner is confirmed from that committed text;
+9. phase 5's foreign rollout was not trained: the group went to the learner with the
    genuine candidate's tokens in its place;
-9. *the run carried on*: the experiment finished, genuine versions loaded, nothing lost;
-   the dead-letter queues hold exactly the forgeries, each with its reason;
-10. phase 7's refused batch and phase 3's forged ones count as done (dropped) for the
+10. *the run carried on*: the experiment finished, genuine versions loaded, nothing lost;
+    the dead-letter queues hold exactly the forgeries, each with its reason;
+11. phase 8's refused batch and phase 3's forged ones count as done (dropped) for the
     scheduler's pacing: the learner reports them with its next version.
 
 Differences from the kill drills' settings, through the environment: ``scheduler.
 max_staleness = 2`` (lockstep with one step of slack: a batch the learner refuses is reported
-done only with its next version, phase 10, and under ``max_staleness = 1`` the learner would
+done only with its next version, phase 11, and under ``max_staleness = 1`` the learner would
 wait for a group that the scheduler holds back until then), and
 ``ratio_deepen = ratio_improve = 0`` (the forged kernels' successes are not expanded, so every
 iteration is one group, as in the kill drills, and the learner's steps come out even).
@@ -118,9 +126,10 @@ from tests.support.fleet import (
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
 
-# One group per iteration (three phases take one each); the generator's forged group is
-# refused by the learner, so the other ITERATIONS - 1 make whole steps.
-ITERATIONS = 11
+# One group per iteration (four phases take one each, and groups pass while the test checks
+# between them); the generator's forged group is refused by the learner, so the other
+# ITERATIONS - 1 make whole steps.
+ITERATIONS = 13
 FINAL_VERSION = (ITERATIONS - 1) // GROUPS_PER_STEP
 EARLY_VERSION = 3  # announced while the learner is at v1
 NAMESPACE = "exp"  # ClientSite's topology
@@ -345,8 +354,12 @@ def wait_closed(drill: Drill, group_id: str, timeout: float = 120.0) -> None:
 def next_group(drill: Drill, after: str, timeout: float = 120.0):
     def published():
         drill.fleet.check_alive()
+        groups = drill.fleet.groups()
+        # By iteration and ordinal: as text, "….t10.g0000" sorts before "….t9.g0000".
+        last = next((g.iteration, g.ordinal) for g in groups if g.id == after)
         return next(
-            (g for g in drill.fleet.groups() if g.id > after and g.state != "pending"), None
+            (g for g in groups if (g.iteration, g.ordinal) > last and g.state != "pending"),
+            None,
         )
 
     return wait_for(published, timeout, f"a group after {after}", drill.fleet.tails, every=0.2)
@@ -505,7 +518,7 @@ class TestForgeryDrill:
         # What stays, as documented (hpcrl_common.access; README, Security). A generator may
         # bind weight-updates into the candidates' inbox: kept bound for the whole run, it
         # must deliver nothing (announcements have routing key "", the inbox routes only
-        # its queue's name): phase 9 finds no update in code-to-bench or its dead letters.
+        # its queue's name): phase 10 finds no update in code-to-bench or its dead letters.
         assert (
             as_(
                 "generator",
@@ -753,7 +766,7 @@ class TestForgeryDrill:
     def test_5_benchmarker_forgery(self, drill: Drill):
         """The replica frozen holding a whole group; as its user: a success of 5,000 GFLOPS
         claiming peak 1e6 on the real host's class (index 3); one of 0.9 x the class's peak
-        with a correct kernel's source that measures ~1 GFLOPS (index 2); and, for phase 8,
+        with a correct kernel's source that measures ~1 GFLOPS (index 2); and, for phase 9,
         an honest figure whose rollout is not the candidate's (index 1)."""
         t, fleet = drill.t, drill.fleet
         procs = drill.procs
@@ -848,10 +861,12 @@ class TestForgeryDrill:
         # Not filed as best: neither forged figure is a program of the pool.
         assert max(p.gflops or 0.0 for p in fleet.store.all_programs()) < 0.5 * peak
         # The one that did not reproduce: dropped, the host suspect, the reason in /healthz.
+        # Measured again is candidate 2's committed text (the tiny policy's, no kernel in
+        # it), not the correct kernel the result reports.
         health = fleet.health(procs["scheduler"])
         suspect = health["suspect_hosts"][f"{host.hostname}/{FORGED_REPLICA}"]
         assert f"{inflated.gflops:g} GFLOPS claimed" in suspect["reason"], suspect
-        assert "measured again" in suspect["reason"], suspect
+        assert "the committed text measured again yields no kernel" in suspect["reason"], suspect
         assert (
             fleet.metric(
                 procs["scheduler"], "hpcrl_scheduler_results_ignored_total", reason="above_peak"
@@ -903,7 +918,78 @@ class TestForgeryDrill:
             f"run's best; the group's rewards: {rewards}"
         )
 
-    def test_7_generator_forgery(self, drill: Drill):
+    def test_7_benchmarker_foreign_source_for_a_committed_candidate(self, drill: Drill):
+        """The replica frozen holding the next group; as its user, candidate 0 reported with
+        the correct kernel's source at an honest figure (0.1 GFLOPS, below what it runs at),
+        that candidate's genuine rollout and the hash of its genuine text."""
+        t, fleet, procs = drill.t, drill.fleet, drill.procs
+        host = drill.notes["host"]
+        tap = f"drill-tap-{uuid.uuid4().hex[:8]}"
+        with fleet.channel() as channel:  # the administrator's
+            channel.queue_declare(tap, durable=False, auto_delete=False)
+            channel.queue_bind(tap, t.work_exchange(CODE_TO_BENCH), t.name(CODE_TO_BENCH))
+        suspects = fleet.metric(procs["scheduler"], "hpcrl_scheduler_suspect_results_total")
+        try:
+            target = freeze_benchmarker_holding_a_group(drill)
+            try:
+                seen: dict[int, Candidate] = {}
+                with fleet.channel() as channel:
+                    while len(seen) < GROUP_SIZE:
+                        method, _props, body = channel.basic_get(tap, auto_ack=True)
+                        assert method is not None, f"the tap holds {sorted(seen)} of {target.id}"
+                        candidate = decode(body, Candidate)
+                        if candidate.group_id == target.id:
+                            seen[candidate.index] = candidate
+                genuine = seen[0]
+                assert genuine.rollout is not None
+                forged = BenchResult(
+                    id=genuine.id,
+                    group_id=target.id,
+                    index=0,
+                    status="success",
+                    reward=0.1,
+                    gflops=0.1,
+                    source=KERNEL,
+                    bench=genuine.bench,
+                    host=host,
+                    benchmarker=FORGED_REPLICA,
+                    rollout=genuine.rollout,
+                    completion_sha256=text_sha256(genuine.completion),
+                )
+                with drill.publisher("benchmarker") as publisher:
+                    publisher.publish(Publish(t.name(BENCH_RESULTS), forged))
+                wait_for(
+                    lambda: {r.id for r in fleet.store.results_of(target.id)} == {forged.id},
+                    30,
+                    "the forged result filed (its rollout is the committed one)",
+                )
+            finally:
+                drill.thaw("benchmarker")
+        finally:
+            with fleet.channel() as channel:
+                channel.queue_delete(tap)
+        wait_closed(drill, target.id, 180)
+        drill.lap("benchmarker, foreign source")
+        # Measured again was the committed text (no kernel in it): a disagreement.
+        health = fleet.health(procs["scheduler"])
+        suspect = health["suspect_hosts"][f"{host.hostname}/{FORGED_REPLICA}"]
+        assert suspect["last_result"] == forged.id, suspect
+        assert "0.1 GFLOPS claimed for a source" in suspect["reason"], suspect
+        assert "committed text measured again yields no kernel" in suspect["reason"], suspect
+        assert (
+            fleet.metric(procs["scheduler"], "hpcrl_scheduler_suspect_results_total")
+            == suspects + 2
+        )
+        group = fleet.store.group(target.id)
+        assert group.close_reason == "complete" and group.excluded == 1, group
+        assert fleet.store.program(forged.id) is None
+        # Its genuine tokens go to the learner as the failure they are, not at the top.
+        batch = batch_of(fleet, target.id)
+        rewards = {s.candidate_id: s.reward for s in batch.samples} if batch else {}
+        assert forged.id not in rewards, rewards
+        assert all(reward < 100.0 for reward in rewards.values()), rewards
+
+    def test_8_generator_forgery(self, drill: Drill):
         """The generator frozen holding a request; as its user, candidate 3 of that group:
         the text of a correct kernel with token ids [66] * 40."""
         t, fleet = drill.t, drill.fleet
@@ -971,7 +1057,7 @@ class TestForgeryDrill:
         drill.refused_batches.add(target.id)
         drill.lap("generator")
 
-    def test_8_benchmarker_rollout_is_the_candidates(self, drill: Drill):
+    def test_9_benchmarker_rollout_is_the_candidates(self, drill: Drill):
         fleet = drill.fleet
         group_id, forged_id = drill.notes["steering"]
 
@@ -1008,7 +1094,7 @@ class TestForgeryDrill:
         )
         assert len(drill.dead_of(BENCH_RESULTS, forged_id)) == 1
 
-    def test_9_the_run_carried_on(self, drill: Drill):
+    def test_10_the_run_carried_on(self, drill: Drill):
         t, fleet, procs = drill.t, drill.fleet, drill.procs
         wait_done(fleet, procs["scheduler"], procs["learner"], refused=len(drill.refused_batches))
         # The generator loaded the genuine last version (an early "v3" was refused first).
@@ -1087,12 +1173,12 @@ class TestForgeryDrill:
                 f"  {dead.base:<16} {dead.message_id!s:<34} {dead.consumer:<36} {dead.reason[:110]}"
             )
 
-    def test_10_a_refused_batch_is_counted_done(self, drill: Drill):
+    def test_11_a_refused_batch_is_counted_done(self, drill: Drill):
         # The learner reports every batch it refused as dropped (done), so the scheduler does
         # not count it outstanding for good; the forged ones make the learner's count exceed
         # what the scheduler sent, which the scheduler paces by (clamped), not refuses.
         fleet = drill.fleet
-        assert drill.refused_batches, "phase 7 did not run"
+        assert drill.refused_batches, "phase 8 did not run"
         last = fleet.checkpoint_store().latest()
         done = int(last.metrics["groups_trained"] + last.metrics.get("groups_dropped", 0))
         sent = fleet.store.count_batches_sent()
