@@ -35,8 +35,7 @@ from hpcrl_common.messages import (
 )
 from hpcrl_common.prompts import Templates, build_prompt, failure_text, load_templates
 from hpcrl_common.stages import FIRST_STAGE
-from hpcrl_common.task import TaskSpec, load_task
-from hpcrl_common.task import builtin_seed as task_seed
+from hpcrl_common.task import TaskSpec, load_task, seed_program
 from hpcrl_common.topology import BENCH_RESULTS, CODE_TO_BENCH, GENERATE_REQUESTS, ROLLOUT_BATCHES
 from hpcrl_scheduler import commitments, confirm, metrics
 from hpcrl_scheduler.config import SchedulerConfig
@@ -53,11 +52,12 @@ class SchedulerError(RuntimeError):
     pass
 
 
-def builtin_seed(task_name: str) -> str:
-    source = task_seed(task_name)
+def task_seed(task: TaskSpec) -> str:
+    source = seed_program(task)
     if source is None:
         raise SchedulerError(
-            f"no built-in seed program for task {task_name!r}; set scheduler.seed_program"
+            f"no seed program for task {task.name!r} (the task names none and none is built "
+            "in); set scheduler.seed_program"
         )
     return source
 
@@ -125,7 +125,7 @@ class Scheduler:
                 s.set("iteration", -1)
                 s.set("created_at", self.clock())
                 path = self.section.seed_program
-                source = Path(path).read_text() if path else builtin_seed(self.task.name)
+                source = Path(path).read_text() if path else task_seed(self.task)
                 s.add_program(
                     Program(
                         id=SEED_ID,
