@@ -61,6 +61,7 @@ from hpcrl_common.messages import (
     BenchResult,
     BenchSpec,
     Candidate,
+    CandidateCommitment,
     ChatMessage,
     GenerateRequest,
     HostInfo,
@@ -74,11 +75,13 @@ from hpcrl_common.messages import (
     SamplingParams,
     Timing,
     WeightUpdate,
+    commitment_id,
     decode,
     encode,
 )
 from hpcrl_common.topology import (
     BENCH_RESULTS,
+    CANDIDATE_COMMITMENTS,
     CODE_TO_BENCH,
     GENERATE_REQUESTS,
     REASON_HEADER,
@@ -242,6 +245,8 @@ def valid_messages() -> dict[str, Message]:
         ROLLOUT_BATCHES: batch,
         WEIGHT_UPDATES: update,
         REWARD_REQUESTS: reward,
+        # a valid commitment to a group the scheduler never sent: refused by its handler
+        CANDIDATE_COMMITMENTS: CandidateCommitment.of([candidate], generator="elsewhere"),
     }
 
 
@@ -384,6 +389,7 @@ SCHEMA_NAMES = {
     ROLLOUT_BATCHES: "rollout-batch",
     WEIGHT_UPDATES: "weight-update",
     REWARD_REQUESTS: "reward-request",
+    CANDIDATE_COMMITMENTS: "candidate-commitment",
 }
 
 
@@ -744,6 +750,17 @@ OUT_OF_BOUNDS: dict[str, list[tuple[Path_, Any]]] = {
         (("client",), "c" * 300),
         (("created_at",), -5.0),
     ],
+    CANDIDATE_COMMITMENTS: [
+        (("entries",), []),
+        (("entries", 0, "index"), -1),
+        (("entries", 0, "index"), 1024),
+        (("entries", 0, "completion_sha256"), "0" * 64),  # not the text's hash
+        (("entries", 0, "rollout_sha256"), "not hex"),
+        (("id",), "g@0000000000000000"),  # not the entries' digest
+        (("group_id",), "has space"),
+        (("generator",), "g" * 300),
+        (("created_at",), -5.0),
+    ],
 }
 
 
@@ -862,6 +879,11 @@ def handler_reject(rng: random.Random, ctx: Ctx) -> Poison:
     elif ctx.base == BENCH_RESULTS:
         group = f"no-such-group-{n}"
         raw.update(id=f"{group}/1", group_id=group)
+        kind = "unknown_group"
+    elif ctx.base == CANDIDATE_COMMITMENTS:
+        group = f"no-such-group-{n}"
+        assert isinstance(ctx.message, CandidateCommitment)
+        raw.update(id=commitment_id(group, ctx.message.entries), group_id=group)
         kind = "unknown_group"
     else:
         assert ctx.base == ROLLOUT_BATCHES
