@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,6 +27,32 @@ needs_avx512 = pytest.mark.skipif(
 
 def kernel(name: str) -> str:
     return (KERNELS / name).read_text()
+
+
+def task_judge(
+    bench: Benchmarker, task: TaskSpec, kernels: Path, default_stage: int
+) -> Callable[..., Verdict]:
+    """Judges a kernel of ``task``: a file name under ``kernels``, or the code itself."""
+
+    def run(
+        name: str, stage: int = default_stage, opt_level: str = "O3", task: TaskSpec = task
+    ) -> Verdict:
+        code = (kernels / name).read_text() if name.endswith(".c") else name
+        return bench.evaluate(code, stage=stage, opt_level=opt_level, task=task)
+
+    return run
+
+
+def run_check(path: Path, *args: str, work_dir: Path | None = None) -> subprocess.CompletedProcess:
+    """``hpcrl-benchmarker check PATH ARGS``, with this host's ISA allowance."""
+    isa = [arg for name in ALLOW_ISA for arg in ("--allow-isa", name)]
+    work = ["--work-dir", str(work_dir)] if work_dir is not None else []
+    return subprocess.run(
+        [sys.executable, "-m", "hpcrl_benchmarker.cli", "check", str(path), *args, *isa, *work],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 @pytest.fixture(scope="session")

@@ -9,8 +9,6 @@ with a reward row per way to be wrong."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +18,7 @@ from hpcrl_benchmarker.pipeline import Benchmarker
 from hpcrl_common.prompts import build_prompt
 from hpcrl_common.task import TaskError, TaskSpec, load_task, seed_program
 
-from .conftest import ALLOW_ISA
+from .conftest import run_check
 from .test_pipeline import assert_status
 
 TOML = '''
@@ -208,24 +206,6 @@ def test_every_guarantee_holds_for_the_new_task(
 
 
 def test_the_cli_judges_it_by_the_toml_path(task_dir: Path) -> None:
-    isa = [arg for name in ALLOW_ISA for arg in ("--allow-isa", name)]
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "hpcrl_benchmarker.cli",
-            "check",
-            str(task_dir / "axpy.seed.c"),
-            "--task",
-            str(task_dir / "axpy.toml"),
-            "--stage",
-            "1",
-            *isa,
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    out = run_check(task_dir / "axpy.seed.c", "--task", str(task_dir / "axpy.toml"), "--json")
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["status"] == "success"

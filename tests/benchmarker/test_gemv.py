@@ -11,8 +11,6 @@ idle-thread rules. Kernels: tests/benchmarker/kernels/gemv/.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,7 +22,7 @@ from hpcrl_benchmarker.pipeline import Benchmarker
 from hpcrl_benchmarker.verdict import Verdict
 from hpcrl_common.task import TaskSpec, builtin_seed, load_task
 
-from .conftest import ALLOW_ISA, KERNELS, kernel
+from .conftest import KERNELS, kernel, run_check, task_judge
 from .test_pipeline import assert_status
 
 Judge = Callable[..., Verdict]
@@ -39,13 +37,7 @@ def gemv_task() -> TaskSpec:
 
 @pytest.fixture(scope="session")
 def judge_gemv(bench: Benchmarker, gemv_task: TaskSpec) -> Judge:
-    def run(
-        name: str, stage: int = 6, opt_level: str = "O3", task: TaskSpec | None = None
-    ) -> Verdict:
-        code = (GEMV_KERNELS / name).read_text() if name.endswith(".c") else name
-        return bench.evaluate(code, stage=stage, opt_level=opt_level, task=task or gemv_task)
-
-    return run
+    return task_judge(bench, gemv_task, GEMV_KERNELS, default_stage=6)
 
 
 # --- the task and its description, without a sandbox ----------------------------------------
@@ -250,28 +242,8 @@ def test_openblas_dgemv_is_timed_as_the_reference(bench: Benchmarker, gemv_task:
 def test_check_judges_a_gemv_kernel_and_times_the_reference(tmp_path: Path) -> None:
     seed = tmp_path / "seed.c"
     seed.write_text(builtin_seed("gemv") or "")
-    isa = [arg for name in ALLOW_ISA for arg in ("--allow-isa", name)]
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "hpcrl_benchmarker.cli",
-            "check",
-            str(seed),
-            "--task",
-            "gemv",
-            "--stage",
-            "1",
-            "--json",
-            "--reference",
-            *isa,
-            "--work-dir",
-            str(tmp_path / "work"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    work = tmp_path / "work"
+    out = run_check(seed, "--task", "gemv", "--stage", "1", "--json", "--reference", work_dir=work)
     assert out.returncode == 0, out.stderr
     verdict = json.loads(out.stdout)
     assert verdict["status"] == "success" and verdict["gflops"] > 0
@@ -283,22 +255,5 @@ def test_check_judges_a_gemv_kernel_and_times_the_reference(tmp_path: Path) -> N
     triad = verdict["reference"]["triad"]
     assert verdict["roof_share"] == pytest.approx(verdict["gbytes_per_s"] / triad["gbytes_per_s"])
     # A GEMM kernel is not a GEMV kernel.
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "hpcrl_benchmarker.cli",
-            "check",
-            str(KERNELS / "naive.c"),
-            "--task",
-            "gemv",
-            "--json",
-            *isa,
-            "--work-dir",
-            str(tmp_path / "work"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    out = run_check(KERNELS / "naive.c", "--task", "gemv", "--json", work_dir=work)
     assert json.loads(out.stdout)["status"] == "format_violation"

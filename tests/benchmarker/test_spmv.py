@@ -10,8 +10,6 @@ check points, the bytes a call moves).
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,7 +21,7 @@ from hpcrl_benchmarker.pipeline import Benchmarker
 from hpcrl_benchmarker.verdict import Verdict
 from hpcrl_common.task import TaskSpec, builtin_seed, load_task
 
-from .conftest import ALLOW_ISA, KERNELS
+from .conftest import KERNELS, run_check, task_judge
 from .test_pipeline import assert_status
 
 Judge = Callable[..., Verdict]
@@ -39,13 +37,7 @@ def spmv_task() -> TaskSpec:
 
 @pytest.fixture(scope="session")
 def judge_spmv(bench: Benchmarker, spmv_task: TaskSpec) -> Judge:
-    def run(
-        name: str, stage: int = 1, opt_level: str = "O3", task: TaskSpec | None = None
-    ) -> Verdict:
-        code = (SPMV_KERNELS / name).read_text() if name.endswith(".c") else name
-        return bench.evaluate(code, stage=stage, opt_level=opt_level, task=task or spmv_task)
-
-    return run
+    return task_judge(bench, spmv_task, SPMV_KERNELS, default_stage=1)
 
 
 # --- the task and its matrices, without a sandbox -------------------------------------------
@@ -201,27 +193,7 @@ def test_openmp_only_where_the_stage_allows_it(judge_spmv: Judge) -> None:
 def test_check_judges_an_spmv_kernel_against_the_memory_roof(tmp_path: Path) -> None:
     seed = tmp_path / "seed.c"
     seed.write_text(builtin_seed("spmv") or "")
-    isa = [arg for name in ALLOW_ISA for arg in ("--allow-isa", name)]
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "hpcrl_benchmarker.cli",
-            "check",
-            str(seed),
-            "--task",
-            "spmv",
-            "--stage",
-            "1",
-            "--reference",
-            *isa,
-            "--work-dir",
-            str(tmp_path / "work"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    out = run_check(seed, "--task", "spmv", "--stage", "1", "--reference", work_dir=tmp_path)
     assert out.returncode == 0, out.stderr
     lines = dict(line.split(":", 1) for line in out.stdout.splitlines() if ":" in line)
     assert lines["status"].strip() == "success"

@@ -10,8 +10,6 @@ stencil.py (inputs, reference, check points, the bytes a call moves).
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,7 +21,7 @@ from hpcrl_benchmarker.pipeline import Benchmarker
 from hpcrl_benchmarker.verdict import Verdict
 from hpcrl_common.task import TaskSpec, builtin_seed, load_task
 
-from .conftest import ALLOW_ISA, KERNELS
+from .conftest import KERNELS, run_check, task_judge
 from .test_pipeline import assert_status
 
 Judge = Callable[..., Verdict]
@@ -38,13 +36,7 @@ def stencil_task() -> TaskSpec:
 
 @pytest.fixture(scope="session")
 def judge_stencil(bench: Benchmarker, stencil_task: TaskSpec) -> Judge:
-    def run(
-        name: str, stage: int = 1, opt_level: str = "O3", task: TaskSpec | None = None
-    ) -> Verdict:
-        code = (STENCIL_KERNELS / name).read_text() if name.endswith(".c") else name
-        return bench.evaluate(code, stage=stage, opt_level=opt_level, task=task or stencil_task)
-
-    return run
+    return task_judge(bench, stencil_task, STENCIL_KERNELS, default_stage=1)
 
 
 # --- the task and its description, without a sandbox ----------------------------------------
@@ -207,28 +199,8 @@ def test_openmp_only_where_the_stage_allows_it(judge_stencil: Judge) -> None:
 def test_check_judges_a_stencil_and_measures_the_memory_roof(tmp_path: Path) -> None:
     seed = tmp_path / "seed.c"
     seed.write_text(builtin_seed("stencil") or "")
-    isa = [arg for name in ALLOW_ISA for arg in ("--allow-isa", name)]
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "hpcrl_benchmarker.cli",
-            "check",
-            str(seed),
-            "--task",
-            "stencil",
-            "--stage",
-            "1",
-            "--json",
-            "--reference",
-            *isa,
-            "--work-dir",
-            str(tmp_path / "work"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    args = ("--task", "stencil", "--stage", "1", "--json", "--reference")
+    out = run_check(seed, *args, work_dir=tmp_path / "work")
     assert out.returncode == 0, out.stderr
     verdict = json.loads(out.stdout)
     assert verdict["status"] == "success" and verdict["gflops"] > 0
