@@ -3,10 +3,10 @@ import pytest
 from hpcrl_common.prompts import Templates, build_prompt, truncate_error
 from hpcrl_common.stages import LAST_STAGE
 from hpcrl_common.task import load_task
-from hpcrl_scheduler.scheduler import builtin_seed
+from hpcrl_scheduler.scheduler import task_seed
 
 TASK = load_task("matmul")
-PARENT = builtin_seed("matmul")
+PARENT = task_seed(TASK)
 
 
 def user_text(**kwargs) -> str:
