@@ -307,3 +307,47 @@ def test_the_scheduler_follows_the_learners_checkpoint_store(tmp_path):
         r"scheduler\.checkpoint_dir",
     ):
         load_config(SchedulerConfig, other)
+
+
+# --- experiment.tasks: several tasks in one run (issue 30) -----------------------------------
+
+
+def test_one_task_by_default_and_a_table_of_several(tmp_path):
+    assert load_config(DemoConfig, None, env={}).experiment.task_weights() == {"matmul": 1.0}
+    single = load_config(DemoConfig, write(tmp_path, '[experiment]\ntask = "gemv"\n'), env={})
+    assert single.experiment.task_weights() == {"gemv": 1.0}
+    path = write(tmp_path, "[experiment.tasks]\nmatmul = 2\ngemv = 1\nstencil = 0.5\n")
+    several = load_config(DemoConfig, path, env={})
+    assert several.experiment.task_weights() == {"matmul": 2.0, "gemv": 1.0, "stencil": 0.5}
+    # task inside tasks is consistent; the environment can name the table as JSON too
+    path = write(tmp_path, '[experiment]\ntask = "gemv"\n[experiment.tasks]\ngemv = 1\nspmv = 3\n')
+    assert load_config(DemoConfig, path, env={}).experiment.task_weights() == {
+        "gemv": 1.0,
+        "spmv": 3.0,
+    }
+    env = {"HPCRL__EXPERIMENT__TASKS": '{"spmv": 1, "matmul": 1}'}
+    assert set(load_config(DemoConfig, None, env=env).experiment.task_weights()) == {
+        "spmv",
+        "matmul",
+    }
+
+
+@pytest.mark.parametrize(
+    ("toml", "expected"),
+    [
+        ("[experiment.tasks]\nmatmul = 0\n", "weight of 'matmul' must be > 0"),
+        ("[experiment.tasks]\nmatmul = -1\ngemv = 1\n", "weight of 'matmul' must be > 0"),
+        ("[experiment.tasks]\nmatmul = inf\n", "must be > 0 and finite"),
+        ("[experiment.tasks]\nmatmul = nan\n", "must be > 0 and finite"),
+        ('[experiment.tasks]\n"" = 1\n', "may not be empty"),
+        ('[experiment.tasks]\nmatmul = "heavy"\n', "experiment.tasks.matmul"),
+        (
+            '[experiment]\ntask = "gemv"\n[experiment.tasks]\nmatmul = 1\nstencil = 1\n',
+            "task = 'gemv' is not in tasks (matmul, stencil)",
+        ),
+    ],
+)
+def test_a_bad_tasks_table_is_refused_clearly(tmp_path, toml, expected):
+    with pytest.raises(ConfigError) as info:
+        load_config(DemoConfig, write(tmp_path, toml), env={})
+    assert expected in str(info.value)

@@ -273,6 +273,9 @@ class LoggingSettings(Section):
     )
 
 
+DEFAULT_TASK = "matmul"
+
+
 class ExperimentSettings(Section):
     name: str = Field(
         "default",
@@ -281,11 +284,42 @@ class ExperimentSettings(Section):
         description="names the run: group ids, the scheduler's database",
     )
     seed: int = Field(0, description="seed of selection tie-breaks and sampling")
-    task: str = Field("matmul", description="task name or path of a task TOML")
+    task: str = Field(
+        DEFAULT_TASK,
+        description="task name or path of a task TOML (the only task unless `tasks` is set)",
+    )
+    tasks: dict[str, float] = Field(
+        default_factory=dict,
+        description="several tasks in one run: a table task name or path -> weight (> 0), "
+        "e.g. `matmul = 1` and `gemv = 1` under `[experiment.tasks]`; the scheduler splits each "
+        "iteration's node budget by weight, one SQD pool per (task, stage); empty: `task` alone",
+    )
     opt_level: Literal["O0", "O1", "O2", "O3"] = Field(
         "O3", description="gcc optimisation level of the benchmarks (the paper's O0/O1/O3)"
     )
     data_dir: Path = Field(Path("data"), description="where services keep local state")
+
+    @model_validator(mode="after")
+    def _tasks_consistent(self) -> ExperimentSettings:
+        for name, weight in self.tasks.items():
+            if not name.strip():
+                raise ValueError("tasks: a task name may not be empty")
+            if not weight > 0 or weight == float("inf"):
+                raise ValueError(
+                    f"tasks: the weight of {name!r} must be > 0 and finite, got {weight}"
+                )
+        # A `task` other than the default next to a `tasks` table that leaves it out is two
+        # contradicting answers to "what does this run train on": refuse it rather than guess.
+        if self.tasks and self.task != DEFAULT_TASK and self.task not in self.tasks:
+            raise ValueError(
+                f"task = {self.task!r} is not in tasks ({', '.join(self.tasks)}): name every task "
+                "of the run in tasks, or leave task unset"
+            )
+        return self
+
+    def task_weights(self) -> dict[str, float]:
+        """The run's tasks and their weights: ``tasks``, or ``{task: 1.0}`` when it is empty."""
+        return dict(self.tasks) if self.tasks else {self.task: 1.0}
 
 
 class ServiceConfig(Section):
