@@ -85,7 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default 1)")
     parser.add_argument(
-        "--max-tokens", type=_positive, default=1024, help="completion length limit (default 1024)"
+        "--max-tokens",
+        type=_positive,
+        default=SamplingOptions.max_tokens,
+        help=f"completion length limit (default {SamplingOptions.max_tokens}, the demo's)",
     )
     parser.add_argument(
         "--backend",

@@ -57,7 +57,8 @@ class SamplingOptions:
     seed: int = 0
     temperature: float = 0.8
     top_p: float = 1.0
-    max_tokens: int = 1024
+    # The demo's scheduler.max_tokens: the policy's stage 3-6 kernels run to ~1,320 tokens.
+    max_tokens: int = 1536
 
 
 @dataclass(frozen=True)
