@@ -83,7 +83,7 @@ def quantiles(
     metric: str, by: str = "", qs: tuple[float, ...] = (0.5, 0.95), selector: str = ""
 ) -> list[Query]:
     labels = ", ".join(["le", *([by] if by else [])])
-    legend_by = f" {{{{{by}}}}}" if by else ""
+    legend_by = "".join(f" {{{{{label.strip()}}}}}" for label in by.split(",")) if by else ""
     return [
         q(
             f"histogram_quantile({x}, sum by ({labels}) (rate({metric}_bucket{selector}[{RATE}])))",
@@ -133,8 +133,9 @@ def experiment() -> DashboardSpec:
         ),
         single(
             "Best GFLOPS so far",
-            "Best GFLOPS of any stage over the whole run.",
-            "max(hpcrl_scheduler_best_gflops_overall)",
+            "Best GFLOPS of any stage over the whole run, per task (one in a run of one task).",
+            "max by (task) (hpcrl_scheduler_best_gflops_overall)",
+            legend="{{task}}",
         ),
         single(
             "Groups in flight",
@@ -216,26 +217,34 @@ def experiment() -> DashboardSpec:
     gflops = [
         ts(
             "Best GFLOPS per stage (whole run)",
-            "Best GFLOPS of each stage over the run so far.",
-            q("hpcrl_scheduler_best_gflops_overall", "stage {{stage}}"),
+            "Best GFLOPS of each task and stage over the run so far.",
+            q("hpcrl_scheduler_best_gflops_overall", "{{task}} stage {{stage}}"),
             unit="GFLOPS",
         ),
         ts(
             "Best GFLOPS per iteration",
-            "Best GFLOPS over all stages of each iteration's pool (the paper's best-GFLOPS curve).",
-            q("max by (iteration) (hpcrl_scheduler_best_gflops)", "iteration {{iteration}}"),
+            "Best GFLOPS over all stages of each iteration's pool, per task (the paper's "
+            "best-GFLOPS curve).",
+            q(
+                "max by (task, iteration) (hpcrl_scheduler_best_gflops)",
+                "{{task}} iteration {{iteration}}",
+            ),
             unit="GFLOPS",
         ),
         ts(
             "Median GFLOPS per stage and iteration",
-            "Median GFLOPS of the successful programs of each stage in each iteration.",
-            q("hpcrl_scheduler_median_gflops", "stage {{stage}}, iteration {{iteration}}"),
+            "Median GFLOPS of the successful programs of each task and stage in each iteration.",
+            q(
+                "hpcrl_scheduler_median_gflops",
+                "{{task}} stage {{stage}}, iteration {{iteration}}",
+            ),
             unit="GFLOPS",
         ),
         PanelSpec(
             "table",
             "Best and median GFLOPS per stage and iteration",
-            "One row per (stage, iteration) of the pool: best and median GFLOPS of its successes.",
+            "One row per (task, stage, iteration) of the pool: best and median GFLOPS of its "
+            "successes.",
             [
                 q("hpcrl_scheduler_best_gflops", instant=True),
                 q("hpcrl_scheduler_median_gflops", instant=True),
@@ -247,8 +256,8 @@ def experiment() -> DashboardSpec:
         ts(
             "GFLOPS of successful programs",
             "Distribution of the GFLOPS of the successes filed "
-            "in the window, by target stage (median and 95th percentile).",
-            *quantiles("hpcrl_scheduler_gflops", by="stage"),
+            "in the window, by task and target stage (median and 95th percentile).",
+            *quantiles("hpcrl_scheduler_gflops", by="task, stage"),
             unit="GFLOPS",
             width=12,
         ),
@@ -270,9 +279,9 @@ def experiment() -> DashboardSpec:
         ),
         ts(
             "Pool size per stage",
-            "Programs (deduplicated) in the pool being built, by stage; "
+            "Programs (deduplicated) in the pool being built, by task and stage; "
             "successes and failures together.",
-            q("sum by (stage) (hpcrl_scheduler_pool_programs)", "stage {{stage}}"),
+            q("sum by (task, stage) (hpcrl_scheduler_pool_programs)", "{{task}} stage {{stage}}"),
             stacked=True,
         ),
         ts(

@@ -96,7 +96,7 @@ def test_the_catalogue_knows_every_service_and_every_series_shape(series):
     } <= set(series)
     assert "le" in series["hpcrl_scheduler_gflops_bucket"].labels
     assert "hpcrl_benchmarker_host_info" in series
-    assert series["hpcrl_scheduler_best_gflops"].labels == {"stage", "iteration"}
+    assert series["hpcrl_scheduler_best_gflops"].labels == {"task", "stage", "iteration"}
 
 
 def test_every_query_names_only_exported_metrics_labels_and_jobs(series, jobs):

@@ -134,10 +134,16 @@ def confirm_group_id(group_id: str, round_: int) -> str:
 
 
 def confirmation(
-    winner: BenchResult, group_id: str, round_: int, text: str | None = None
+    winner: BenchResult,
+    group_id: str,
+    round_: int,
+    text: str | None = None,
+    *,
+    task: str | None = None,
 ) -> Candidate:
     """The candidate that re-measures ``winner``: the generator's committed ``text`` of its
-    candidate, or (None) the source the winner reports (then set)."""
+    candidate, or (None) the source the winner reports (then set). ``task``: its group's
+    task, which it is judged as again (None: the task the winner reports)."""
     if text is None:
         assert winner.source is not None
         text = f"```c\n{winner.source}\n```\n"
@@ -147,7 +153,7 @@ def confirmation(
         group_id=group,
         index=0,
         completion=text,
-        bench=winner.bench,
+        bench=winner.bench if task is None else winner.bench.model_copy(update={"task": task}),
         generator=label.label(winner.benchmarker, winner.host.host_class),
     )
 

@@ -1,4 +1,8 @@
-"""Prometheus metrics of the scheduler (names hpcrl_scheduler_*)."""
+"""Prometheus metrics of the scheduler (names hpcrl_scheduler_*).
+
+Metrics per stage carry the ``task`` too (its name: one value per task of the experiment,
+four in the multi-task demo), since a stage's GFLOPS mean nothing across tasks.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +18,8 @@ RESULTS = Counter(
 RESULTS_IGNORED = Counter(
     "hpcrl_scheduler_results_ignored_total",
     "Results not filed: duplicate, late (group already closed); dead-lettered: "
-    "above_peak (above the host class's peak), rollout_mismatch (token data or judged text "
+    "above_peak (above the host class's peak), wrong_task (judged as another task than its "
+    "group's), rollout_mismatch (token data or judged text "
     "not what the generator committed to for the candidate), no_commitment (none came "
     "within commitment_wait_s)",
     ["reason"],
@@ -88,8 +93,8 @@ GROUP_REWARD_MAX = Histogram(
 )
 GFLOPS = Histogram(
     "hpcrl_scheduler_gflops",
-    "GFLOPS of each successful program, by stage",
-    ["stage"],
+    "GFLOPS of each successful program, by task and stage",
+    ["task", "stage"],
     buckets=GFLOPS_BUCKETS,
 )
 RESULT_LAG = Histogram(
@@ -105,16 +110,18 @@ GROUP_SECONDS = Histogram(
 
 BEST_GFLOPS = Gauge(
     "hpcrl_scheduler_best_gflops",
-    "Best GFLOPS of the programs of one stage in one iteration",
-    ["stage", "iteration"],
+    "Best GFLOPS of the programs of one task and stage in one iteration",
+    ["task", "stage", "iteration"],
 )
 MEDIAN_GFLOPS = Gauge(
     "hpcrl_scheduler_median_gflops",
-    "Median GFLOPS of the successful programs of one stage in one iteration",
-    ["stage", "iteration"],
+    "Median GFLOPS of the successful programs of one task and stage in one iteration",
+    ["task", "stage", "iteration"],
 )
 BEST_GFLOPS_STAGE = Gauge(
-    "hpcrl_scheduler_best_gflops_overall", "Best GFLOPS of a stage over the whole run", ["stage"]
+    "hpcrl_scheduler_best_gflops_overall",
+    "Best GFLOPS of a task and stage over the whole run",
+    ["task", "stage"],
 )
 ITERATION_REWARD_MEAN = Gauge(
     "hpcrl_scheduler_iteration_reward_mean",
@@ -126,8 +133,8 @@ ITERATION_REWARD_MAX = Gauge(
 )
 POOL = Gauge(
     "hpcrl_scheduler_pool_programs",
-    "Programs (deduplicated) in the pool being built, by stage and status",
-    ["stage", "status"],
+    "Programs (deduplicated) in the pool being built, by task, stage and status",
+    ["task", "stage", "status"],
 )
 GROUPS = Gauge(
     "hpcrl_scheduler_groups",

@@ -1,4 +1,9 @@
-"""`status` and `export`: read-only views of a scheduler database."""
+"""`status` and `export`: read-only views of a scheduler database.
+
+A run of several tasks (``experiment.tasks``) is also shown per task: ``by_task`` in the
+snapshot (each task's pool and best program), and in the export each task's best per
+stage and lineage under ``<task>/``; the keys and files of a run of one task are as before.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from hpcrl_scheduler.selection import SEED_ID, Program, dedupe
+from hpcrl_scheduler.selection import Program, dedupe
 from hpcrl_scheduler.store import Store
 
 
@@ -21,6 +26,25 @@ def _stage_summary(programs: list[Program]) -> dict[str, Any]:
         "median_gflops": statistics.median(gflops) if gflops else None,
         "status_share": {k: round(v / len(programs), 4) for k, v in sorted(statuses.items())},
     }
+
+
+def _pool_summary(pool: list[Program]) -> dict[str, Any]:
+    return {
+        str(s): _stage_summary([p for p in pool if p.stage == s])
+        for s in sorted({p.stage for p in pool})
+    }
+
+
+def _best_entry(best: Program | None) -> dict[str, Any] | None:
+    if best is None:
+        return None
+    return {"id": best.id, "stage": best.stage, "gflops": best.gflops, "iteration": best.iteration}
+
+
+def tasks_of(store: Store) -> list[str]:
+    """The run's tasks: meta ``task`` is a name (one task) or a list (several)."""
+    task = store.get("task")
+    return list(task) if isinstance(task, list) else [] if task is None else [str(task)]
 
 
 def snapshot(store: Store) -> dict[str, Any]:
@@ -44,14 +68,21 @@ def snapshot(store: Store) -> dict[str, Any]:
                 "batches_sent": sum(g.outcome == "sent" for g in groups),
                 "reward_mean": statistics.fmean(rewards) if rewards else None,
                 "reward_max": max(rewards) if rewards else None,
-                "pool": {
-                    str(s): _stage_summary([p for p in pool if p.stage == s])
-                    for s in sorted({p.stage for p in pool})
-                },
+                "pool": _pool_summary(pool),
             }
         )
     current_complete = bool(iterations) and iterations[-1]["complete"]
     best = _best_overall(store)
+    tasks = tasks_of(store)
+    current = dedupe(store.pool(t)) if t >= 0 else []
+    # Stages of different tasks are different pools: their GFLOPS never mix.
+    by_task = {
+        task: {
+            "pool": _pool_summary([p for p in current if p.task == task]),
+            "best": _best_entry(_best_overall(store, task)),
+        }
+        for task in tasks
+    }
     return {
         "experiment": store.get("experiment"),
         "seed": store.get("seed"),
@@ -68,19 +99,23 @@ def snapshot(store: Store) -> dict[str, Any]:
         "outbox_unsent": store.count_unsent(),
         "pool": iterations[-1]["pool"] if iterations else {},
         "iterations": iterations,
-        "best": None
-        if best is None
-        else {
-            "id": best.id,
-            "stage": best.stage,
-            "gflops": best.gflops,
-            "iteration": best.iteration,
-        },
+        "best": _best_entry(best),
+        "tasks": tasks,
+        "by_task": by_task,
     }
 
 
-def _best_overall(store: Store) -> Program | None:
-    ok = [p for p in store.all_programs() if p.ok and p.id != SEED_ID]
+def _children_ok(store: Store, task: str | None = None) -> list[Program]:
+    """The successes filed by groups (seeds, iteration -1, left out), of ``task`` if given."""
+    return [
+        p
+        for p in store.all_programs()
+        if p.ok and p.iteration >= 0 and (task is None or p.task == task)
+    ]
+
+
+def _best_overall(store: Store, task: str | None = None) -> Program | None:
+    ok = _children_ok(store, task)
     return max(ok, key=lambda p: (p.gflops or 0.0, p.id), default=None)
 
 
@@ -121,7 +156,13 @@ def render(data: dict[str, Any]) -> None:
             _num(it["reward_max"]),
         )
     console.print(its)
-    if data["best"]:
+    if len(data.get("tasks", [])) > 1:
+        for task, row in data["by_task"].items():
+            best = row["best"]
+            shown = "-" if best is None else f"{best['id']} stage {best['stage']} "
+            shown += "" if best is None else f"{best['gflops']:.2f} GFLOPS"
+            console.print(f"task {task}: best {shown}")
+    elif data["best"]:
         best = data["best"]
         console.print(f"best: {best['id']} stage {best['stage']} {best['gflops']:.2f} GFLOPS")
 
@@ -156,41 +197,67 @@ def _header(program: Program) -> str:
     )
 
 
-def export(store: Store, out: Path) -> dict[str, Any]:
-    """Write the best program of each stage and the overall best's lineage, with an index."""
-    out.mkdir(parents=True, exist_ok=True)
-    index: dict[str, Any] = {
-        "experiment": store.get("experiment"),
-        "best_per_stage": {},
-        "lineage": [],
-    }
-    ok = [p for p in store.all_programs() if p.ok and p.id != SEED_ID and p.source]
+def _export_best(store: Store, out: Path, task: str | None, prefix: str) -> dict[str, Any]:
+    """Write one pool's best program per stage and its best's lineage (files ``prefix``...)."""
+    part: dict[str, Any] = {"best_per_stage": {}, "lineage": []}
+    ok = [p for p in _children_ok(store, task) if p.source]
     for stage in sorted({p.stage for p in ok}):
         best = max((p for p in ok if p.stage == stage), key=lambda p: (p.gflops or 0.0, p.id))
-        name = _file_name(f"stage{stage}_best", best)
+        name = prefix + _file_name(f"stage{stage}_best", best)
         (out / name).write_text(_header(best) + (best.source or ""))
-        index["best_per_stage"][str(stage)] = _entry(best, name)
-    overall = _best_overall(store)
+        part["best_per_stage"][str(stage)] = _entry(best, name)
+    overall = _best_overall(store, task)
     if overall is not None:
         for depth, program in enumerate(lineage(store, overall)):
-            name = _file_name(f"lineage{depth:02d}", program)
+            name = prefix + _file_name(f"lineage{depth:02d}", program)
             (out / name).write_text(_header(program) + (program.source or ""))
-            index["lineage"].append(_entry(program, name))
+            part["lineage"].append(_entry(program, name))
+    return part
+
+
+def export(store: Store, out: Path) -> dict[str, Any]:
+    """Write the best program of each stage and the overall best's lineage, with an index.
+
+    A run of several tasks has them per task only (``by_task``, files under ``<task>/``):
+    a stage's best across tasks would compare GFLOPS of different kernels."""
+    out.mkdir(parents=True, exist_ok=True)
+    index: dict[str, Any] = {"experiment": store.get("experiment")}
+    tasks = tasks_of(store)
+    parts: list[tuple[str | None, dict[str, Any]]]
+    if len(tasks) > 1:
+        index.update(best_per_stage={}, lineage=[], by_task={})
+        for task in tasks:
+            folder = _task_folder(task)
+            (out / folder).mkdir(exist_ok=True)
+            index["by_task"][task] = _export_best(store, out, task, f"{folder}/")
+        parts = list(index["by_task"].items())
+    else:
+        index.update(_export_best(store, out, None, ""))
+        parts = [(None, index)]
     (out / "index.json").write_text(json.dumps(index, indent=2) + "\n")
+    several = len(tasks) > 1
     lines = [
         "# hpcrl scheduler export",
         "",
-        "| file | program | stage | iteration | mode | status | GFLOPS |",
-        "|---|---|---|---|---|---|---|",
+        ("| task " if several else "") + "| file | program | stage | iteration | mode | status "
+        "| GFLOPS |",
+        ("|---" if several else "") + "|---|---|---|---|---|---|---|",
     ]
-    for entry in [*index["best_per_stage"].values(), *index["lineage"]]:
-        lines.append(
-            f"| {entry['file']} | {entry['id']} | {entry['stage']} | "
-            f"{entry['iteration']} | {entry['mode']} | {entry['status']} | "
-            f"{_num(entry['gflops'])} |"
-        )
+    for task, part in parts:
+        for entry in [*part["best_per_stage"].values(), *part["lineage"]]:
+            lines.append(
+                (f"| {task} " if several else "")
+                + f"| {entry['file']} | {entry['id']} | {entry['stage']} | "
+                f"{entry['iteration']} | {entry['mode']} | {entry['status']} | "
+                f"{_num(entry['gflops'])} |"
+            )
     (out / "index.md").write_text("\n".join(lines) + "\n")
     return index
+
+
+def _task_folder(task: str) -> str:
+    """A task's export folder: its name (a path's file name without .toml)."""
+    return Path(task).name.removesuffix(".toml").replace("/", "_") or "task"
 
 
 def _entry(program: Program, name: str) -> dict[str, Any]:
@@ -203,4 +270,5 @@ def _entry(program: Program, name: str) -> dict[str, Any]:
         "status": program.status,
         "gflops": program.gflops,
         "parent": program.parent_id,
+        "task": program.task,
     }

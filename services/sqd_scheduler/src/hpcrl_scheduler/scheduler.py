@@ -35,14 +35,14 @@ from hpcrl_common.messages import (
 )
 from hpcrl_common.prompts import Templates, build_prompt, failure_text, load_templates
 from hpcrl_common.stages import FIRST_STAGE
-from hpcrl_common.task import TaskSpec, load_task, seed_program
+from hpcrl_common.task import TaskError, TaskSpec, load_task, seed_program
 from hpcrl_common.topology import BENCH_RESULTS, CODE_TO_BENCH, GENERATE_REQUESTS, ROLLOUT_BATCHES
 from hpcrl_scheduler import commitments, confirm, metrics
 from hpcrl_scheduler.config import SchedulerConfig
 from hpcrl_scheduler.groups import Parent, close_group, majority_class
 from hpcrl_scheduler.pacing import PacingState, hold_reason, outstanding
 from hpcrl_scheduler.peaks import PeakBook
-from hpcrl_scheduler.selection import SEED_ID, Program, Ratios, dedupe, select
+from hpcrl_scheduler.selection import SEED_ID, Program, Ratios, dedupe, select_tasks
 from hpcrl_scheduler.store import BatchOutcome, CloseReason, GroupRow, Store
 
 log = structlog.get_logger("hpcrl.scheduler")
@@ -60,6 +60,32 @@ def task_seed(task: TaskSpec) -> str:
             "in); set scheduler.seed_program"
         )
     return source
+
+
+def load_tasks(names: list[str]) -> dict[str, TaskSpec]:
+    """Each task of the experiment by the name or path it is given as, loaded; a clear error
+    naming the task that does not load, or two that are the same task."""
+    tasks: dict[str, TaskSpec] = {}
+    for name in names:
+        try:
+            tasks[name] = load_task(name)
+        except (TaskError, OSError, ValueError) as exc:
+            raise SchedulerError(f"experiment task {name!r} does not load: {exc}") from exc
+    by_name: dict[str, str] = {}
+    for name, task in tasks.items():
+        if task.name in by_name:
+            raise SchedulerError(
+                f"experiment tasks {by_name[task.name]!r} and {name!r} are the same task "
+                f"{task.name!r}: name each task once"
+            )
+        by_name[task.name] = name
+    return tasks
+
+
+def seed_id_of(task: TaskSpec, several: bool) -> str:
+    """The seed program's id: ``seed`` in a run of one task (as before several could share a
+    run), ``seed.<task name>`` in a run of several."""
+    return f"{SEED_ID}.{task.name}" if several else SEED_ID
 
 
 def group_id_of(experiment: str, seed: int, iteration: int, ordinal: int) -> str:
@@ -95,7 +121,18 @@ class Scheduler:
         self.section = config.scheduler
         self.store = store
         self.clock = clock
-        self.task: TaskSpec = load_task(config.experiment.task)
+        # The run's tasks, by the name or path the config gives (what groups, programs and
+        # requests carry), in a fixed order: by that name.
+        self.weights: dict[str, float] = dict(sorted(config.experiment.task_weights().items()))
+        self.tasks: dict[str, TaskSpec] = load_tasks(list(self.weights))
+        self.several = len(self.tasks) > 1
+        if self.several and self.section.seed_program is not None:
+            raise SchedulerError(
+                "scheduler.seed_program names one seed file, but the experiment has several "
+                f"tasks ({', '.join(self.tasks)}): each task's seed comes from its own files"
+            )
+        # The task of a run of one (kept for callers that know only one).
+        self.task: TaskSpec = next(iter(self.tasks.values()))
         templates_path = self.section.prompt_templates
         self.templates: Templates = load_templates(str(templates_path) if templates_path else None)
         self.ratios = Ratios(
@@ -116,7 +153,10 @@ class Scheduler:
 
     def _init_store(self) -> None:
         exp = self.config.experiment
-        identity = {"experiment": exp.name, "seed": exp.seed, "task": exp.task}
+        # One task: its name or path, as before several could share a run; several: the
+        # list of them (a run's tasks are fixed; their weights may change on a restart).
+        task_identity: str | list[str] = list(self.tasks) if self.several else exp.task
+        identity = {"experiment": exp.name, "seed": exp.seed, "task": task_identity}
         with self.store.tx() as s:
             stored = {key: s.get(key) for key in identity}
             if stored["experiment"] is None:
@@ -124,19 +164,8 @@ class Scheduler:
                     s.set(key, value)
                 s.set("iteration", -1)
                 s.set("created_at", self.clock())
-                path = self.section.seed_program
-                source = Path(path).read_text() if path else task_seed(self.task)
-                s.add_program(
-                    Program(
-                        id=SEED_ID,
-                        stage=FIRST_STAGE,
-                        status="success",
-                        source=source,
-                        mode="seed",
-                        iteration=-1,
-                    ),
-                    None,
-                )
+                for name, task in self.tasks.items():
+                    s.add_program(self._seed_of(name, task), None)
             elif stored != identity:
                 raise SchedulerError(
                     f"{s.path} belongs to {stored}, not {identity}: use another "
@@ -148,6 +177,23 @@ class Scheduler:
             # result's wait for its commitment.
             s.restart_deadlines(self.clock())
             s.restart_holds(self.clock())
+
+    def _seed_of(self, name: str, task: TaskSpec) -> Program:
+        path = self.section.seed_program
+        return Program(
+            id=seed_id_of(task, self.several),
+            stage=FIRST_STAGE,
+            status="success",
+            source=Path(path).read_text() if path else task_seed(task),
+            mode="seed",
+            iteration=-1,
+            task=name,
+        )
+
+    def bench_of(self, group: GroupRow) -> BenchSpec:
+        """What the benchmarker is asked to judge a group's completions as: its own task."""
+        exp = self.config.experiment
+        return BenchSpec(task=group.task, stage=group.target_stage, opt_level=exp.opt_level)
 
     # --- the loop step --------------------------------------------------------------
 
@@ -186,9 +232,13 @@ class Scheduler:
     def _plan(self, t: int) -> None:
         store, exp = self.store, self.config.experiment
         pool = store.pool(t - 1) if t > 0 else []
-        nodes = select(
-            pool,
-            store.seed_program(),
+        pools: dict[str, list[Program]] = {}
+        for program in pool:
+            pools.setdefault(program.task, []).append(program)
+        nodes = select_tasks(
+            pools,
+            store.seed_programs(),
+            self.weights,
             iteration=t,
             budget=self.section.node_budget,
             ratios=self.ratios,
@@ -196,7 +246,7 @@ class Scheduler:
         )
         for ordinal, node in enumerate(nodes):
             prompt = build_prompt(
-                self.task,
+                self.tasks[node.task],
                 target_stage=node.target_stage,
                 mode=node.mode,  # type: ignore[arg-type]
                 parent_source=node.parent.source,
@@ -213,13 +263,19 @@ class Scheduler:
                 target_stage=node.target_stage,
                 group_size=self.section.group_size,
                 prompt=[message.model_dump() for message in prompt],
+                task=node.task,
             )
         store.set("iteration", t)
         modes = {
             mode: sum(n.mode == mode for n in nodes)
             for mode in ("seed", "deepen", "improve", "repair")
         }
-        log.info("iteration planned", iteration=t, nodes=len(nodes), pool=len(pool), **modes)
+        extra = {}
+        if self.several:
+            extra["tasks"] = {task: sum(n.task == task for n in nodes) for task in self.tasks}
+        log.info(
+            "iteration planned", iteration=t, nodes=len(nodes), pool=len(pool), **modes, **extra
+        )
 
     def pacing_state(self) -> PacingState:
         s = self.store
@@ -295,7 +351,7 @@ class Scheduler:
                 seed=seed,
             ),
             min_policy_version=floor,
-            bench=BenchSpec(task=exp.task, stage=group.target_stage, opt_level=exp.opt_level),
+            bench=self.bench_of(group),
             created_at=now,
         )
         self.store.enqueue(GENERATE_REQUESTS, request)
@@ -335,6 +391,13 @@ class Scheduler:
                 raise Reject(f"result {result.id} belongs to no group of this scheduler")
             if result.index >= group.group_size:
                 raise Reject(f"result index {result.index} >= group size {group.group_size}")
+            if result.bench.task != group.task:
+                # Judged as another task than its group's: its GFLOPS are not of this pool.
+                metrics.RESULTS_IGNORED.labels("wrong_task").inc()
+                raise Reject(
+                    f"result {result.id} was judged as task {result.bench.task!r}, but its "
+                    f"group {group.id} is of task {group.task!r}"
+                )
             refused = self.peaks.admit(s, result)
             if refused is not None:
                 metrics.RESULTS_IGNORED.labels("above_peak").inc()
@@ -720,7 +783,9 @@ class Scheduler:
         state.waiting = winner.id
         state.reason = reason
         state.from_text = text is not None
-        candidate = confirm.confirmation(winner, group.id, state.round, text)
+        candidate = confirm.confirmation(
+            winner, group.id, state.round, text, task=self.bench_of(group).task
+        )
         state.confirm_group = candidate.group_id
         s.set(key, state.to_json())
         s.set(confirm.INDEX_PREFIX + candidate.group_id, group.id)
@@ -892,11 +957,14 @@ class Scheduler:
                     iteration=group.iteration,
                     host_class=result.host.host_class,
                     techniques=tuple(result.techniques),
+                    task=group.task,
                 ),
                 group.id,
             )
             if result.gflops is not None:
-                metrics.GFLOPS.labels(str(group.target_stage)).observe(result.gflops)
+                metrics.GFLOPS.labels(self.task_label(group.task), str(group.target_stage)).observe(
+                    result.gflops
+                )
         outcome: BatchOutcome
         if closed.batch is not None:
             s.enqueue(ROLLOUT_BATCHES, closed.batch)
@@ -945,6 +1013,12 @@ class Scheduler:
 
     # --- metrics from the store (restart-proof gauges) --------------------------------
 
+    def task_label(self, task: str) -> str:
+        """A task's ``task`` label: its name (a task given by path is labelled by the name
+        its TOML declares, so a label stays short and one per task)."""
+        spec = self.tasks.get(task)
+        return spec.name if spec is not None else task
+
     def refresh_metrics(self) -> None:
         s = self.store
         t = self.iteration()
@@ -963,12 +1037,15 @@ class Scheduler:
         metrics.SUSPECT_HOSTS.set(len(self.suspect_hosts()))
         metrics.POOL.clear()
         for program in dedupe(s.pool(t)):
-            metrics.POOL.labels(str(program.stage), program.status).inc()
-        for (iteration, stage), values in s.gflops_by_iteration_and_stage().items():
-            metrics.BEST_GFLOPS.labels(str(stage), str(iteration)).set(max(values))
-            metrics.MEDIAN_GFLOPS.labels(str(stage), str(iteration)).set(statistics.median(values))
-        for stage, best in s.best_gflops_by_stage().items():
-            metrics.BEST_GFLOPS_STAGE.labels(str(stage)).set(best)
+            metrics.POOL.labels(
+                self.task_label(program.task), str(program.stage), program.status
+            ).inc()
+        for (task, iteration, stage), values in s.gflops_by_task_iteration_and_stage().items():
+            labels = (self.task_label(task), str(stage), str(iteration))
+            metrics.BEST_GFLOPS.labels(*labels).set(max(values))
+            metrics.MEDIAN_GFLOPS.labels(*labels).set(statistics.median(values))
+        for (task, stage), best in s.best_gflops_by_task_and_stage().items():
+            metrics.BEST_GFLOPS_STAGE.labels(self.task_label(task), str(stage)).set(best)
         for iteration, (mean, best_reward) in s.reward_stats_by_iteration().items():
             metrics.ITERATION_REWARD_MEAN.labels(str(iteration)).set(mean)
             metrics.ITERATION_REWARD_MAX.labels(str(iteration)).set(best_reward)

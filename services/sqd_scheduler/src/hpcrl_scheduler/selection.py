@@ -14,6 +14,10 @@ Pure functions over :class:`Program` records (no I/O). The rule, per stage s of 
   seeded hash), so the budget is used whenever there are candidates for it;
 * the seed is always expanded, in addition to the budget.
 
+An experiment of several tasks (``experiment.tasks``) keeps one pool per (task, stage):
+:func:`select_tasks` splits B over the tasks by weight (see there) and runs :func:`select` on
+each task's own pool and seed, so a node's parent, and hence its group, is of one task.
+
 Ties in GFLOPS or failure rank are broken by a hash of (seed, iteration, program key), so a
 run is reproducible for a given seed whatever order results arrived in.
 """
@@ -67,6 +71,8 @@ class Program:
     host_class: str = ""
     techniques: tuple[str, ...] = ()
     key: str = field(default="")
+    # The task (``experiment.task`` or a key of ``experiment.tasks``) whose pool it is in.
+    task: str = ""
 
     def __post_init__(self) -> None:
         if not self.key and self.source is not None:
@@ -85,20 +91,26 @@ class Node:
     mode: str
     target_stage: int
 
+    @property
+    def task(self) -> str:
+        """A child is of its parent's task: a group never mixes tasks."""
+        return self.parent.task
+
 
 def dedupe(programs: Iterable[Program]) -> list[Program]:
-    """One program per (stage, normalised source); the survivor does not depend on order.
+    """One program per (task, stage, normalised source); the survivor does not depend on
+    order.
 
     A success beats a failure; among equals the smallest id wins. Programs without a source
     (nothing could be extracted) are kept as they are: they are never the same node.
     """
-    best: dict[tuple[int, str], Program] = {}
+    best: dict[tuple[str, int, str], Program] = {}
     loose: list[Program] = []
     for program in programs:
         if program.source is None:
             loose.append(program)
             continue
-        slot = (program.stage, program.key)
+        slot = (program.task, program.stage, program.key)
         held = best.get(slot)
         if held is None or _preferred(program, held):
             best[slot] = program
@@ -221,6 +233,89 @@ def select(
             target = min(s + 1, LAST_STAGE) if mode == "deepen" else s
             for program in lists[s][mode][: quota[s][mode]]:
                 nodes.append(Node(program, mode, target))
+    return nodes
+
+
+def split_budget(
+    budget: int,
+    weights: dict[str, float],
+    capacities: dict[str, int],
+    *,
+    seed: int,
+    iteration: int,
+) -> dict[str, int]:
+    """Each task's share of the node budget ``budget`` (> 0) of one iteration.
+
+    The rule: B is split in proportion to the weights, by largest remainder (ties by a
+    SHA-256 of (seed, iteration, task), so the split is deterministic and does not favour
+    the task named first); no task gets more than it has candidates for (``capacities``: the
+    nodes it would expand unbounded) and what it cannot use is shared again among the others
+    by weight (water-filling). Seeds are outside B, so every task is expanded every iteration.
+    """
+    tasks = sorted(weights)
+    shares = allocate(
+        budget,
+        [weights[task] for task in tasks],
+        [capacities.get(task, 0) for task in tasks],
+        _tie_order(seed, iteration, [f"task:{task}" for task in tasks]),
+    )
+    return dict(zip(tasks, shares, strict=True))
+
+
+def select_tasks(
+    pools: dict[str, Sequence[Program]],
+    seeds: dict[str, Program],
+    weights: dict[str, float],
+    *,
+    iteration: int,
+    budget: int,
+    ratios: Ratios,
+    seed: int,
+) -> list[Node]:
+    """P of an experiment of several tasks: per task, :func:`select` on its own pool with its
+    share of ``budget`` (:func:`split_budget`; 0 = unbounded for every task).
+
+    Order (the order requests are admitted in): every task's seed, then the tasks' other
+    nodes interleaved (one of each task in turn, tasks by name), so that pacing, which
+    admits requests in order, holds no task back behind another. One task: :func:`select`.
+    """
+    tasks = sorted(weights)
+    if len(tasks) == 1:
+        (task,) = tasks
+        return select(
+            pools.get(task, ()),
+            seeds[task],
+            iteration=iteration,
+            budget=budget,
+            ratios=ratios,
+            seed=seed,
+        )
+
+    def per_task(task: str, share: int) -> list[Node]:
+        return select(
+            pools.get(task, ()),
+            seeds[task],
+            iteration=iteration,
+            budget=share,
+            ratios=ratios,
+            seed=seed,
+        )
+
+    unbounded = {task: per_task(task, 0) for task in tasks}
+    if budget > 0:
+        capacities = {task: len(nodes) - 1 for task, nodes in unbounded.items()}
+        shares = split_budget(budget, weights, capacities, seed=seed, iteration=iteration)
+        # A share of 0 would read as "unbounded" to select(): that task expands its seed only.
+        chosen = {
+            task: per_task(task, shares[task]) if shares[task] else unbounded[task][:1]
+            for task in tasks
+        }
+    else:
+        chosen = unbounded
+    nodes = [chosen[task][0] for task in tasks]
+    rest = {task: chosen[task][1:] for task in tasks}
+    for position in range(max(len(r) for r in rest.values())):
+        nodes.extend(rest[task][position] for task in tasks if position < len(rest[task]))
     return nodes
 
 

@@ -44,7 +44,8 @@ CREATE TABLE IF NOT EXISTS programs (
     id TEXT PRIMARY KEY, iteration INTEGER NOT NULL, stage INTEGER NOT NULL,
     key TEXT NOT NULL, source TEXT, parent_id TEXT, mode TEXT NOT NULL, status TEXT NOT NULL,
     gflops REAL, reward REAL, techniques TEXT NOT NULL DEFAULT '[]', error TEXT NOT NULL
-    DEFAULT '', host_class TEXT NOT NULL DEFAULT '', group_id TEXT);
+    DEFAULT '', host_class TEXT NOT NULL DEFAULT '', group_id TEXT,
+    task TEXT NOT NULL DEFAULT '');
 CREATE INDEX IF NOT EXISTS programs_iteration ON programs (iteration, stage);
 CREATE TABLE IF NOT EXISTS groups (
     id TEXT PRIMARY KEY, iteration INTEGER NOT NULL, ordinal INTEGER NOT NULL,
@@ -52,7 +53,8 @@ CREATE TABLE IF NOT EXISTS groups (
     group_size INTEGER NOT NULL, prompt TEXT NOT NULL, state TEXT NOT NULL DEFAULT 'pending',
     min_policy_version INTEGER, published_at REAL, last_progress_at REAL, closed_at REAL,
     close_reason TEXT, outcome TEXT, host_class TEXT, excluded INTEGER NOT NULL DEFAULT 0,
-    reward_mean REAL, reward_max REAL, UNIQUE (iteration, ordinal));
+    reward_mean REAL, reward_max REAL, task TEXT NOT NULL DEFAULT '',
+    UNIQUE (iteration, ordinal));
 CREATE INDEX IF NOT EXISTS groups_state ON groups (state, iteration, ordinal);
 CREATE TABLE IF NOT EXISTS results (
     id TEXT PRIMARY KEY, group_id TEXT NOT NULL, idx INTEGER NOT NULL, status TEXT NOT NULL,
@@ -87,7 +89,13 @@ RENAMED_COLUMNS: tuple[tuple[str, str, str], ...] = (
 ADDED_COLUMNS: tuple[tuple[str, str, str], ...] = (
     # The committed text (candidate-commitment/2); NULL where a /1 carried hashes only.
     ("commitments", "completion", "TEXT"),
+    # The task of a program and of a group (experiment.tasks, issue 30); a database of a
+    # single-task run gets its one task (meta "task") in every row (TASK_FILLED).
+    ("programs", "task", "TEXT NOT NULL DEFAULT ''"),
+    ("groups", "task", "TEXT NOT NULL DEFAULT ''"),
 )
+# Tables whose ``task`` column, once added, is filled with the database's task.
+TASK_FILLED: tuple[str, ...] = ("programs", "groups")
 
 
 # An outbox row for ``<queue>`` + this goes to that queue's dead letters (its inbox).
@@ -125,6 +133,7 @@ class GroupRow:
     excluded: int
     reward_mean: float | None
     reward_max: float | None
+    task: str
 
     @classmethod
     def of(cls, row: sqlite3.Row) -> GroupRow:
@@ -133,7 +142,8 @@ class GroupRow:
         return cls(**data)
 
 
-def program_of(row: sqlite3.Row) -> Program:
+def program_of(row: sqlite3.Row, legacy_task: str = "") -> Program:
+    """``legacy_task``: the task of a database opened read-only before it had the column."""
     return Program(
         id=row["id"],
         stage=row["stage"],
@@ -148,6 +158,8 @@ def program_of(row: sqlite3.Row) -> Program:
         host_class=row["host_class"],
         techniques=tuple(json.loads(row["techniques"])),
         key=row["key"],
+        # sqlite3.Row's `in` looks at the values, not the column names.
+        task=row["task"] if "task" in row.keys() else legacy_task,  # noqa: SIM118
     )
 
 
@@ -169,24 +181,46 @@ def _migrate(db: sqlite3.Connection) -> None:
             present = _columns(db, table)
             if present and column not in present:
                 db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {declaration}")
+                if column == "task" and table in TASK_FILLED:
+                    # Written before several tasks could share a run: every row is of the
+                    # run's one task.
+                    db.execute(f"UPDATE {table} SET task = ?", (_single_task(db),))
     except BaseException:
         db.execute("ROLLBACK")
         raise
     db.execute("COMMIT")
 
 
+def _single_task(db: sqlite3.Connection) -> str:
+    """The task of a database written by a single-task scheduler (its meta ``task``)."""
+    if not _columns(db, "meta"):
+        return ""
+    row = db.execute("SELECT value FROM meta WHERE key = 'task'").fetchone()
+    task = json.loads(row[0]) if row else ""
+    return task if isinstance(task, str) else ""
+
+
 def _group_select(db: sqlite3.Connection) -> str:
     """The select list that reads a groups row into a GroupRow."""
     present = _columns(db, "groups")
+    if "task" not in present:
+        # A read-only open of a database from before the column: its one task.
+        task = _single_task(db).replace("'", "''")
+        return ", ".join(
+            f"'{task}' AS task" if f.name == "task" else _renamed(f.name, present)
+            for f in fields(GroupRow)
+        )
+    return ", ".join(_renamed(f.name, present) for f in fields(GroupRow))
+
+
+def _renamed(name: str, present: set[str]) -> str:
     # A read-only open cannot migrate: read an old database's columns under their new names.
     renamed = {
         new: old
         for table, old, new in RENAMED_COLUMNS
         if table == "groups" and new not in present and old in present
     }
-    return ", ".join(
-        f"{renamed[f.name]} AS {f.name}" if f.name in renamed else f.name for f in fields(GroupRow)
-    )
+    return f"{renamed[name]} AS {name}" if name in renamed else name
 
 
 class Store:
@@ -214,6 +248,9 @@ class Store:
             self._db.executescript(SCHEMA)
         self._db.row_factory = sqlite3.Row
         self._group_columns = _group_select(self._db)
+        self._legacy_task = (
+            "" if "task" in _columns(self._db, "programs") else _single_task(self._db)
+        )
         self._lock = threading.RLock()
         self._depth = 0
 
@@ -269,8 +306,8 @@ class Store:
     def add_program(self, program: Program, group_id: str | None) -> None:
         self._execute(
             "INSERT OR IGNORE INTO programs (id, iteration, stage, key, source, parent_id, mode,"
-            " status, gflops, reward, techniques, error, host_class, group_id)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            " status, gflops, reward, techniques, error, host_class, group_id, task)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
                 program.id,
                 program.iteration,
@@ -286,12 +323,13 @@ class Store:
                 program.error,
                 program.host_class,
                 group_id,
+                program.task,
             ),
         )
 
     def program(self, program_id: str) -> Program | None:
         rows = self._query("SELECT * FROM programs WHERE id = ?", (program_id,))
-        return program_of(rows[0]) if rows else None
+        return program_of(rows[0], self._legacy_task) if rows else None
 
     def seed_program(self) -> Program:
         seed = self.program(SEED_ID)
@@ -299,12 +337,18 @@ class Store:
             raise LookupError("the database has no seed program")
         return seed
 
+    def seed_programs(self) -> dict[str, Program]:
+        """Task → its seed program (the programs outside every iteration: iteration -1)."""
+        rows = self._query("SELECT * FROM programs WHERE iteration < 0 ORDER BY id")
+        return {p.task: p for p in (program_of(r, self._legacy_task) for r in rows)}
+
     def pool(self, iteration: int) -> list[Program]:
         rows = self._query("SELECT * FROM programs WHERE iteration = ? ORDER BY id", (iteration,))
-        return [program_of(r) for r in rows]
+        return [program_of(r, self._legacy_task) for r in rows]
 
     def all_programs(self) -> list[Program]:
-        return [program_of(r) for r in self._query("SELECT * FROM programs ORDER BY id")]
+        rows = self._query("SELECT * FROM programs ORDER BY id")
+        return [program_of(r, self._legacy_task) for r in rows]
 
     def gflops_by_iteration_and_stage(self) -> dict[tuple[int, int], list[float]]:
         """GFLOPS of every measured child, by (iteration, stage); the seed is left out."""
@@ -322,6 +366,23 @@ class Store:
         )
         return {row[0]: row[1] for row in rows}
 
+    def gflops_by_task_iteration_and_stage(self) -> dict[tuple[str, int, int], list[float]]:
+        """GFLOPS of every measured child, by (task, iteration, stage); seeds left out."""
+        out: dict[tuple[str, int, int], list[float]] = {}
+        for row in self._query(
+            "SELECT task, iteration, stage, gflops FROM programs "
+            "WHERE iteration >= 0 AND gflops IS NOT NULL"
+        ):
+            out.setdefault((row[0] or self._legacy_task, row[1], row[2]), []).append(row[3])
+        return out
+
+    def best_gflops_by_task_and_stage(self) -> dict[tuple[str, int], float]:
+        rows = self._query(
+            "SELECT task, stage, MAX(gflops) FROM programs WHERE gflops IS NOT NULL "
+            "GROUP BY task, stage"
+        )
+        return {(row[0] or self._legacy_task, row[1]): row[2] for row in rows}
+
     # --- groups: the life cycle -------------------------------------------------------
 
     def plan_group(
@@ -335,11 +396,12 @@ class Store:
         target_stage: int,
         group_size: int,
         prompt: list[dict[str, str]],
+        task: str = "",
     ) -> None:
         """File a node of iteration ``iteration`` to expand; it starts pending."""
         self._execute(
             "INSERT INTO groups (id, iteration, ordinal, parent_id, mode, target_stage,"
-            " group_size, prompt) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            " group_size, prompt, task) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
                 group_id,
                 iteration,
@@ -349,6 +411,7 @@ class Store:
                 target_stage,
                 group_size,
                 json.dumps(prompt),
+                task,
             ),
         )
 
