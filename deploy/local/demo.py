@@ -7,7 +7,9 @@ evaluates version 0, the version after 4 iterations and the final one on a fixed
 (``hpcrl-evaluate``, same seeds) and writes a run directory: best kernels, metrics as
 JSON/CSV, plots, the evaluation, and a summary table, with how well the services overlapped
 (wall time against the busiest service's busy time, scraped from their /metrics:
-``overlap_report.py``).
+``overlap_report.py``). An experiment of several tasks (``[experiment.tasks]``, e.g.
+``deploy/local/multitask.toml``) gets a policy bootstrapped for all of them, one fixed-set
+evaluation per task and a summary row and plot per task (``demo_tasks.py``).
 Ctrl-C stops everything; running it again resumes the unfinished run (``--fresh`` starts over).
 """
 
@@ -26,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import demo_tasks  # beside this script
 import pika
 from overlap_report import OverlapProbe, earlier_overlap, print_overlap  # beside this script
 from rich.console import Console
@@ -245,7 +248,10 @@ def write_report(
     checkpoints: Path,
     corpus_best: dict[str, Any] | None,
     overlap: dict[str, Any] | None = None,
+    references: dict[str, dict[str, Any]] | None = None,
 ) -> None:
+    """``references``: each task's reference timed in this run, in a run of several tasks
+    (None in a run of one, whose reference is ``corpus_best``'s OpenBLAS dgemm)."""
     import demo_plots  # beside this script; imports matplotlib
 
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -265,21 +271,79 @@ def write_report(
         "evaluation": evaluation_summary(evaluation),
         "overlap": overlap,
     }
+    rows = None
+    if references is not None:
+        rows = task_rows(run_dir, data, references)
+        summary["tasks"] = rows
     (run_dir / "metrics.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
-    rows = iteration_rows(data)
-    columns = list(dict.fromkeys(key for row in rows for key in row)) or ["iteration"]
+    its = iteration_rows(data)
+    columns = list(dict.fromkeys(key for row in its for key in row)) or ["iteration"]
     with (run_dir / "iterations.csv").open("w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=columns, restval="")
         writer.writeheader()
-        writer.writerows(rows)
-    demo_plots.reward_curve(rows, run_dir / "reward_curve.png")
-    demo_plots.best_gflops(data["iterations"], corpus_best, run_dir / "best_gflops.png")
+        writer.writerows(its)
+    demo_plots.reward_curve(its, run_dir / "reward_curve.png")
     demo_plots.learner_health(learner["versions"], run_dir / "learner.png")
+    if rows is not None:
+        # Stages of different tasks are different pools: a best-GFLOPS plot per task.
+        for row in rows:
+            demo_plots.best_gflops(
+                demo_tasks.task_iterations(data, row["task"]),
+                row.get("corpus_best"),
+                run_dir / f"best_gflops-{demo_tasks.task_name(row['task'])}.png",
+                reference_line=demo_tasks.reference_line(row),
+                title=f"{row['task']}: best GFLOPS per iteration",
+            )
+        print_task_rows(rows)
+        # The run's best across tasks compares GFLOPS of different kernels: left out.
+        print_summary({**data, "best": None}, learner, None)
+        console.print("(the iterations' stages pool every task; per task: best_gflops-<task>.png)")
+        print_overlap(console, overlap)
+        print_learner_health(learner["versions"])
+        return
+    demo_plots.best_gflops(data["iterations"], corpus_best, run_dir / "best_gflops.png")
     print_headline(evaluation, data, corpus_best)
     print_summary(data, learner, corpus_best)
     print_overlap(console, overlap)
     print_evaluation(evaluation, learner["sampler_kl"])
     print_learner_health(learner["versions"])
+
+
+def task_rows(
+    run_dir: Path, data: dict[str, Any], references: dict[str, dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """A summary row per task (``demo_tasks.task_row``) from the run's snapshot, each
+    task's evaluation file and its reference timed in this run."""
+    from hpcrl_benchmarker import harnesses
+    from hpcrl_common.task import load_task
+
+    rows = []
+    for key in data.get("tasks") or []:
+        task = load_task(key)
+        evaluation_path, _ = demo_tasks.evaluation_files(run_dir, task.name)
+        evaluation = read_evaluation_file(evaluation_path)
+        best = (data.get("by_task") or {}).get(key, {}).get("best")
+        reference = references.get(key) or {}
+        row = demo_tasks.task_row(
+            key,
+            best,
+            evaluation,
+            reference.get("reference"),
+            harnesses.for_task(task).bytes_moved(task.sizes.reward),
+        )
+        row["corpus_best"] = reference.get("corpus_best")
+        rows.append(row)
+    return rows
+
+
+def print_task_rows(rows: list[dict[str, Any]]) -> None:
+    """The headline of a run of several tasks: a row per task."""
+    table = Table(title="Per task: fixed evaluation set v0 -> final, best kernel vs reference")
+    for column in demo_tasks.ROW_COLUMNS:
+        table.add_column(column)
+    for row in rows:
+        table.add_row(*demo_tasks.row_cells(row))
+    console.print(table)
 
 
 def iteration_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
@@ -438,16 +502,49 @@ def run_evaluation(
     evaluation set, same sampling seeds, with the generator backend the services used; run
     after they stopped, so timings have the CPU. Writes evaluation.json and evaluation.png;
     False if the evaluation failed."""
+    keys = demo_tasks.task_keys(config.experiment)
+    if len(keys) > 1:
+        # One fixed set per task, one after the other (each has the whole CPU).
+        return all(
+            [
+                run_task_evaluation(args, config, model_dir, backend, checkpoints, run_dir, key)
+                for key in keys
+            ]
+        )
     for name in ("evaluation.json", "evaluation.png"):
         (run_dir / name).unlink(missing_ok=True)  # never report another run's figures
     if args.no_eval:
         return True
     argv = evaluation_command(args, config, model_dir, backend, checkpoints, run_dir)
-    log = run_dir / "logs" / "evaluate.log"
+    return evaluate(argv, run_dir / "logs" / "evaluate.log", args.eval_samples, "")
+
+
+def run_task_evaluation(
+    args: argparse.Namespace,
+    config: SchedulerConfig,
+    model_dir: Path,
+    backend: str,
+    checkpoints: Path,
+    run_dir: Path,
+    key: str,
+) -> bool:
+    """One task's fixed set, in a run of several tasks (``evaluation-<task>.json``)."""
+    name = demo_tasks.task_name(key)
+    outputs = demo_tasks.evaluation_files(run_dir, name)
+    for path in outputs:
+        path.unlink(missing_ok=True)
+    if args.no_eval:
+        return True
+    argv = evaluation_command(args, config, model_dir, backend, checkpoints, run_dir, key, outputs)
+    return evaluate(argv, run_dir / "logs" / f"evaluate-{name}.log", args.eval_samples, name)
+
+
+def evaluate(argv: list[str], log: Path, samples: int, task: str) -> bool:
+    """Run ``hpcrl-evaluate``; False (said) if it failed or was interrupted."""
     log.parent.mkdir(parents=True, exist_ok=True)
     console.print(
-        f"[bold]evaluation:[/] version 0 and the final version on the fixed set, "
-        f"{args.eval_samples} samples per prompt (log {log})"
+        f"[bold]evaluation{f' of {task}' if task else ''}:[/] version 0 and the final "
+        f"version on the fixed set, {samples} samples per prompt (log {log})"
     )
     try:
         with log.open("w") as handle:  # the table goes to the log; progress shows on stderr
@@ -468,7 +565,11 @@ def evaluation_command(
     backend: str,
     checkpoints: Path,
     run_dir: Path,
+    task: str | None = None,
+    outputs: tuple[Path, Path] | None = None,
 ) -> list[str]:
+    """``task``/``outputs``: one task of a run of several and its evaluation files (default:
+    the experiment's task, evaluation.json and evaluation.png)."""
     from hpcrl_generator.config import GeneratorConfig
 
     generator = load_config(GeneratorConfig, args.config).generator
@@ -504,7 +605,7 @@ def evaluation_command(
         "--opt-level",
         exp.opt_level,
         "--task",
-        str(exp.task),
+        str(task or exp.task),
         "--dtype",
         generator.dtype,
         "--max-model-len",
@@ -512,9 +613,9 @@ def evaluation_command(
         "--kv-cache-gib",
         str(generator.kv_cache_space_gib),
         "--json",
-        str(run_dir / "evaluation.json"),
+        str(outputs[0] if outputs else run_dir / "evaluation.json"),
         "--plot",
-        str(run_dir / "evaluation.png"),
+        str(outputs[1] if outputs else run_dir / "evaluation.png"),
     ]
 
 
@@ -535,8 +636,12 @@ def version_after_iterations(db: Path, checkpoints: Path, iterations: int) -> in
 
 
 def read_evaluation(run_dir: Path) -> dict[str, Any] | None:
+    return read_evaluation_file(run_dir / "evaluation.json")
+
+
+def read_evaluation_file(path: Path) -> dict[str, Any] | None:
     try:
-        return json.loads((run_dir / "evaluation.json").read_text())
+        return json.loads(path.read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return None
 
@@ -698,6 +803,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--eval-samples must be at least 1")
 
     config = load_config(SchedulerConfig, args.config)
+    keys = demo_tasks.task_keys(config.experiment)
+    # A run of several tasks asks for a policy that writes all of them.
+    bootstrap_extra = [*demo_tasks.bootstrap_args(keys), *args.bootstrap_arg]
     data_dir = (ROOT / config.experiment.data_dir).resolve()
     run_dir = (args.runs / config.experiment.name).resolve()
     db = (ROOT / config.db_path).resolve()
@@ -709,7 +817,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.report_only or args.evaluate_only:
         if previous is None or not previous["done"]:
             raise SystemExit("error: no finished run of this experiment to report on")
-        model_dir = bootstrap_policy(args.policy_data_dir.resolve(), args.bootstrap_arg)
+        model_dir = bootstrap_policy(args.policy_data_dir.resolve(), bootstrap_extra)
         if args.evaluate_only and not run_evaluation(
             args, config, model_dir, resolve_backend(args.backend), checkpoints, run_dir
         ):
@@ -719,8 +827,9 @@ def main(argv: list[str] | None = None) -> int:
             previous,
             db,
             checkpoints,
-            benchmark_corpus_best(config, model_dir),
+            None if len(keys) > 1 else benchmark_corpus_best(config, model_dir),
             earlier_overlap(run_dir / "metrics.json"),
+            task_references(config, model_dir, keys),
         )
         console.print(f"\n[bold]run directory:[/] {run_dir}")
         return 0
@@ -733,7 +842,7 @@ def main(argv: list[str] | None = None) -> int:
     elif previous is not None:
         console.print(f"resuming the unfinished run at iteration {previous['iteration'] + 1}")
 
-    model_dir = bootstrap_policy(args.policy_data_dir.resolve(), args.bootstrap_arg)
+    model_dir = bootstrap_policy(args.policy_data_dir.resolve(), bootstrap_extra)
     backend = resolve_backend(args.backend)
     console.print(f"[bold]policy:[/] {model_dir}; generator backend: {backend}")
     env = {
@@ -767,16 +876,43 @@ def main(argv: list[str] | None = None) -> int:
         for service in reversed(services):
             service.stop()
     overlap = probe.summary(data, db, checkpoints, resumed)
-    corpus_best = benchmark_corpus_best(config, model_dir)
+    corpus_best = None if len(keys) > 1 else benchmark_corpus_best(config, model_dir)
+    references = task_references(config, model_dir, keys)
     evaluated = run_evaluation(args, config, model_dir, backend, checkpoints, run_dir)
-    write_report(run_dir, data, db, checkpoints, corpus_best, overlap)
+    write_report(run_dir, data, db, checkpoints, corpus_best, overlap, references)
     console.print(f"\n[bold]run directory:[/] {run_dir}")
     return 0 if evaluated else 1
 
 
-def benchmark_corpus_best(config: SchedulerConfig, model_dir: Path) -> dict[str, Any] | None:
+def task_references(
+    config: SchedulerConfig, model_dir: Path, keys: list[str]
+) -> dict[str, dict[str, Any]] | None:
+    """In a run of several tasks, each task's reference and catalogue best, timed on this
+    node now (the services stopped); None in a run of one (``benchmark_corpus_best`` has
+    its reference)."""
+    if len(keys) < 2:
+        return None
+    from hpcrl_benchmarker.config import BenchmarkerSection
+    from hpcrl_benchmarker.pipeline import Benchmarker
+
+    benchmarker = Benchmarker(BenchmarkerSection(pin_threads=False))
+    console.print("[bold]references:[/] timing each task's reference on this node")
+    return {
+        key: {
+            "reference": demo_tasks.time_reference(key, benchmarker, openblas_gflops),
+            "corpus_best": benchmark_corpus_best(config, model_dir, key),
+        }
+        for key in keys
+    }
+
+
+def benchmark_corpus_best(
+    config: SchedulerConfig, model_dir: Path, key: str | None = None
+) -> dict[str, Any] | None:
     """The fastest kernel of each stage of the policy's measured catalogue, timed again by
-    the same benchmarker in this run (so the comparison with the run's best is fair)."""
+    the same benchmarker in this run (so the comparison with the run's best is fair).
+    ``key``: one task of a run of several (its catalogue rows; no OpenBLAS dgemm here, the
+    task's reference is ``demo_tasks.time_reference``'s)."""
     from hpcrl_benchmarker.config import BenchmarkerSection
     from hpcrl_benchmarker.pipeline import Benchmarker
     from hpcrl_common.task import load_task
@@ -784,8 +920,13 @@ def benchmark_corpus_best(config: SchedulerConfig, model_dir: Path) -> dict[str,
     path = model_dir / "corpus.json"
     if not path.is_file():
         return None
-    rows = [row for row in json.loads(path.read_text()) if row["status"] == "success"]
-    task = load_task(config.experiment.task)
+    task = load_task(key or config.experiment.task)
+    # A catalogue row without a task is of the GEMM catalogue (before several tasks).
+    rows = [
+        row
+        for row in json.loads(path.read_text())
+        if row["status"] == "success" and (key is None or row.get("task", "matmul") == task.name)
+    ]
     benchmarker = Benchmarker(BenchmarkerSection(pin_threads=False))
     best, per_stage = None, {}
     for number in sorted({row["stage"] for row in rows}):
@@ -803,7 +944,8 @@ def benchmark_corpus_best(config: SchedulerConfig, model_dir: Path) -> dict[str,
             best = {"gflops": verdict.gflops, "stage": number}
     if best is not None:
         best["per_stage"] = per_stage
-        best["openblas"] = openblas_gflops(task.sizes.reward)
+        if key is None:
+            best["openblas"] = openblas_gflops(task.sizes.reward)
     return best
 
 

@@ -42,10 +42,17 @@ def reward_curve(rows: list[dict[str, Any]], out: Path) -> None:
 
 
 def best_gflops(
-    iterations: list[dict[str, Any]], corpus_best: dict[str, Any] | None, out: Path
+    iterations: list[dict[str, Any]],
+    corpus_best: dict[str, Any] | None,
+    out: Path,
+    *,
+    reference_line: tuple[float, str] | None = None,
+    title: str = "Best GFLOPS per iteration",
 ) -> None:
     """Best GFLOPS of each stage's pool per iteration; dashed: the catalogue's best of that
-    stage, dotted black: OpenBLAS dgemm, both timed in this run."""
+    stage, dotted black: OpenBLAS dgemm, both timed in this run. ``reference_line``: (GFLOPS,
+    label) of another reference instead of dgemm (one task of a run of several: OpenBLAS
+    dgemv, or the GFLOPS a memory-bound kernel reaches at the STREAM-triad roof)."""
     figure, axis = plt.subplots(figsize=(7, 4.5))
     stages = sorted({int(s) for it in iterations for s in it["pool"]})
     per_stage = (corpus_best or {}).get("per_stage", {})
@@ -62,13 +69,15 @@ def best_gflops(
     blas = (corpus_best or {}).get("openblas")
     if blas:
         axis.axhline(blas["gflops"], color="black", linestyle=":", label="OpenBLAS dgemm")
+    if reference_line is not None:
+        axis.axhline(reference_line[0], color="black", linestyle=":", label=reference_line[1])
     axis.set(
         xlabel="iteration",
         ylabel="best GFLOPS",
-        title="Best GFLOPS per iteration (dashed: catalogue's best of the stage)",
+        title=f"{title} (dashed: catalogue's best of the stage)",
     )
     _integer_x(axis)
-    if stages or blas:
+    if stages or blas or reference_line:
         axis.legend(fontsize="small")
     figure.tight_layout()
     figure.savefig(out, dpi=120)

@@ -256,6 +256,12 @@ def test_two_tasks_one_pool_each_groups_never_mix(tmp_path):
     data = snapshot(s.store)
     assert data["tasks"] == ["gemv", "matmul"]
     assert set(data["by_task"]) == {"gemv", "matmul"}
+    for it in data["iterations"]:  # each iteration's pool per task, stages counted apart
+        counts = {t: sum(v["count"] for v in pool.values()) for t, pool in it["by_task"].items()}
+        assert counts == {
+            t: len(dedupe([p for p in s.store.pool(it["iteration"]) if p.task == t]))
+            for t in ("gemv", "matmul")
+        }
     best = data["by_task"]["gemv"]["best"]
     assert best is not None and s.store.program(best["id"]).task == "gemv"  # type: ignore[union-attr]
     index = export(s.store, tmp_path / "out")

@@ -52,6 +52,7 @@ def snapshot(store: Store) -> dict[str, Any]:
     t = int(store.get("iteration", -1))
     total = int(store.get("iterations", 0))
     iterations = []
+    tasks = tasks_of(store)
     for i in range(t + 1):
         groups = store.groups_of_iteration(i)
         pool = dedupe(store.pool(i))
@@ -71,9 +72,12 @@ def snapshot(store: Store) -> dict[str, Any]:
                 "pool": _pool_summary(pool),
             }
         )
+        if len(tasks) > 1:  # the pools of each task apart (a run of one: "pool" is its own)
+            iterations[-1]["by_task"] = {
+                task: _pool_summary([p for p in pool if p.task == task]) for task in tasks
+            }
     current_complete = bool(iterations) and iterations[-1]["complete"]
     best = _best_overall(store)
-    tasks = tasks_of(store)
     current = dedupe(store.pool(t)) if t >= 0 else []
     # Stages of different tasks are different pools: their GFLOPS never mix.
     by_task = {

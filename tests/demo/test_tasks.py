@@ -1,0 +1,180 @@
+"""The demo's report of an experiment of several tasks (deploy/local/demo_tasks.py) and how
+the demo asks the bootstrap and the evaluation for them; `make demo` (one task) unchanged."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from hpcrl_common.config import load_config
+from hpcrl_common.task import load_task
+from hpcrl_scheduler.config import SchedulerConfig
+from tests.support.scripts import ROOT, load_script
+
+sys.path.insert(0, str(ROOT / "deploy" / "local"))  # demo.py imports its neighbours
+demo = load_script("deploy/local/demo.py", "demo_script_tasks")
+import demo_tasks  # noqa: E402  (beside demo.py, on the path just set)
+
+MULTITASK = ROOT / "deploy" / "local" / "multitask.toml"
+
+
+def gain(before: float, after: float) -> dict[str, float]:
+    return {"before": before, "after": after, "gain": after - before, "low": -0.1, "high": 0.3}
+
+
+EVALUATION = {
+    "comparison": {
+        "before": 0,
+        "after": 9,
+        "metrics": {"share_correct": gain(0.5, 0.75), "mean_gflops": gain(1.0, 2.0)},
+    }
+}
+
+
+def test_the_multitask_experiment_names_the_four_tasks_apart_from_the_gemm_demo():
+    multi = load_config(SchedulerConfig, MULTITASK)
+    gemm = load_config(SchedulerConfig, ROOT / "deploy" / "local" / "demo.toml")
+    assert demo_tasks.task_keys(multi.experiment) == ["gemv", "matmul", "spmv", "stencil"]
+    assert set(multi.experiment.task_weights().values()) == {1.0}
+    assert demo_tasks.task_keys(gemm.experiment) == ["matmul"]
+    for key in ("name", "data_dir"):
+        assert getattr(multi.experiment, key) != getattr(gemm.experiment, key)
+    assert multi.broker.namespace != gemm.broker.namespace
+    assert multi.db_path != gemm.db_path
+
+
+def test_the_bootstrap_is_asked_for_every_task_only_in_a_run_of_several():
+    assert demo_tasks.bootstrap_args(["matmul"]) == []
+    assert demo_tasks.bootstrap_args(["gemv", "matmul", "spmv", "stencil"]) == [
+        "--tasks",
+        "gemv,matmul,spmv,stencil",
+    ]
+
+
+def test_each_task_is_evaluated_on_its_own_fixed_set(tmp_path):
+    config = load_config(SchedulerConfig, MULTITASK)
+    args = argparse.Namespace(config=MULTITASK, eval_samples=4)
+    outputs = demo_tasks.evaluation_files(tmp_path, "spmv")
+    argv = demo.evaluation_command(
+        args, config, tmp_path / "model", "transformers", tmp_path / "ck", tmp_path, "spmv", outputs
+    )
+    assert argv[argv.index("--task") + 1] == "spmv"
+    assert argv[argv.index("--json") + 1] == str(tmp_path / "evaluation-spmv.json")
+    assert argv[argv.index("--plot") + 1] == str(tmp_path / "evaluation-spmv.png")
+    gemm = load_config(SchedulerConfig, ROOT / "deploy" / "local" / "demo.toml")
+    plain = demo.evaluation_command(
+        args, gemm, tmp_path / "model", "transformers", tmp_path / "ck", tmp_path
+    )
+    assert plain[plain.index("--task") + 1] == "matmul"
+    assert plain[plain.index("--json") + 1] == str(tmp_path / "evaluation.json")
+    assert demo.task_references(gemm, tmp_path, ["matmul"]) is None  # nothing timed twice
+
+
+@dataclass
+class FakeReference:
+    routine: str = "cblas_dgemv"
+    gflops: float = 8.0
+    core: str = "SkylakeX"
+
+
+@dataclass
+class FakeTriad:
+    gbytes_per_s: float = 20.0
+
+
+@dataclass
+class FakeReferences:
+    openblas: FakeReference | None
+    triad: FakeTriad | None
+
+
+class FakeBenchmarker:
+    """Stands in for Benchmarker.reference: what the real one returns per kind of task."""
+
+    def reference(self, task):
+        if task.name == "gemv":  # OpenBLAS dgemv and, memory-bound, the triad too
+            return FakeReferences(FakeReference(), FakeTriad())
+        return FakeReferences(None, FakeTriad())
+
+
+def dgemm(sizes):
+    assert sizes == load_task("matmul").sizes.reward
+    return {"gflops": 40.0, "core": "SkylakeX"}
+
+
+@pytest.mark.parametrize(
+    ("key", "kind", "label"),
+    [
+        ("matmul", "openblas", "OpenBLAS dgemm"),
+        ("gemv", "openblas", "OpenBLAS dgemv"),
+        ("stencil", "triad", "STREAM-triad roof"),
+        ("spmv", "triad", "STREAM-triad roof"),
+    ],
+)
+def test_each_task_is_measured_against_its_own_reference(key, kind, label):
+    reference = demo_tasks.time_reference(key, FakeBenchmarker(), dgemm)
+    assert reference["kind"] == kind
+    best = {"id": f"{key}/0", "stage": 2, "gflops": 4.0, "iteration": 3}
+    task = load_task(key)
+    moved = 8.0 * task.flop_count(task.sizes.reward)  # 8 bytes per FLOP: 32 GB/s at 4 GFLOPS
+    row = demo_tasks.task_row(key, best, EVALUATION, reference, moved)
+    if kind == "openblas":
+        assert row["share_of_reference"] == pytest.approx(4.0 / reference["gflops"])
+    else:
+        assert row["gbytes_per_s"] == pytest.approx(32.0)
+        assert row["share_of_reference"] == pytest.approx(32.0 / 20.0)
+        assert row["roof_gflops"] == pytest.approx(2.5)  # 20 GB/s at 8 bytes per FLOP
+    line = demo_tasks.reference_line(row)
+    assert line is not None and line[1] == label
+    cells = demo_tasks.row_cells(row)
+    assert cells[0] == key and "0.5 -> 0.75" in cells[1] and "[-0.1, +0.3]" in cells[1]
+    assert "4.00 GFLOPS (stage 2)" in cells[3]
+    assert f"{row['share_of_reference']:.0%} of it" in cells[4]
+
+
+def test_a_task_without_evaluation_or_best_still_has_its_row():
+    row = demo_tasks.task_row("stencil", None, None, {"kind": "none", "why": "no roof"})
+    cells = demo_tasks.row_cells(row)
+    assert cells == ["stencil", "not evaluated", "-", "-", "none (no roof)"]
+    assert demo_tasks.reference_line(row) is None
+
+
+def test_each_tasks_pool_is_plotted_on_its_own():
+    data = {
+        "iterations": [
+            {
+                "iteration": 0,
+                "pool": {"1": {"best_gflops": 9.0}},
+                "by_task": {
+                    "gemv": {"1": {"best_gflops": 1.0}},
+                    "matmul": {"1": {"best_gflops": 9.0}},
+                },
+            }
+        ]
+    }
+    [it] = demo_tasks.task_iterations(data, "gemv")
+    assert it["pool"] == {"1": {"best_gflops": 1.0}} and it["iteration"] == 0
+
+
+def test_the_report_of_a_run_of_several_tasks_has_a_row_per_task(tmp_path):
+    (tmp_path / "evaluation-gemv.json").write_text(__import__("json").dumps(EVALUATION))
+    data = {
+        "tasks": ["gemv", "spmv"],
+        "by_task": {
+            "gemv": {"best": {"id": "g/0", "stage": 1, "gflops": 2.0, "iteration": 0}},
+            "spmv": {"best": None},
+        },
+    }
+    references = {
+        "gemv": {"reference": {"kind": "openblas", "routine": "dgemv", "gflops": 8.0}},
+        "spmv": {"reference": {"kind": "triad", "gbytes_per_s": 20.0}},
+    }
+    rows = demo.task_rows(Path(tmp_path), data, references)
+    assert [r["task"] for r in rows] == ["gemv", "spmv"]
+    assert rows[0]["share_of_reference"] == pytest.approx(0.25)
+    assert rows[0]["gains"]["share_correct"]["after"] == 0.75
+    assert rows[1]["gains"] is None and "share_of_reference" not in rows[1]
