@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcrl_bootstrap import corpus as cp
+from hpcrl_bootstrap import motifs
 from hpcrl_bootstrap.corpus import Kernel
 from hpcrl_common.stages import LAST_STAGE
 from hpcrl_common.task import TaskSpec
@@ -63,9 +64,15 @@ class Plan:
         return [*self.targets, *self.parents.values(), *self.broken.values()]
 
 
-def plan(seed: int, isa: str, per_stage: dict[int, int] | None = None) -> Plan:
-    """The catalogue's kernels; the same arguments give the same kernels."""
-    rng = random.Random(f"hpcrl-catalogue/{seed}/{isa}")
+def plan(
+    seed: int, isa: str, per_stage: dict[int, int] | None = None, task: str = "matmul"
+) -> Plan:
+    """The catalogue's kernels of ``task``; the same arguments give the same kernels."""
+    # GEMM's stream is the one it always had (its cached catalogues and models stay valid);
+    # every other task draws from its own.
+    stream = f"hpcrl-catalogue/{seed}/{isa}" + ("" if task == "matmul" else f"/{task}")
+    rng = random.Random(stream)
+    kernels = motifs.corpus_for(task)
     counts = per_stage or PER_STAGE
     targets: list[Kernel] = []
     seen: set[str] = set()
@@ -74,18 +81,18 @@ def plan(seed: int, isa: str, per_stage: dict[int, int] | None = None) -> Plan:
         for _ in range(wanted * 40):  # bounded: a small stage may have fewer distinct kernels
             if found == wanted:
                 break
-            kernel = cp.render_kernel(cp.sample_spec(rng, number, isa, styles=1), number, isa)
+            kernel = kernels.render_kernel(kernels.sample_spec(rng, number, isa), number, isa)
             if kernel.source not in seen:
                 seen.add(kernel.source)
                 targets.append(kernel)
                 found += 1
     parents = {
-        index: cp.render_kernel(cp.downgrade(rng, k.spec, k.stage - 1), k.stage - 1, isa)
+        index: kernels.render_kernel(kernels.downgrade(rng, k.spec, k.stage - 1), k.stage - 1, isa)
         for index, k in enumerate(targets)
         if k.stage > 1
     }
     broken = {
-        index: cp.render_kernel(cp.with_mistake(rng, k.spec, k.stage, isa), k.stage, isa)
+        index: kernels.render_kernel(kernels.with_mistake(rng, k.spec, k.stage, isa), k.stage, isa)
         for index, k in enumerate(targets)
     }
     return Plan(targets, parents, broken)
