@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -136,6 +137,26 @@ def test_tiny_bootstrap_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture
     assert capsys.readouterr().out.strip().splitlines()[-1] == str(out)
 
 
+@pytest.mark.slow
+def test_one_policy_for_several_tasks(tmp_path: Path) -> None:
+    """Catalogues per task, examples shared between the tasks, one model; corpus.json's
+    rows and bootstrap.json's catalogue name their task."""
+    settings = dataclasses.replace(
+        TINY, tasks=("spmv", "gemv"), kernels_per_stage=(2, 1, 1, 1, 1, 1), examples=41, steps=2
+    )
+    out = ensure_model(settings, tmp_path / "model")
+    info = json.loads((out / INFO_FILE).read_text())
+    assert info["settings"]["tasks"] == ["gemv", "spmv"] and info["key"] == settings.key()
+    assert info["examples_by_task"] == {"gemv": 21, "spmv": 20}
+    assert set(info["catalogue"]) == {"gemv", "spmv"}
+    assert all(info["catalogue"][t]["correct"] > 0 for t in ("gemv", "spmv"))
+    assert len({info["catalogue"][t]["cache"] for t in ("gemv", "spmv")}) == 2  # one per task
+    corpus = json.loads((out / CORPUS_FILE).read_text())
+    assert {row["task"] for row in corpus} == {"gemv", "spmv"}
+    sources = {row["task"]: row["source"] for row in corpus if row["status"] == "success"}
+    assert "gemv_optimized(" in sources["gemv"] and "spmv_optimized(" in sources["spmv"]
+
+
 def test_module_entry_point_has_truthful_help() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "hpcrl_bootstrap", "--help"],
@@ -145,5 +166,5 @@ def test_module_entry_point_has_truthful_help() -> None:
         timeout=120,
     )
     assert done.stdout.startswith("usage: hpcrl-bootstrap")
-    for flag in ("--data-dir", "--out", "--steps", "--seed", "--force", "--evaluate"):
+    for flag in ("--data-dir", "--out", "--steps", "--seed", "--force", "--evaluate", "--tasks"):
         assert flag in done.stdout

@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import random
 import shutil
 import time
 from collections import Counter
@@ -23,6 +24,7 @@ from typing import Any
 import structlog
 
 from hpcrl_bootstrap.catalogue import PER_STAGE
+from hpcrl_bootstrap.motifs import TASKS
 
 MARKER = "BOOTSTRAP_READY"
 INFO_FILE = "bootstrap.json"
@@ -37,6 +39,9 @@ log = structlog.get_logger("hpcrl.learner.bootstrap")
 class BootstrapSettings:
     seed: int = 0
     task: str = "matmul"
+    # Several tasks, one policy writing all of them (hpcrl-bootstrap --tasks); empty: `task`
+    # alone. Hashed only when there are several, so a one-task build keeps its hash.
+    tasks: tuple[str, ...] = ()
     isa: str = "auto"  # the ISA the corpus and prompts target; auto: this host's best
     opt_level: str = "O3"  # gcc level the catalogue is timed at (the demo's)
     kernels_per_stage: tuple[int, ...] = tuple(PER_STAGE.values())  # catalogue, stages 1..6
@@ -56,13 +61,28 @@ class BootstrapSettings:
     warmup_steps: int = 20
     precision: str = "auto"  # auto (bf16 autocast where the CPU has it), bf16, fp32
 
+    def task_names(self) -> tuple[str, ...]:
+        """The tasks the policy is taught, in the order given (one: ``task``)."""
+        return self.tasks or (self.task,)
+
     def resolved(self) -> BootstrapSettings:
-        return self if self.isa != "auto" else dataclasses.replace(self, isa=host_isa())
+        """The host's ISA for auto; one task always as ``task``, several in the order of
+        :data:`TASKS` with ``task`` their first (equal sets of tasks, equal settings)."""
+        order = {name: n for n, name in enumerate(TASKS)}
+        names = tuple(sorted(self.task_names(), key=lambda name: (order.get(name, 99), name)))
+        settings = dataclasses.replace(self, task=names[0], tasks=names if len(names) > 1 else ())
+        return settings if self.isa != "auto" else dataclasses.replace(settings, isa=host_isa())
+
+    def as_dict(self) -> dict[str, Any]:
+        """The resolved settings as hashed and recorded: ``tasks`` only when several, so a
+        one-task build's hash (and every model cached under it) is what it always was."""
+        fields = dataclasses.asdict(self.resolved())
+        if not fields["tasks"]:
+            del fields["tasks"]
+        return fields
 
     def key(self) -> str:
-        payload = json.dumps(
-            {"format": FORMAT_VERSION, **dataclasses.asdict(self.resolved())}, sort_keys=True
-        )
+        payload = json.dumps({"format": FORMAT_VERSION, **self.as_dict()}, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:12]
 
 
@@ -129,12 +149,10 @@ def _build(
     import torch
     from transformers.utils import logging as hf_logging
 
-    from hpcrl_bootstrap import catalogue
-    from hpcrl_bootstrap.examples import chat_texts, make_examples, pairs_from
+    from hpcrl_bootstrap.examples import chat_texts, split_examples
     from hpcrl_bootstrap.model import ModelShape, build_model
     from hpcrl_bootstrap.tokenizer import train_tokenizer
     from hpcrl_bootstrap.train import TrainSettings, encode_examples, save_model, train
-    from hpcrl_common.task import builtin_seed, load_task
 
     def report(stage: str, **fields: Any) -> None:
         if progress is not None:
@@ -143,42 +161,12 @@ def _build(
     hf_logging.disable_progress_bar()  # the bootstrap shows its own progress
     started = time.monotonic()
     settings = settings.resolved()
-    task = load_task(settings.task)
-    plan = catalogue.plan(
-        settings.seed, settings.isa, dict(enumerate(settings.kernels_per_stage, start=1))
-    )
-    kernels = plan.all()
-    report("catalogue", kernels=len({catalogue.verdict_key(k) for k in kernels}), isa=settings.isa)
-    measured, cache = catalogue.measure(
-        kernels,
-        task,
-        settings.opt_level,
-        cache_dir,
-        progress=lambda done, total: report("measure", done=done, total=total),
-    )
-    verdicts = {catalogue.verdict_key(m.kernel): m for m in measured}
-    pairs = pairs_from(plan, verdicts)
-    report(
-        "pairs",
-        **{
-            mode: sum(map(len, table.values()))
-            for mode, table in (
-                ("correct", pairs.correct),
-                ("deepen", pairs.deepen),
-                ("improve", pairs.improve),
-                ("repair", pairs.repair),
-            )
-        },
-        left_out=dict(pairs.left_out) or "none",
-    )
-    examples = make_examples(
-        settings.seed,
-        settings.examples,
-        task,
-        pairs,
-        settings.isa,
-        seed_source=builtin_seed(settings.task),
-    )
+    counts = split_examples(settings.examples, settings.task_names())
+    taught = [_teach(settings, name, count, cache_dir, report) for name, count in counts.items()]
+    examples = [example for one in taught for example in one.examples]
+    if len(taught) > 1:
+        # Tasks mixed: the tokenizer is trained on the first examples.
+        random.Random(f"hpcrl-mix/{settings.seed}").shuffle(examples)
     report("tokenizer", vocab_size=settings.vocab_size)
     tokenizer = train_tokenizer(chat_texts(examples[:6000]), vocab_size=settings.vocab_size)
     tokenizer.model_max_length = settings.max_positions
@@ -225,15 +213,14 @@ def _build(
     )
     where.mkdir(parents=True)
     save_model(model, tokenizer, where)
-    (where / CORPUS_FILE).write_text(json.dumps(catalogue.export(measured), indent=1) + "\n")
+    (where / CORPUS_FILE).write_text(json.dumps(_export(taught), indent=1) + "\n")
     mean_tokens = sum(len(e.input_ids) for e in encoded) / max(len(encoded), 1)
     return {
-        "settings": dataclasses.asdict(settings),
+        "settings": settings.as_dict(),
         "key": settings.key(),
         "parameters": params,
         "vocab_size": len(tokenizer),
-        "catalogue": {**catalogue.summary(measured), "cache": str(cache)},
-        "pairs_left_out": dict(pairs.left_out),
+        **_catalogue_info(taught),
         "examples_by_mode": dict(sorted(Counter(e.mode for e in examples).items())),
         "examples_kept": len(encoded),
         "examples_left_out_too_long": len(too_long),
@@ -243,4 +230,92 @@ def _build(
         "training": dataclasses.asdict(summary),
         "build_seconds": round(time.monotonic() - started, 1),
         "torch_threads": torch.get_num_threads(),
+    }
+
+
+@dataclass
+class _Taught:
+    """One task's measured catalogue, its pairs and the examples drawn from them."""
+
+    task: str
+    measured: list[Any]  # catalogue.Measured
+    cache: Path
+    pairs: Any  # examples.Pairs
+    examples: list[Any]  # examples.Example
+
+
+def _teach(
+    settings: BootstrapSettings,
+    name: str,
+    count: int,
+    cache_dir: Path,
+    report: Callable[..., None],
+) -> _Taught:
+    """Plan and measure ``name``'s catalogue, sort it into pairs, draw ``count`` examples.
+    For GEMM alone every call and random stream is the one a GEMM-only build always made."""
+    from hpcrl_bootstrap import catalogue
+    from hpcrl_bootstrap.examples import make_examples, pairs_from
+    from hpcrl_common.task import builtin_seed, load_task
+
+    task = load_task(name)
+    per_stage = dict(enumerate(settings.kernels_per_stage, start=1))
+    plan = catalogue.plan(settings.seed, settings.isa, per_stage, task=name)
+    kernels = plan.all()
+    distinct = len({catalogue.verdict_key(k) for k in kernels})
+    report("catalogue", task=name, kernels=distinct, isa=settings.isa)
+    measured, cache = catalogue.measure(
+        kernels,
+        task,
+        settings.opt_level,
+        cache_dir,
+        progress=lambda done, total: report("measure", done=done, total=total),
+    )
+    pairs = pairs_from(plan, {catalogue.verdict_key(m.kernel): m for m in measured})
+    tables = (
+        ("correct", pairs.correct),
+        ("deepen", pairs.deepen),
+        ("improve", pairs.improve),
+        ("repair", pairs.repair),
+    )
+    report(
+        "pairs",
+        task=name,
+        **{mode: sum(map(len, table.values())) for mode, table in tables},
+        left_out=dict(pairs.left_out) or "none",
+    )
+    examples = make_examples(
+        settings.seed,
+        count,
+        task,
+        pairs,
+        settings.isa,
+        seed_source=builtin_seed(name),
+        stream=None if name == "matmul" else name,
+    )
+    return _Taught(name, measured, cache, pairs, examples)
+
+
+def _export(taught: list[_Taught]) -> list[dict[str, Any]]:
+    """corpus.json: the catalogue's rows; with several tasks, each row names its task."""
+    from hpcrl_bootstrap import catalogue
+
+    if len(taught) == 1:
+        return catalogue.export(taught[0].measured)
+    return [{"task": t.task, **row} for t in taught for row in catalogue.export(t.measured)]
+
+
+def _catalogue_info(taught: list[_Taught]) -> dict[str, Any]:
+    """bootstrap.json's catalogue and pairs: as they always were for one task, per task for
+    several (with the examples each task brought)."""
+    from hpcrl_bootstrap import catalogue
+
+    def summary(one: _Taught) -> dict[str, Any]:
+        return {**catalogue.summary(one.measured), "cache": str(one.cache)}
+
+    if len(taught) == 1:
+        return {"catalogue": summary(taught[0]), "pairs_left_out": dict(taught[0].pairs.left_out)}
+    return {
+        "catalogue": {t.task: summary(t) for t in taught},
+        "pairs_left_out": {t.task: dict(t.pairs.left_out) for t in taught},
+        "examples_by_task": {t.task: len(t.examples) for t in taught},
     }

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcrl_bootstrap.build import BootstrapSettings, default_dir, ensure_model, is_ready
+from hpcrl_bootstrap.motifs import TASKS
 from hpcrl_common.config import ServiceConfig
 from hpcrl_common.logs import configure_logging
 from hpcrl_common.service import add_config_argument, load_or_exit
@@ -50,6 +51,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=_DEFAULTS.examples,
         help=f"distinct training examples generated (default {_DEFAULTS.examples})",
+    )
+    parser.add_argument(
+        "--tasks",
+        type=parse_tasks,
+        default=None,
+        metavar="TASK,TASK,...",
+        help="the tasks the one policy learns to write, comma-separated, of "
+        + ", ".join(TASKS)
+        + " (default: the config's experiment tasks, matmul alone for the default config); "
+        "--examples is shared evenly between them",
     )
     parser.add_argument(
         "--kernels-per-stage",
@@ -114,10 +125,36 @@ def _per_stage(text: str) -> tuple[int, ...]:
     return counts
 
 
-def settings_from_args(args: argparse.Namespace, task: str) -> BootstrapSettings:
+def parse_tasks(text: str) -> tuple[str, ...]:
+    """``matmul,gemv`` -> the tasks in the order of :data:`TASKS` (so that the order given
+    changes nothing); an empty, repeated or unknown name is an error that says which."""
+    names = [part.strip() for part in text.split(",")]
+    if not all(names):
+        raise argparse.ArgumentTypeError(
+            f"expected task names separated by commas (like matmul,gemv), got {text!r}"
+        )
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise argparse.ArgumentTypeError(f"task {repeated[0]!r} is named twice in {text!r}")
+    unknown = [n for n in names if n not in TASKS]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"the bootstrap has no kernels of task {unknown[0]!r}: choose from {', '.join(TASKS)}"
+        )
+    return tuple(n for n in TASKS if n in names)
+
+
+def settings_from_args(
+    args: argparse.Namespace, task: str, tasks: tuple[str, ...] = ()
+) -> BootstrapSettings:
+    """``tasks`` (several) or ``task`` (one): one task is always given as ``task``, so that
+    its settings, and their hash, are what a one-task build always had."""
+    if len(tasks) == 1:
+        task, tasks = tasks[0], ()
     return BootstrapSettings(
         seed=args.seed,
         task=task,
+        tasks=tasks,
         examples=args.examples,
         kernels_per_stage=args.kernels_per_stage,
         steps=args.steps,
@@ -130,7 +167,14 @@ def settings_from_args(args: argparse.Namespace, task: str) -> BootstrapSettings
 def run(args: argparse.Namespace) -> int:
     config = load_or_exit(ServiceConfig, getattr(args, "config", None))
     configure_logging("bootstrap", config.logging.level, config.logging.format)
-    settings = settings_from_args(args, config.experiment.task)
+    names = args.tasks
+    if names is None:  # the config's tasks: checked here, as --tasks is by argparse
+        try:
+            names = parse_tasks(",".join(config.experiment.task_weights()))
+        except argparse.ArgumentTypeError as exc:
+            print(f"hpcrl-bootstrap: the config's experiment tasks: {exc}", file=sys.stderr)
+            return 2
+    settings = settings_from_args(args, config.experiment.task, names)
     data_dir = args.data_dir if args.data_dir is not None else config.experiment.data_dir
     out = args.out if args.out is not None else default_dir(data_dir, settings)
     if args.threads:
@@ -143,7 +187,8 @@ def run(args: argparse.Namespace) -> int:
         with _Progress() as progress:
             ensure_model(settings, out, force=args.force, progress=progress)
     if args.evaluate > 0:
-        _evaluate(out, args.evaluate, args.temperature, settings.task)
+        for name in settings.task_names():
+            _evaluate(out, args.evaluate, args.temperature, name)
     print(os.fspath(out))
     return 0
 
@@ -178,6 +223,7 @@ class _Progress:
         self.bar.__enter__()
         self.task_id: Any = None
         self.measure_id: Any = None
+        self.catalogue = "benchmark catalogue"
         self.smoothed: float | None = None
         return self
 
@@ -185,10 +231,13 @@ class _Progress:
         self.bar.__exit__(*exc)  # type: ignore[arg-type]
 
     def __call__(self, phase: str, fields: dict[str, Any]) -> None:
+        if phase == "catalogue":  # a bar per task's catalogue
+            self.measure_id = None
+            self.catalogue = f"benchmark {fields.get('task', '')} catalogue".replace("  ", " ")
         if phase == "measure":
             if self.measure_id is None:
                 self.measure_id = self.bar.add_task(
-                    "benchmark catalogue", total=fields["total"], loss="-", rate=""
+                    self.catalogue, total=fields["total"], loss="-", rate=""
                 )
             self.bar.update(self.measure_id, completed=fields["done"])
             if not self.console.is_terminal and fields["done"] % 50 == 0:
@@ -236,7 +285,7 @@ def _evaluate(model_dir: Path, per_bucket: int, temperature: float, task: str) -
             task_name=task,
             progress=lambda done, total: status.update(f"benchmarking sample {done}/{total}"),
         )
-    table = Table(title=f"{per_bucket} samples per bucket at temperature {temperature:g}")
+    table = Table(title=f"{task}: {per_bucket} samples per bucket at temperature {temperature:g}")
     for column in ("mode", "stage", "correct", "GFLOPS of the correct", "faster than parent"):
         table.add_column(column)
     for row in report.rows():
@@ -261,7 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hpcrl-bootstrap",
         description="Build the embedded policy: a small Qwen2 code model trained on CPU on a "
-        "generated corpus of matrix-multiply kernels; prints its directory.",
+        "generated corpus of kernels (matrix multiply, and with --tasks also GEMV, the "
+        "5-point stencil and CSR SpMV); prints its directory.",
     )
     add_arguments(parser)
     return parser

@@ -100,7 +100,10 @@ def eval_prompts(
             (
                 row
                 for row in corpus
-                if row["stage"] == number and row["status"] == "success" and row["gflops"]
+                if row["stage"] == number
+                and row["status"] == "success"
+                and row["gflops"]
+                and row.get("task", task_name) == task_name  # several tasks: each row names its
             ),
             key=lambda row: row["gflops"],
         )[:-1]  # the fastest has nothing to beat

@@ -119,10 +119,13 @@ def make_examples(
     isa: str,
     prompt_builder: PromptBuilder | None = None,
     seed_source: str | None = None,
+    stream: str | None = None,
 ) -> list[Example]:
-    """``count`` examples; the same arguments give the same examples."""
+    """``count`` examples; the same arguments give the same examples. ``stream`` names
+    another random stream (each task of a multi-task build draws from its own; GEMM's,
+    None, is the one a GEMM-only build always drew from)."""
     build = prompt_builder or build_prompt
-    rng = random.Random(f"hpcrl-examples/{seed}")
+    rng = random.Random(f"hpcrl-examples/{seed}" + (f"/{stream}" if stream else ""))
     modes = [m for m in MODE_WEIGHTS if _available(pairs, m)]
     weights = [MODE_WEIGHTS[m] for m in modes]
     examples = []
@@ -155,6 +158,13 @@ def make_examples(
             )
         )
     return examples
+
+
+def split_examples(total: int, tasks: Sequence[str]) -> dict[str, int]:
+    """``total`` examples shared evenly between ``tasks``; the first ``total % len(tasks)``
+    tasks (in the order given) take one more."""
+    share, extra = divmod(total, len(tasks))
+    return {name: share + (n < extra) for n, name in enumerate(tasks)}
 
 
 def _available(pairs: Pairs, mode: str) -> bool:
