@@ -111,6 +111,26 @@ def test_detect_policed_techniques(code: str, expected: set[str]) -> None:
     assert found == expected
 
 
+_TILE_LOOP = "for (int ii = 0; ii < M; ii += BM) {{\n    int i_end = ii + BM;\n    {clamp}\n}}"
+
+
+@pytest.mark.parametrize(
+    ("clamp", "tiled"),
+    [
+        ("if (i_end > M) i_end = M;", True),  # the catalogue's and most people's clamp
+        ("if (i_end > M)\n        i_end = M;", True),
+        ("i_end = i_end < M ? i_end : M;", True),
+        ("i_end = min(i_end, M);", True),
+        ("if (i_end > M) x = M;", False),  # not a clamp of the tile's end
+        ("", False),
+    ],
+)
+def test_detect_cache_blocking(clamp: str, tiled: bool) -> None:
+    """Informative only (never policed), but the evaluation reports its share per version."""
+    code = _TILE_LOOP.format(clamp=clamp)
+    assert ("cache_blocking" in checks.detect_techniques(code)) is tiled
+
+
 @pytest.mark.parametrize(
     ("code", "reason"),
     [

@@ -40,6 +40,11 @@ _PREFETCH_CODE = re.compile(
 )
 # Every pattern here runs on untrusted text of up to a megabyte in this process: each must
 # take linear time (bounded repeats where a match could otherwise rescan the rest).
+# A tile's end clamped to the matrix: `if (i_end > M) i_end = M;` (as well as min() or ?:).
+_CLAMP = re.compile(
+    r"\bif\s{0,40}\(\s{0,40}(\w{1,64})\s{0,40}>\s{0,40}\w{1,64}\s{0,40}\)"
+    r"\s{0,40}\1\s{0,40}=\s{0,40}\w{1,64}\s{0,40};"
+)
 _FOR_STEP = re.compile(
     r"\bfor\s*\([^;]{0,400};[^;]{0,400};\s*\w+\s*(\+=|=\s*\w+\s*\+)\s*(\w+)\s*\)"
 )
@@ -116,7 +121,9 @@ def _blocking(code: str) -> set[str]:
     """Heuristic and informative only (blocking is allowed from stage 1/2 and not policed)."""
     found = set()
     steps = [m.group(2) for m in _FOR_STEP.finditer(code)]
-    if any(not s.isdigit() or int(s) >= 16 for s in steps) and re.search(r"\bmin\w*\s*\(|\?", code):
+    if any(not s.isdigit() or int(s) >= 16 for s in steps) and (
+        re.search(r"\bmin\w*\s*\(|\?", code) or _CLAMP.search(code)
+    ):
         found.add(CACHE_BLOCKING)
     if any(s.isdigit() and 2 <= int(s) <= 16 for s in steps) or re.search(
         r"\b(c|acc|sum)_?\d{1,4}_?\d{1,4}\b", code
