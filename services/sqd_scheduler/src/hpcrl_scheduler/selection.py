@@ -280,16 +280,6 @@ def select_tasks(
     admits requests in order, holds no task back behind another. One task: :func:`select`.
     """
     tasks = sorted(weights)
-    if len(tasks) == 1:
-        (task,) = tasks
-        return select(
-            pools.get(task, ()),
-            seeds[task],
-            iteration=iteration,
-            budget=budget,
-            ratios=ratios,
-            seed=seed,
-        )
 
     def per_task(task: str, share: int) -> list[Node]:
         return select(
@@ -300,6 +290,9 @@ def select_tasks(
             ratios=ratios,
             seed=seed,
         )
+
+    if len(tasks) == 1:
+        return per_task(tasks[0], budget)
 
     unbounded = {task: per_task(task, 0) for task in tasks}
     if budget > 0:

@@ -54,6 +54,12 @@ Family = Literal["loops", "block"]
 Omp = Literal["static", "dynamic", "collapse"]
 
 
+def first_stage_allowing(techniques: tuple[str, ...]) -> int:
+    """The first stage at which every technique in ``techniques`` is allowed."""
+    used = set(techniques)
+    return next(s for s in range(1, LAST_STAGE + 1) if used <= set(stage(s).allowed))
+
+
 @dataclass(frozen=True)
 class KernelSpec:
     """Everything a kernel's source is rendered from."""
@@ -94,9 +100,7 @@ class KernelSpec:
 
     @property
     def min_stage(self) -> int:
-        """The first stage at which every technique used is allowed."""
-        used = set(self.techniques)
-        return next(s for s in range(1, LAST_STAGE + 1) if used <= set(stage(s).allowed))
+        return first_stage_allowing(self.techniques)
 
     def without_mistake(self) -> KernelSpec:
         return replace(self, mistake=None, mistake_variant=0)

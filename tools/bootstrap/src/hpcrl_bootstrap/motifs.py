@@ -33,12 +33,10 @@ from hpcrl_bootstrap.corpus import (
 )
 from hpcrl_common.stages import (
     CACHE_BLOCKING,
-    LAST_STAGE,
     OPENMP,
     PREFETCH,
     REGISTER_BLOCKING,
     SIMD,
-    stage,
 )
 
 # NO_BOUNDARY here leaves out the remainder (the last columns, rows, entries or the partial
@@ -87,9 +85,7 @@ class MotifSpec:
 
     @property
     def min_stage(self) -> int:
-        """The first stage at which every technique used is allowed."""
-        used = set(self.techniques)
-        return next(s for s in range(1, LAST_STAGE + 1) if used <= set(stage(s).allowed))
+        return cp.first_stage_allowing(self.techniques)
 
 
 @dataclass(frozen=True)
