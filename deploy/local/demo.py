@@ -277,11 +277,7 @@ def write_report(
         summary["tasks"] = rows
     (run_dir / "metrics.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     its = iteration_rows(data)
-    columns = list(dict.fromkeys(key for row in its for key in row)) or ["iteration"]
-    with (run_dir / "iterations.csv").open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=columns, restval="")
-        writer.writeheader()
-        writer.writerows(its)
+    write_iterations_csv(run_dir / "iterations.csv", data)
     demo_plots.reward_curve(its, run_dir / "reward_curve.png")
     demo_plots.learner_health(learner["versions"], run_dir / "learner.png")
     if rows is not None:
@@ -295,9 +291,13 @@ def write_report(
                 title=f"{row['task']}: best GFLOPS per iteration",
             )
         print_task_rows(rows)
+        for key in data["tasks"]:
+            print_iterations(
+                demo_tasks.task_iterations(data, key),
+                f"SQD iterations: {demo_tasks.task_name(key)}",
+            )
         # The run's best across tasks compares GFLOPS of different kernels: left out.
-        print_summary({**data, "best": None}, learner, None)
-        console.print("(the iterations' stages pool every task; per task: best_gflops-<task>.png)")
+        print_learner_and_best({**data, "best": None}, learner, None)
         print_overlap(console, overlap)
         print_learner_health(learner["versions"])
         return
@@ -346,6 +346,25 @@ def print_task_rows(rows: list[dict[str, Any]]) -> None:
     console.print(table)
 
 
+def write_iterations_csv(path: Path, data: dict[str, Any]) -> None:
+    """A row per iteration; in a run of several tasks a row per task and iteration, with a
+    ``task`` column (stages of different tasks are different pools)."""
+    tasks = data.get("tasks") or []
+    if len(tasks) > 1:
+        its = [
+            {"task": demo_tasks.task_name(key), **row}
+            for key in tasks
+            for row in iteration_rows({"iterations": demo_tasks.task_iterations(data, key)})
+        ]
+    else:
+        its = iteration_rows(data)
+    columns = list(dict.fromkeys(key for row in its for key in row)) or ["iteration"]
+    with path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=columns, restval="")
+        writer.writeheader()
+        writer.writerows(its)
+
+
 def iteration_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     for it in data["iterations"]:
@@ -376,10 +395,15 @@ def _num(value: float | None) -> str:
 def print_summary(
     data: dict[str, Any], learner: dict[str, Any], corpus_best: dict[str, Any] | None
 ) -> None:
-    table = Table(title="SQD iterations")
+    print_iterations(data["iterations"], "SQD iterations")
+    print_learner_and_best(data, learner, corpus_best)
+
+
+def print_iterations(iterations: list[dict[str, Any]], title: str) -> None:
+    table = Table(title=title)
     for column in ("t", "stage: best / median GFLOPS", "reward mean", "reward max", "outcomes"):
         table.add_column(column)
-    for row, it in zip(iteration_rows(data), data["iterations"], strict=True):
+    for row, it in zip(iteration_rows({"iterations": iterations}), iterations, strict=True):
         stages = "\n".join(
             f"{s}: {_num(v['best_gflops'])} / {_num(v['median_gflops'])}"
             for s, v in it["pool"].items()
@@ -389,6 +413,11 @@ def print_summary(
             str(it["iteration"]), stages, _num(it["reward_mean"]), _num(it["reward_max"]), outcomes
         )
     console.print(table)
+
+
+def print_learner_and_best(
+    data: dict[str, Any], learner: dict[str, Any], corpus_best: dict[str, Any] | None
+) -> None:
     console.print(f"learner: {learner['steps']} steps, policy version {learner['policy_version']}")
     best = data["best"]
     if best is not None:

@@ -42,8 +42,16 @@ def evaluation_files(run_dir: Path, name: str) -> tuple[Path, Path]:
 
 
 def task_iterations(data: dict[str, Any], key: str) -> list[dict[str, Any]]:
-    """The snapshot's iterations with each one's pool of ``key`` alone (``by_task``)."""
-    return [{**it, "pool": it.get("by_task", {}).get(key, {})} for it in data["iterations"]]
+    """The snapshot's iterations with each one's pool (``by_task``), groups and rewards
+    (``groups_by_task``) of ``key`` alone."""
+    return [
+        {
+            **it,
+            **it.get("groups_by_task", {}).get(key, {}),
+            "pool": it.get("by_task", {}).get(key, {}),
+        }
+        for it in data["iterations"]
+    ]
 
 
 def time_reference(key: str, benchmarker: Any, dgemm: Callable[[dict[str, int]], Any]) -> dict:

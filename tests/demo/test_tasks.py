@@ -4,6 +4,7 @@ the demo asks the bootstrap and the evaluation for them; `make demo` (one task) 
 from __future__ import annotations
 
 import argparse
+import csv
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -158,6 +159,40 @@ def test_each_tasks_pool_is_plotted_on_its_own():
     }
     [it] = demo_tasks.task_iterations(data, "gemv")
     assert it["pool"] == {"1": {"best_gflops": 1.0}} and it["iteration"] == 0
+
+
+def test_a_run_of_several_tasks_has_iteration_rows_per_task(tmp_path):
+    def pool(best: float, count: int) -> dict:
+        share = {"success": 0.5, "compile_error": 0.5}
+        return {
+            "1": {"best_gflops": best, "median_gflops": best, "count": count, "status_share": share}
+        }
+
+    def totals(groups: int, mean: float) -> dict:
+        return {"groups": groups, "reward_mean": mean, "reward_max": 2 * mean}
+
+    data = {
+        "tasks": ["gemv", "matmul"],
+        "iterations": [
+            {
+                "iteration": 0,
+                "groups": 3,
+                "reward_mean": 30.0,
+                "reward_max": 90.0,
+                "pool": pool(9.0, 6),
+                "by_task": {"gemv": pool(1.0, 2), "matmul": pool(9.0, 4)},
+                "groups_by_task": {"gemv": totals(1, 10.0), "matmul": totals(2, 40.0)},
+            }
+        ],
+    }
+    [it] = demo_tasks.task_iterations(data, "matmul")
+    assert (it["groups"], it["reward_mean"]) == (2, 40.0)  # the task's, not the pooled 3, 30
+    demo.write_iterations_csv(tmp_path / "iterations.csv", data)
+    rows = list(csv.DictReader((tmp_path / "iterations.csv").open()))
+    assert [(r["task"], r["groups"], r["best_gflops"], r["n_success"]) for r in rows] == [
+        ("gemv", "1", "1.0", "1"),
+        ("matmul", "2", "9.0", "2"),
+    ]
 
 
 def test_the_report_of_a_run_of_several_tasks_has_a_row_per_task(tmp_path):

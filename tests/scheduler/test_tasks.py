@@ -262,6 +262,17 @@ def test_two_tasks_one_pool_each_groups_never_mix(tmp_path):
             t: len(dedupe([p for p in s.store.pool(it["iteration"]) if p.task == t]))
             for t in ("gemv", "matmul")
         }
+        # and its groups and rewards per task: the task's own, together all of them
+        groups = s.store.groups_of_iteration(it["iteration"])
+        pooled = []
+        for t in ("gemv", "matmul"):
+            rewards = s.store.rewards_of_iteration(it["iteration"], t)
+            pooled += rewards
+            mine = it["groups_by_task"][t]
+            assert mine["groups"] == sum(g.task == t for g in groups) > 0
+            assert mine["reward_max"] == (max(rewards) if rewards else None)
+        assert sorted(pooled) == sorted(s.store.rewards_of_iteration(it["iteration"]))
+        assert pooled  # not vacuous: the rewards were split, not lost
     best = data["by_task"]["gemv"]["best"]
     assert best is not None and s.store.program(best["id"]).task == "gemv"  # type: ignore[union-attr]
     index = export(s.store, tmp_path / "out")

@@ -1,7 +1,8 @@
 """`status` and `export`: read-only views of a scheduler database.
 
 A run of several tasks (``experiment.tasks``) is also shown per task: ``by_task`` in the
-snapshot (each task's pool and best program), and in the export each task's best per
+snapshot (each task's pool and best program) and in each iteration (its pool; its groups and
+their rewards in ``groups_by_task``), and in the export each task's best per
 stage and lineage under ``<task>/``; the keys and files of a run of one task are as before.
 """
 
@@ -14,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcrl_scheduler.selection import Program, dedupe
-from hpcrl_scheduler.store import Store
+from hpcrl_scheduler.store import GroupRow, Store
 
 
 def _stage_summary(programs: list[Program]) -> dict[str, Any]:
@@ -32,6 +33,15 @@ def _pool_summary(pool: list[Program]) -> dict[str, Any]:
     return {
         str(s): _stage_summary([p for p in pool if p.stage == s])
         for s in sorted({p.stage for p in pool})
+    }
+
+
+def _group_summary(groups: list[GroupRow], rewards: list[float]) -> dict[str, Any]:
+    """One task's groups of an iteration: how many, and their rewards' mean and max."""
+    return {
+        "groups": len(groups),
+        "reward_mean": statistics.fmean(rewards) if rewards else None,
+        "reward_max": max(rewards) if rewards else None,
     }
 
 
@@ -75,6 +85,12 @@ def snapshot(store: Store) -> dict[str, Any]:
         if len(tasks) > 1:  # the pools of each task apart (a run of one: "pool" is its own)
             iterations[-1]["by_task"] = {
                 task: _pool_summary([p for p in pool if p.task == task]) for task in tasks
+            }
+            iterations[-1]["groups_by_task"] = {
+                task: _group_summary(
+                    [g for g in groups if g.task == task], store.rewards_of_iteration(i, task)
+                )
+                for task in tasks
             }
     current_complete = bool(iterations) and iterations[-1]["complete"]
     best = _best_overall(store)

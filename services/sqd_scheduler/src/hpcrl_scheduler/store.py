@@ -543,12 +543,16 @@ class Store:
     def record_reward(self, result_id: str, reward: float) -> None:
         self._execute("UPDATE results SET reward = ? WHERE id = ?", (reward, result_id))
 
-    def rewards_of_iteration(self, iteration: int) -> list[float]:
-        """Rewards given to the results of the iteration's closed groups."""
+    def rewards_of_iteration(self, iteration: int, task: str | None = None) -> list[float]:
+        """Rewards given to the results of the iteration's closed groups (of ``task`` only,
+        if given)."""
+        where, args = "g.iteration = ?", [iteration]
+        if task is not None:
+            where, args = where + " AND g.task = ?", [*args, task]
         rows = self._query(
             "SELECT r.reward FROM results r JOIN groups g ON g.id = r.group_id "
-            "WHERE g.iteration = ? AND r.reward IS NOT NULL",
-            (iteration,),
+            f"WHERE {where} AND r.reward IS NOT NULL",
+            tuple(args),
         )
         return [row[0] for row in rows]
 
