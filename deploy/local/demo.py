@@ -529,43 +529,28 @@ def run_evaluation(
 ) -> bool:
     """Version 0, the version after HELD_AFTER iterations and the final version on the fixed
     evaluation set, same sampling seeds, with the generator backend the services used; run
-    after they stopped, so timings have the CPU. Writes evaluation.json and evaluation.png;
-    False if the evaluation failed."""
+    after they stopped, so timings have the CPU. Writes evaluation.json and evaluation.png
+    (a run of several tasks: ``evaluation-<task>.json``/``.png``, one task after the other,
+    each with the whole CPU); False if an evaluation failed."""
     keys = demo_tasks.task_keys(config.experiment)
-    if len(keys) > 1:
-        # One fixed set per task, one after the other (each has the whole CPU).
-        return all(
-            [
-                run_task_evaluation(args, config, model_dir, backend, checkpoints, run_dir, key)
-                for key in keys
-            ]
-        )
-    for name in ("evaluation.json", "evaluation.png"):
-        (run_dir / name).unlink(missing_ok=True)  # never report another run's figures
-    if args.no_eval:
-        return True
-    argv = evaluation_command(args, config, model_dir, backend, checkpoints, run_dir)
-    return evaluate(argv, run_dir / "logs" / "evaluate.log", args.eval_samples, "")
-
-
-def run_task_evaluation(
-    args: argparse.Namespace,
-    config: SchedulerConfig,
-    model_dir: Path,
-    backend: str,
-    checkpoints: Path,
-    run_dir: Path,
-    key: str,
-) -> bool:
-    """One task's fixed set, in a run of several tasks (``evaluation-<task>.json``)."""
-    name = demo_tasks.task_name(key)
-    outputs = demo_tasks.evaluation_files(run_dir, name)
-    for path in outputs:
-        path.unlink(missing_ok=True)
-    if args.no_eval:
-        return True
-    argv = evaluation_command(args, config, model_dir, backend, checkpoints, run_dir, key, outputs)
-    return evaluate(argv, run_dir / "logs" / f"evaluate-{name}.log", args.eval_samples, name)
+    if len(keys) == 1:
+        outputs = (run_dir / "evaluation.json", run_dir / "evaluation.png")
+        plan = [(None, outputs, "evaluate.log", "")]
+    else:
+        names = [demo_tasks.task_name(key) for key in keys]
+        plan = [
+            (key, demo_tasks.evaluation_files(run_dir, name), f"evaluate-{name}.log", name)
+            for key, name in zip(keys, names, strict=True)
+        ]
+    results = []
+    for key, outputs, log_name, label in plan:
+        for path in outputs:
+            path.unlink(missing_ok=True)  # never report another run's figures
+        if args.no_eval:
+            continue
+        argv = evaluation_command(args, config, model_dir, backend, checkpoints, key, outputs)
+        results.append(evaluate(argv, run_dir / "logs" / log_name, args.eval_samples, label))
+    return all(results)
 
 
 def evaluate(argv: list[str], log: Path, samples: int, task: str) -> bool:
@@ -593,12 +578,11 @@ def evaluation_command(
     model_dir: Path,
     backend: str,
     checkpoints: Path,
-    run_dir: Path,
-    task: str | None = None,
-    outputs: tuple[Path, Path] | None = None,
+    task: str | None,
+    outputs: tuple[Path, Path],
 ) -> list[str]:
-    """``task``/``outputs``: one task of a run of several and its evaluation files (default:
-    the experiment's task, evaluation.json and evaluation.png)."""
+    """``task``: one task of a run of several (None: the experiment's task); ``outputs``:
+    its evaluation's JSON and plot."""
     from hpcrl_generator.config import GeneratorConfig
 
     generator = load_config(GeneratorConfig, args.config).generator
@@ -642,9 +626,9 @@ def evaluation_command(
         "--kv-cache-gib",
         str(generator.kv_cache_space_gib),
         "--json",
-        str(outputs[0] if outputs else run_dir / "evaluation.json"),
+        str(outputs[0]),
         "--plot",
-        str(outputs[1] if outputs else run_dir / "evaluation.png"),
+        str(outputs[1]),
     ]
 
 

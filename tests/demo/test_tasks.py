@@ -56,20 +56,31 @@ def test_the_bootstrap_is_asked_for_every_task_only_in_a_run_of_several():
     ]
 
 
-def test_each_task_is_evaluated_on_its_own_fixed_set(tmp_path):
+def test_each_task_is_evaluated_on_its_own_fixed_set(tmp_path, monkeypatch):
+    calls: list[tuple[list[str], str, str]] = []
+
+    def evaluate(argv: list[str], log: Path, samples: int, task: str) -> bool:
+        calls.append((argv, log.name, task))  # instead of running hpcrl-evaluate
+        return True
+
+    monkeypatch.setattr(demo, "evaluate", evaluate)
+    args = argparse.Namespace(config=MULTITASK, eval_samples=4, no_eval=False)
+    stale = tmp_path / "evaluation-spmv.json"
+    stale.write_text("{}")  # another run's figures
     config = load_config(SchedulerConfig, MULTITASK)
-    args = argparse.Namespace(config=MULTITASK, eval_samples=4)
-    outputs = demo_tasks.evaluation_files(tmp_path, "spmv")
-    argv = demo.evaluation_command(
-        args, config, tmp_path / "model", "transformers", tmp_path / "ck", tmp_path, "spmv", outputs
-    )
-    assert argv[argv.index("--task") + 1] == "spmv"
+    assert demo.run_evaluation(args, config, tmp_path / "m", "transformers", tmp_path, tmp_path)
+    assert not stale.exists()
+    by_task = {argv[argv.index("--task") + 1]: (argv, log, name) for argv, log, name in calls}
+    assert sorted(by_task) == ["gemv", "matmul", "spmv", "stencil"]
+    argv, log, name = by_task["spmv"]
+    assert (log, name) == ("evaluate-spmv.log", "spmv")
     assert argv[argv.index("--json") + 1] == str(tmp_path / "evaluation-spmv.json")
     assert argv[argv.index("--plot") + 1] == str(tmp_path / "evaluation-spmv.png")
+    calls.clear()
     gemm = load_config(SchedulerConfig, ROOT / "deploy" / "local" / "demo.toml")
-    plain = demo.evaluation_command(
-        args, gemm, tmp_path / "model", "transformers", tmp_path / "ck", tmp_path
-    )
+    assert demo.run_evaluation(args, gemm, tmp_path / "m", "transformers", tmp_path, tmp_path)
+    [(plain, log, name)] = calls
+    assert (log, name) == ("evaluate.log", "")
     assert plain[plain.index("--task") + 1] == "matmul"
     assert plain[plain.index("--json") + 1] == str(tmp_path / "evaluation.json")
     assert demo.task_references(gemm, tmp_path, ["matmul"]) is None  # nothing timed twice
