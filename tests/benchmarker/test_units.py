@@ -277,15 +277,17 @@ def test_reward_table_is_the_spec() -> None:
 def test_checks_take_linear_time_on_hostile_text(unit: str) -> None:
     # The checks run in the service's own process on text the model wrote (up to 1 MB per
     # message). Each of these repeated units once made a pattern rescan the rest of the
-    # text: 64 KB took minutes. Linear, 128 KB takes well under a second.
+    # text: 64 KB took minutes. Linear, 128 KB takes about a second of CPU. The process's
+    # CPU time, not the wall clock: beside a busy node's other work the wall clock of the
+    # same checks ran 9-28 s, the CPU time stayed ~1 s.
     text = unit * (128 * 1024 // len(unit))
-    started = time.monotonic()
+    started = time.process_time()
     with contextlib.suppress(ExtractError):
         extract(text, SIG)
     checks.detect_techniques(text, text)
     checks.source_violations(text, text)
     main_file_lines(text, "kernel.c")
-    assert time.monotonic() - started < 8
+    assert time.process_time() - started < 8
 
 
 # Issue 27, class 3: each hid a rule-breaking construct from the source check before (a lexer
