@@ -30,11 +30,13 @@ def plan(request: pytest.FixtureRequest) -> catalogue.Plan:
 
 # --- GEMM alone: the hash, the catalogue and the examples of today ---------------------------
 
-# Pinned from the code before the other tasks came (commit 959b1b4): a GEMM policy cached
-# under data/policy/bootstrap-<hash>/ stays valid, and its rebuild would be the same model.
-DEFAULT_KEYS = {"avx512": "1b673983cced", "avx2": "3a940849873f"}
+# Pinned so that no change to the other tasks moves GEMM's: a GEMM policy cached under
+# data/policy/bootstrap-<hash>/ stays valid, and its rebuild would be the same model. The
+# catalogue is that of commit 959b1b4 (before the other tasks came); the hash and examples
+# are those of build format 8 (the prompts restate the stage's limits after the parent).
+DEFAULT_KEYS = {"avx512": "fd282de4dcc7", "avx2": "66fefd8f37df"}
 MATMUL_PLAN = {"avx512": "1d1368188e2c7124", "avx2": "9e5b5bf3253d6f35"}
-MATMUL_EXAMPLES = {"avx512": "5c252beaaea38828", "avx2": "2718919233d7992f"}
+MATMUL_EXAMPLES = {"avx512": "03e10dac60387968", "avx2": "d5327df8066b44a3"}
 
 
 @pytest.mark.parametrize("isa", ISAS)
