@@ -35,7 +35,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from hpcrl_benchmarker.host import has_avx512, openblas_coretype
+from hpcrl_benchmarker.host import has_avx512
 from hpcrl_common.access import SCHEDULER_SUBSCRIBER
 from hpcrl_common.checkpoints import CheckpointStore
 from hpcrl_common.config import load_config
@@ -912,7 +912,7 @@ def task_references(
     console.print("[bold]references:[/] timing each task's reference on this node")
     return {
         key: {
-            "reference": demo_tasks.time_reference(key, benchmarker, openblas_gflops),
+            "reference": demo_tasks.time_reference(key, benchmarker),
             "corpus_best": benchmark_corpus_best(config, model_dir, key),
         }
         for key in keys
@@ -958,67 +958,23 @@ def benchmark_corpus_best(
     if best is not None:
         best["per_stage"] = per_stage
         if key is None:
-            best["openblas"] = openblas_gflops(task.sizes.reward)
+            best["openblas"] = openblas_gflops(benchmarker, task)
     return best
 
 
-# Timed in a child process: OpenBLAS picks its kernels once, when loaded, from the CPU's
-# model number, and on virtual machines that hide it (seen here: a Xeon reported as
-# "Intel(R) Xeon(R) Processor") it falls back to its generic Prescott kernels, 5x slower
-# than its AVX-512 ones. The child names the core type for the host's ISA. It times one
-# thread and every core and keeps the faster, as the benchmarker's own references do: for a
-# second or two after a sandboxed candidate ran, OpenBLAS's two threads at 256^3 took 11x
-# longer (8.4 against 93 GFLOPS, one thread 97), which put the four-task demo's dgemm at 8.4.
-_DGEMM_TIMER = """
-import ctypes, ctypes.util, json, os, sys, time
-import numpy as np
-m, n, k, runs = (int(v) for v in sys.argv[1:5])
-lib = ctypes.CDLL(ctypes.util.find_library("openblas"))
-lib.openblas_get_corename.restype = ctypes.c_char_p
-rng = np.random.default_rng(0)
-a, b, c = rng.standard_normal((m, k)), rng.standard_normal((k, n)), np.zeros((m, n))
-p = ctypes.POINTER(ctypes.c_double)
-args = (101, 111, 111, m, n, k, ctypes.c_double(1.0), a.ctypes.data_as(p), k,
-        b.ctypes.data_as(p), n, ctypes.c_double(0.0), c.ctypes.data_as(p), n)
-best = None
-for threads in sorted({1, len(os.sched_getaffinity(0))}):
-    lib.openblas_set_num_threads(threads)
-    for _ in range(3):
-        lib.cblas_dgemm(*args)
-    seconds = []
-    for _ in range(runs):
-        started = time.perf_counter()
-        lib.cblas_dgemm(*args)
-        seconds.append(time.perf_counter() - started)
-    gflops = 2.0 * m * n * k / sorted(seconds)[runs // 2] / 1e9
-    if best is None or gflops > best[0]:
-        best = (gflops, threads)
-print(json.dumps({"gflops": best[0], "threads": best[1],
-                  "core": lib.openblas_get_corename().decode()}))
-"""
-
-
-def openblas_gflops(sizes: dict[str, int], runs: int = 9) -> dict[str, Any] | None:
-    """OpenBLAS dgemm (the verifier's library) at the reward size on this machine, now, with
-    its kernels for the host's ISA: per thread count (one, every core) warm-up calls, then
-    the median of ``runs`` timed calls; the faster thread count's."""
-    import ctypes.util
-
-    if ctypes.util.find_library("openblas") is None:
+def openblas_gflops(benchmarker: Any, task: Any) -> dict[str, Any] | None:
+    """The task's OpenBLAS routine (dgemm for matmul) at the reward size on this machine,
+    now, as the benchmarker times it (``Benchmarker.reference``: a child process with the
+    host's core type, one thread and the kernel's threads, the faster median); None, said,
+    where it cannot be timed."""
+    try:
+        reference = benchmarker.reference(task).openblas
+    except Exception as exc:  # an unavailable reference is reported, not fatal to the report
+        console.print(f"[yellow]OpenBLAS reference not timed:[/] {str(exc)[-300:]}")
         return None
-    core = openblas_coretype()
-    argv = [sys.executable, "-c", _DGEMM_TIMER, *(str(sizes[d]) for d in "MNK"), str(runs)]
-    done = subprocess.run(
-        argv,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, **({"OPENBLAS_CORETYPE": core} if core else {})},
-    )
-    if done.returncode != 0:
-        console.print(f"[yellow]OpenBLAS reference not timed:[/] {done.stderr.strip()[-300:]}")
+    if reference is None:
         return None
-    return json.loads(done.stdout)
+    return {"gflops": reference.gflops, "threads": reference.threads, "core": reference.core}
 
 
 if __name__ == "__main__":

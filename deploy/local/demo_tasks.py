@@ -10,7 +10,6 @@ Pure functions, except :func:`time_reference`, which times on this node.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,17 +53,11 @@ def task_iterations(data: dict[str, Any], key: str) -> list[dict[str, Any]]:
     ]
 
 
-def time_reference(key: str, benchmarker: Any, dgemm: Callable[[dict[str, int]], Any]) -> dict:
-    """The task's performance reference on this node, now: ``kind`` openblas (its routine's
-    GFLOPS: matmul by the demo's own dgemm timer, the one ``make demo`` reports; gemv by the
-    benchmarker's) or triad (STREAM's GB/s: stencil, spmv); ``kind`` none where the task
-    has neither."""
+def time_reference(key: str, benchmarker: Any) -> dict:
+    """The task's performance reference on this node, now, as the benchmarker times it:
+    ``kind`` openblas (its routine's GFLOPS: dgemm for matmul, dgemv for gemv) or triad
+    (STREAM's GB/s: stencil, spmv); ``kind`` none where the task has neither."""
     task = load_task(key)
-    if task.name == "matmul":
-        blas = dgemm(task.sizes.reward)
-        if blas:
-            return {"kind": "openblas", "routine": "dgemm", **blas}
-        return {"kind": "none", "why": "OpenBLAS dgemm could not be timed"}
     try:
         references = benchmarker.reference(task)
     except Exception as exc:  # an unavailable reference is reported, not fatal to the report
