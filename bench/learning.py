@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -52,7 +53,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from hpcrl_common.config import load_config
+from hpcrl_common.config import ConfigError, load_config
 from hpcrl_evaluate.run import metric_values, records_of
 from hpcrl_evaluate.stats import Interval, gain_difference
 from hpcrl_learner.config import LearnerConfig
@@ -77,31 +78,68 @@ class Arm:
 
     lr: float
     reward_mode: str | None = None
+    variant: Variant | None = None
 
     @property
     def label(self) -> str:
-        return f"lr {self.lr:g}" + (f", {self.reward_mode}" if self.reward_mode else "")
+        mode = f", {self.reward_mode}" if self.reward_mode else ""
+        variant = f", {self.variant.name}" if self.variant else ""
+        return f"lr {self.lr:g}{mode}{variant}"
 
     def run_name(self, seed: int) -> str:
         mode = f"{self.reward_mode.replace('_', '-')}-" if self.reward_mode else ""
-        return f"learning-{mode}lr{self.lr:g}-s{seed}".replace(".", "p")
+        variant = f"{self.variant.name}-" if self.variant else ""
+        return f"learning-{mode}{variant}lr{self.lr:g}-s{seed}".replace(".", "p")
+
+    def environment(self) -> dict[str, str]:
+        """The HPCRL__* overrides of this arm's run (the demo config is the rest)."""
+        env = {"HPCRL__LEARNER__LEARNING_RATE": repr(self.lr)}
+        if self.reward_mode is not None:
+            env["HPCRL__SCHEDULER__REWARD_MODE"] = self.reward_mode
+        for key, value in self.variant.settings if self.variant else ():
+            env["HPCRL__" + key.upper().replace(".", "__")] = value
+        return env
+
+
+@dataclass(frozen=True)
+class Variant:
+    """Settings a trained arm changes besides its learning rate and reward mode, named so
+    that its runs have their own names (`--variant dapo:learner.skip_zero_variance_groups=true`)."""
+
+    name: str
+    settings: tuple[tuple[str, str], ...]
+
+    @classmethod
+    def parse(cls, text: str) -> Variant:
+        name, sep, rest = text.partition(":")
+        if not sep or not re.fullmatch(r"[a-z0-9][a-z0-9-]*", name):
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: give NAME:SECTION.KEY=VALUE[,SECTION.KEY=VALUE...] with a "
+                "lower-case NAME of letters, digits and dashes"
+            )
+        settings = []
+        for item in rest.split(","):
+            key, eq, value = item.partition("=")
+            if not eq or not re.fullmatch(r"[a-z_]+(\.[a-z_0-9]+)+", key.strip()):
+                raise argparse.ArgumentTypeError(
+                    f"{text!r}: {item!r} is not SECTION.KEY=VALUE (e.g. learner.beta=0)"
+                )
+            settings.append((key.strip(), value.strip()))
+        return cls(name, tuple(settings))
 
 
 def run_experiment(name: str, seed: int, arm: Arm, args: argparse.Namespace) -> dict[str, Any]:
     """One demo run, fresh; its evaluation.json (which must compare two versions)."""
-    lr = arm.lr
     env = {
         **os.environ,
         "HPCRL__EXPERIMENT__NAME": name,
         "HPCRL__EXPERIMENT__SEED": str(seed),
         "HPCRL__EXPERIMENT__DATA_DIR": str(ROOT / "data" / "bench-learning" / name),
         "HPCRL__BROKER__NAMESPACE": name,
-        "HPCRL__LEARNER__LEARNING_RATE": repr(lr),
+        **arm.environment(),
     }
     if args.iterations is not None:
         env["HPCRL__SCHEDULER__ITERATIONS"] = str(args.iterations)
-    if arm.reward_mode is not None:
-        env["HPCRL__SCHEDULER__REWARD_MODE"] = arm.reward_mode
     finished = args.runs / name / "evaluation.json"
     if args.reuse and finished.is_file():
         ran = iterations_run(args.runs / name)
@@ -468,6 +506,25 @@ def report_best_gflops(
         print_best_verdict(best_verdict(comparisons))
 
 
+SWEPT_SECTIONS = {"learner": LearnerConfig, "scheduler": SchedulerConfig}
+
+
+def check_variant(variant: Variant, parser: argparse.ArgumentParser) -> None:
+    """Refuse a variant the demo's services would refuse, before any run starts."""
+    env = Arm(1.0, variant=variant).environment()
+    for key, _ in variant.settings:
+        section = key.split(".")[0]
+        if section not in SWEPT_SECTIONS:
+            parser.error(
+                f"--variant {variant.name}: {key}: only {' and '.join(SWEPT_SECTIONS)} "
+                "settings vary between arms"
+            )
+        try:
+            load_config(SWEPT_SECTIONS[section], CONFIG, env=env)
+        except ConfigError as exc:
+            parser.error(f"--variant {variant.name}: {exc}")
+
+
 def main() -> int:
     demo_learner = load_config(LearnerConfig, CONFIG, env={}).learner
     demo_scheduler = load_config(SchedulerConfig, CONFIG, env={}).scheduler
@@ -508,6 +565,16 @@ def main() -> int:
         f"{demo_scheduler.reward_mode})",
     )
     parser.add_argument(
+        "--variant",
+        type=Variant.parse,
+        action="append",
+        default=[],
+        metavar="NAME:SECTION.KEY=VALUE[,...]",
+        help="one more trained arm per learning rate and reward mode, with these settings "
+        "changed (repeatable; a sweep: each compared with the same lr-0 runs), e.g. "
+        "dapo:learner.skip_zero_variance_groups=true,learner.clip_eps_high=0.28",
+    )
+    parser.add_argument(
         "--reuse",
         action="store_true",
         help="reuse runs that already finished (their evaluation.json) instead "
@@ -541,10 +608,15 @@ def main() -> int:
         else load_config(SchedulerConfig, CONFIG).scheduler.iterations
     )
 
+    for variant in args.variant:
+        check_variant(variant, parser)
     modes = args.reward_modes or [demo_scheduler.reward_mode]
     control = Arm(0.0)
     trained = [
-        Arm(lr, mode) for mode in modes for lr in args.learning_rate or [demo_learner.learning_rate]
+        Arm(lr, mode, variant)
+        for mode in modes
+        for lr in args.learning_rate or [demo_learner.learning_rate]
+        for variant in (None, *args.variant)
     ]
     runs: dict[Arm, list[dict[str, Any]]] = {arm: [] for arm in (control, *trained)}
     console.print(

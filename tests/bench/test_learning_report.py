@@ -4,6 +4,7 @@ verdicts, on synthetic metrics dicts shaped as deploy/local/demo.py writes them.
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import math
@@ -202,3 +203,42 @@ def test_report_does_not_judge_a_run_without_metrics(tmp_path: Path, capsys: Any
     out = capsys.readouterr().out
     assert "not judged" in out and "PASS" in out  # the CI targets still are
     assert not list(tmp_path.glob("*.png"))
+
+
+def test_a_variant_arm_runs_under_its_own_name_with_its_settings_in_the_environment() -> None:
+    variant = bench.Variant.parse(
+        "dapo:learner.skip_zero_variance_groups=true,learner.clip_eps_high=0.28"
+    )
+    arm = bench.Arm(2e-4, "group_normalized", variant)
+    assert arm.run_name(1) == "learning-group-normalized-dapo-lr0p0002-s1"
+    assert arm.run_name(1) != bench.Arm(2e-4, "group_normalized").run_name(1)
+    assert arm.environment() == {
+        "HPCRL__LEARNER__LEARNING_RATE": "0.0002",
+        "HPCRL__SCHEDULER__REWARD_MODE": "group_normalized",
+        "HPCRL__LEARNER__SKIP_ZERO_VARIANCE_GROUPS": "true",
+        "HPCRL__LEARNER__CLIP_EPS_HIGH": "0.28",
+    }
+    assert "dapo" in arm.label
+
+
+@pytest.mark.parametrize("text", ["dapo", "Dapo:learner.beta=0", "x:beta=0", "x:learner.beta"])
+def test_a_malformed_variant_is_refused(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError):
+        bench.Variant.parse(text)
+
+
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [
+        ("x:learner.no_such_key=1", "unknown key"),
+        ("x:learner.beta=-1", "greater than or equal"),
+        ("x:generator.dtype=float32", "only learner and scheduler"),
+    ],
+)
+def test_a_variant_the_services_would_refuse_stops_the_bench_before_any_run(
+    text: str, why: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    parser = argparse.ArgumentParser()
+    with pytest.raises(SystemExit):
+        bench.check_variant(bench.Variant.parse(text), parser)
+    assert why in capsys.readouterr().err

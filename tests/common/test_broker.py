@@ -488,7 +488,14 @@ def test_any_body_and_headers_are_settled_and_the_consumer_keeps_serving(
             dead.extend(drain(raw_channel, topology.dlq(CODE_TO_BENCH)))
             return len(dead) + len(handled) >= sent
 
-        wait_for(all_settled, timeout=60, what="every message settled")
+        def state() -> str:
+            depth = raw_channel.queue_declare(queue, passive=True).method.message_count
+            return (
+                f"sent {sent}, handled {len(handled)}, dead-lettered {len(dead)}, still queued "
+                f"{depth}, connections {consumer.connections}, health {consumer.healthy()}"
+            )
+
+        wait_for(all_settled, timeout=60, what="every message settled", detail=state)
         assert good.id in [message_id for message_id, _ in handled]
         assert all(props.headers.get(REASON_HEADER) for props, _ in dead)
         assert consumer.connections == 1 and consumer.healthy()[0]
