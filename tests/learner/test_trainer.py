@@ -514,3 +514,15 @@ def test_a_shared_prompt_runs_once_and_gives_the_unshared_gradient(tiny_model, l
     # Policy and reference each ran every prompt once instead of once per completion (and
     # padding): less than half the tokens.
     assert fed[True] < 0.5 * fed[False], fed
+
+
+def test_threads_sets_torchs_intra_op_threads_and_zero_leaves_the_default(tiny_model):
+    before = torch.get_num_threads()
+    try:
+        TorchTrainer(LearnerSettings(model_path=tiny_model, threads=1))
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(before)
+        TorchTrainer(LearnerSettings(model_path=tiny_model))
+        assert torch.get_num_threads() == before
+    finally:
+        torch.set_num_threads(before)

@@ -171,6 +171,13 @@ class LearnerSettings(ServiceSection, LossSettings):
         "the output layer and the loss stay in the weights' dtype); auto: bf16 on CUDA and on "
         "CPUs with avx512_bf16 or amx_bf16, off elsewhere",
     )
+    threads: int = Field(
+        0,
+        ge=0,
+        description="CPU threads of the forward and backward passes (torch.set_num_threads); "
+        "0: torch's default, one per core (a node shared with a generator or a benchmarker "
+        "may do better with fewer)",
+    )
     gradient_checkpointing: bool = Field(
         False,
         description="recompute activations in "

@@ -145,6 +145,8 @@ class TorchTrainer:
         seed: int = 0,
     ) -> None:
         torch.manual_seed(seed)
+        if settings.threads:
+            torch.set_num_threads(settings.threads)
         self.settings = settings
         self.base_model = settings.model_path.resolve()
         self.lora = settings.lora.enabled
@@ -183,6 +185,7 @@ class TorchTrainer:
             device=str(self.device),
             dtype=str(self.dtype),
             autocast=str(self.autocast) if self.autocast else "off",
+            threads=torch.get_num_threads(),
             trainable=sum(p.numel() for p in self.params),
             reference=self.reference is not None or (self.lora and settings.beta > 0),
         )
