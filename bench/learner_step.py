@@ -20,6 +20,7 @@ Tokens/s counts prompt + completion tokens of the step's sequences (what the boo
 progress counts), so GRPO/SFT is the ratio of their step times.
 
     .venv/bin/python bench/learner_step.py [--steps 2] [--rounds 2] [--precision auto] ...
+    .venv/bin/python bench/learner_step.py --variants grpo --threads 2 --beside 2   # shared node
 
 The last line printed is GRPO tokens/s / SFT tokens/s (target >= 0.5).
 """
@@ -300,7 +301,16 @@ def main() -> None:
         default=1,
         help="torch CPU threads (0: torch's default); 1 is steadier when shared",
     )
+    parser.add_argument(
+        "--beside",
+        type=int,
+        default=0,
+        metavar="THREADS",
+        help="run every variant beside a busy process of this many torch threads (bursts of "
+        "matmuls with short gaps, as a decoding generator on the same node; 0: alone)",
+    )
     parser.add_argument("--verbose", action="store_true", help="GRPO step metrics to stderr")
+    parser.add_argument("--busy", type=int, help=argparse.SUPPRESS)
     parser.add_argument(
         "--child", choices=["grpo", "grpo-unshared", "sft", "bare"], help=argparse.SUPPRESS
     )
@@ -308,6 +318,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         child(args)
+        return
+    if args.busy:
+        busy_loop(args.busy)
         return
     from hpcrl_bootstrap.model import ModelShape, tiny_tokenizer, write_random_model
 
@@ -327,27 +340,59 @@ def main() -> None:
             Path(tmp) / "m", shape, vocab_size=vocab, init_std=None, with_tokenizer=False
         )
         results: dict[str, dict] = {}
-        for _ in range(args.rounds):
-            for variant in variants:
-                argv = [
-                    sys.executable,
-                    __file__,
-                    *sys.argv[1:],
-                    "--child",
-                    variant,
-                    "--model",
-                    str(model),
-                ]
-                done = subprocess.run(argv, capture_output=True, text=True)
-                if done.returncode:
-                    sys.exit(f"{variant} failed:\n{done.stderr}")
-                if args.verbose:
-                    print(done.stderr, file=sys.stderr)
-                run = json.loads(done.stdout.strip().splitlines()[-1])
-                best = results.get(variant)
-                if best is None or run["tokens_per_s"] > best["tokens_per_s"]:
-                    results[variant] = run
-                results[variant]["peak_mb"] = max(run["peak_mb"], best["peak_mb"] if best else 0.0)
+        beside = (
+            subprocess.Popen([sys.executable, __file__, "--busy", str(args.beside)])
+            if args.beside
+            else None
+        )
+        try:
+            measure(args, variants, model, results)
+        finally:
+            if beside is not None:
+                beside.kill()
+                beside.wait()
+    report(args, variants, results)
+
+
+def busy_loop(threads: int) -> None:
+    """What a generator decoding on the same cores looks like to the learner: short bursts of
+    matrix products on every thread, brief gaps between them; until killed."""
+    torch.set_num_threads(threads)
+    a = torch.randn(384, 384)
+    while True:
+        for _ in range(20):
+            a @ a
+        time.sleep(0.002)
+
+
+def measure(
+    args: argparse.Namespace, variants: list[str], model: Path, results: dict[str, dict]
+) -> None:
+    """Every variant in its own process, alternated over the rounds; the best run counts."""
+    for _ in range(args.rounds):
+        for variant in variants:
+            argv = [
+                sys.executable,
+                __file__,
+                *sys.argv[1:],
+                "--child",
+                variant,
+                "--model",
+                str(model),
+            ]
+            done = subprocess.run(argv, capture_output=True, text=True)
+            if done.returncode:
+                sys.exit(f"{variant} failed:\n{done.stderr}")
+            if args.verbose:
+                print(done.stderr, file=sys.stderr)
+            run = json.loads(done.stdout.strip().splitlines()[-1])
+            best = results.get(variant)
+            if best is None or run["tokens_per_s"] > best["tokens_per_s"]:
+                results[variant] = run
+            results[variant]["peak_mb"] = max(run["peak_mb"], best["peak_mb"] if best else 0.0)
+
+
+def report(args: argparse.Namespace, variants: list[str], results: dict[str, dict]) -> None:
     sequences = args.groups * args.group_size
     first = results[variants[0]]
     print(
@@ -359,6 +404,7 @@ def main() -> None:
         f"(--precision {args.precision}), {args.threads or 'default'} CPU thread(s), "
         f"best of {args.rounds} runs of a warm-up and {args.steps} timed steps, "
         f"a fresh batch each"
+        + (f", beside a busy process of {args.beside} thread(s)" if args.beside else "")
     )
     for variant in variants:
         r = results[variant]
