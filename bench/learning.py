@@ -6,8 +6,9 @@ By default: the demo's nine SQD iterations (`deploy/local/demo.toml`, scheduler.
 seeds 0, 1, 2 x {no update (lr 0), trained (the demo's learning rate and reward mode)}, the two
 arms of a seed with the same sampling seeds. Runs `deploy/local/demo.py` (the four real services
 over the real broker) once per (arm, seed), each as its own experiment (own namespace, data dir
-and run dir under --runs). About 25 min per run on 2 cores with the policy cached, so the
-default 6 runs take about 2.5 h; --reuse resumes an interrupted bench.
+and run dir under --runs). About 11 min per run on an idle 2-core AVX-512 node with the policy
+cached (the learner on one thread), so the default 6 runs take about 70 min; --reuse resumes an
+interrupted bench.
 
 Every run ends with the demo's own evaluation (`hpcrl-evaluate`: version 0 and the final version
 sample the same fixed prompts with the same seeds; `evaluation.json`) and its report
@@ -28,7 +29,7 @@ kernels: their mix of prompts drifts with what the policy wrote. Printed:
    by at least 16 % on average over the seeds (the paper's smallest gain; a run without a
    correct kernel counts 0 GFLOPS).
 
-    .venv/bin/python bench/learning.py                 # Experiment 2: 3 seeds x 2 arms, ~2.5 h
+    .venv/bin/python bench/learning.py                 # Experiment 2: 3 seeds x 2 arms, ~70 min
     .venv/bin/python bench/learning.py --reuse         # resume it, or print its report again
     .venv/bin/python bench/learning.py --reward-modes parent_relative group_normalized
     .venv/bin/python bench/learning.py --seeds 0 --iterations 2 --eval-samples 4   # quicker
@@ -43,10 +44,12 @@ import argparse
 import json
 import os
 import re
+import sqlite3
 import statistics
 import subprocess
 import sys
-from dataclasses import dataclass
+from contextlib import closing
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -506,6 +509,94 @@ def report_best_gflops(
         print_best_verdict(best_verdict(comparisons))
 
 
+# --- what each run's policy wrote: its children by technique, from the scheduler's database --
+
+# The techniques that decide a matmul kernel's ceiling on a CPU: threads, then vectors.
+TECHNIQUE_CLASSES = ("openmp", "simd", "scalar")
+
+
+def technique_class(techniques: list[str]) -> str:
+    """openmp if the kernel uses threads, else simd if it uses vectors, else scalar."""
+    return next((c for c in TECHNIQUE_CLASSES[:-1] if c in techniques), TECHNIQUE_CLASSES[-1])
+
+
+@dataclass
+class ClassFigures:
+    children: int = 0
+    correct: int = 0
+    reward: float = 0.0
+    gflops: list[float] = field(default_factory=list)
+
+    def add(self, status: str, reward: float | None, gflops: float | None) -> None:
+        self.children += 1
+        self.reward += reward or 0.0
+        if status == "success":
+            self.correct += 1
+            self.gflops.append(gflops or 0.0)
+
+
+def children_by_class(
+    rows: list[tuple[int, str, float | None, float | None, str]], late_from: int
+) -> dict[tuple[str, str], ClassFigures]:
+    """{(early|late, class): figures} over a run's children, rows (iteration, status, reward,
+    GFLOPS, techniques as JSON); late: iterations from ``late_from`` on."""
+    figures: dict[tuple[str, str], ClassFigures] = {}
+    for iteration, status, reward, gflops, techniques in rows:
+        half = "late" if iteration >= late_from else "early"
+        key = (half, technique_class(json.loads(techniques)))
+        figures.setdefault(key, ClassFigures()).add(status, reward, gflops)
+    return figures
+
+
+def read_children(name: str) -> list[tuple[int, str, float | None, float | None, str]] | None:
+    """Every child a run filed (the scheduler's programs table), or None without its database."""
+    path = ROOT / "data" / "bench-learning" / name / "scheduler" / f"{name}.sqlite"
+    if not path.is_file():
+        return None
+    with closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
+        return db.execute(
+            "SELECT iteration, status, reward, gflops, techniques FROM programs"
+        ).fetchall()
+
+
+def children_table(arms: list[Arm], seed: int, iterations: int) -> Table | None:
+    """Per arm, what its policy wrote early and late in the run: a policy that learns safety
+    at the cost of speed shows as OpenMP and SIMD children giving way to scalar ones."""
+    late_from = (iterations + 1) // 2
+    table = Table(
+        title=f"Seed {seed}: children by technique, iterations 0-{late_from - 1} (early) and "
+        f"{late_from}-{iterations - 1} (late): count, share correct, mean reward, median / "
+        "best GFLOPS of the correct"
+    )
+    table.add_column("arm")
+    table.add_column("part")
+    for name in TECHNIQUE_CLASSES:
+        table.add_column(name)
+    shown = False
+    for arm in arms:
+        rows = read_children(arm.run_name(seed))
+        if rows is None:
+            continue
+        shown = True
+        figures = children_by_class(rows, late_from)
+        for half in ("early", "late"):
+            table.add_row(
+                arm.label, half, *(_class_cell(figures.get((half, c))) for c in TECHNIQUE_CLASSES)
+            )
+    return table if shown else None
+
+
+def _class_cell(figures: ClassFigures | None) -> str:
+    if figures is None or figures.children == 0:
+        return "-"
+    speeds = sorted(figures.gflops)
+    speed = f"{speeds[len(speeds) // 2]:.1f} / {speeds[-1]:.1f}" if speeds else "- / -"
+    return (
+        f"{figures.children}, {figures.correct / figures.children:.2f}, "
+        f"{figures.reward / figures.children:+.1f}, {speed}"
+    )
+
+
 SWEPT_SECTIONS = {"learner": LearnerConfig, "scheduler": SchedulerConfig}
 
 
@@ -622,7 +713,7 @@ def main() -> int:
     console.print(
         f"[bold]Experiment 2:[/] {args.iterations_total} iterations x seeds "
         f"{' '.join(map(str, args.seeds))} x {{{', '.join(a.label for a in runs)}}}: "
-        f"{len(args.seeds) * len(runs)} runs, about 25 min each on 2 cores"
+        f"{len(args.seeds) * len(runs)} runs, about 11 min each on an idle 2-core node"
     )
     for seed in args.seeds:  # seed by seed, so an interrupted bench has whole seeds
         for arm in runs:
@@ -632,6 +723,10 @@ def main() -> int:
         differences = seed_differences(runs, args.seeds, control, arm)
         console.print(learning_table(differences, args.seeds, arm))
         report_best_gflops(args.runs, args.seeds, control, arm, differences)
+    for seed in args.seeds:
+        table = children_table(list(runs), seed, args.iterations_total)
+        if table is not None:
+            console.print(table)
     return 0
 
 

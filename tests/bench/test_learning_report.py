@@ -242,3 +242,47 @@ def test_a_variant_the_services_would_refuse_stops_the_bench_before_any_run(
     with pytest.raises(SystemExit):
         bench.check_variant(bench.Variant.parse(text), parser)
     assert why in capsys.readouterr().err
+
+
+def test_children_are_classed_by_their_strongest_technique() -> None:
+    assert bench.technique_class(["simd", "openmp", "prefetch"]) == "openmp"
+    assert bench.technique_class(["cache_blocking", "simd"]) == "simd"
+    assert bench.technique_class(["register_blocking", "prefetch"]) == "scalar"
+    assert bench.technique_class([]) == "scalar"
+
+
+def test_the_children_table_shows_a_policy_trading_speed_for_safety() -> None:
+    """Rows as the scheduler's programs table holds them: early OpenMP attempts that mostly
+    fail, late scalar kernels that all pass, slower."""
+    rows = [
+        (0, "success", 100.0, 45.0, '["openmp", "simd"]'),
+        (1, "compile_error", -40.0, None, '["openmp"]'),
+        (2, "stage_violation", -100.0, None, '["openmp"]'),
+        (3, "success", 90.0, 15.0, "[]"),
+        (5, "success", 100.0, 16.0, '["cache_blocking"]'),
+        (6, "success", 80.0, 12.0, "[]"),
+        (8, "success", 95.0, 14.0, "[]"),
+    ]
+    figures = bench.children_by_class(rows, late_from=5)
+    omp = figures[("early", "openmp")]
+    assert (omp.children, omp.correct, omp.reward, omp.gflops) == (3, 1, -40.0, [45.0])
+    late = figures[("late", "scalar")]
+    assert (late.children, late.correct, late.gflops) == (3, 3, [16.0, 12.0, 14.0])
+    assert ("late", "openmp") not in figures
+    assert bench._class_cell(omp) == "3, 0.33, -13.3, 45.0 / 45.0"
+    assert bench._class_cell(late) == "3, 1.00, +91.7, 14.0 / 16.0"
+    assert bench._class_cell(None) == "-"
+
+
+def test_the_children_table_reads_each_arms_database(monkeypatch: pytest.MonkeyPatch) -> None:
+    trained, control = bench.Arm(2e-4), bench.Arm(0.0)
+    databases = {
+        trained.run_name(0): [(7, "success", 100.0, 14.0, "[]")],
+        control.run_name(0): [(7, "success", 100.0, 40.0, '["openmp"]')],
+    }
+    monkeypatch.setattr(bench, "read_children", databases.get)
+    text = render(bench.children_table([control, trained], 0, 9))
+    assert "iterations 0-4 (early) and 5-8 (late)" in text.replace("\n", " ")
+    assert "40.0 / 40.0" in text and "14.0 / 14.0" in text
+    monkeypatch.setattr(bench, "read_children", lambda name: None)
+    assert bench.children_table([control, trained], 0, 9) is None
