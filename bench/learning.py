@@ -27,15 +27,19 @@ kernels: their mix of prompts drifts with what the policy wrote. Printed:
    above 0 (its 95 % CI's low end) for share correct and for mean GFLOPS; and the run's best
    GFLOPS higher with training in at least 2 of 3 seeds (two thirds of the seeds, rounded up),
    by at least 16 % on average over the seeds (the paper's smallest gain; a run without a
-   correct kernel counts 0 GFLOPS).
+   correct kernel counts 0 GFLOPS);
+5. per seed and arm: the children the run filed (its scheduler database), OpenMP, SIMD-only
+   and scalar, in the first and the second half of the iterations: count, share correct, mean
+   reward, median and best GFLOPS. A policy that buys correctness with speed shows here.
 
     .venv/bin/python bench/learning.py                 # Experiment 2: 3 seeds x 2 arms, ~70 min
     .venv/bin/python bench/learning.py --reuse         # resume it, or print its report again
     .venv/bin/python bench/learning.py --reward-modes parent_relative group_normalized
     .venv/bin/python bench/learning.py --seeds 0 --iterations 2 --eval-samples 4   # quicker
+    .venv/bin/python bench/learning.py --seeds 0 --variant nokl:learner.beta=0     # a sweep
 
-With several reward modes or learning rates, every trained arm is compared with the same lr-0
-run of its seed: at learning rate 0 the weights never move, whatever the rewards.
+With several reward modes, learning rates or variants, every trained arm is compared with the
+same lr-0 run of its seed: at learning rate 0 the weights never move, whatever the rewards.
 """
 
 from __future__ import annotations
