@@ -69,6 +69,7 @@ from hpcrl_scheduler.config import SchedulerConfig
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "deploy/local/demo.py"
 CONFIG = ROOT / "deploy/local/demo.toml"
+DATA = ROOT / "data" / "bench-learning"  # each run's experiment.data_dir is DATA / its name
 SHOWN = {
     "share_correct": "share correct",
     "mean_reward": "mean reward (raw)",
@@ -141,7 +142,7 @@ def run_experiment(name: str, seed: int, arm: Arm, args: argparse.Namespace) -> 
         **os.environ,
         "HPCRL__EXPERIMENT__NAME": name,
         "HPCRL__EXPERIMENT__SEED": str(seed),
-        "HPCRL__EXPERIMENT__DATA_DIR": str(ROOT / "data" / "bench-learning" / name),
+        "HPCRL__EXPERIMENT__DATA_DIR": str(DATA / name),
         "HPCRL__BROKER__NAMESPACE": name,
         **arm.environment(),
     }
@@ -554,7 +555,7 @@ def children_by_class(
 
 def read_children(name: str) -> list[tuple[int, str, float | None, float | None, str]] | None:
     """Every child a run filed (the scheduler's programs table), or None without its database."""
-    path = ROOT / "data" / "bench-learning" / name / "scheduler" / f"{name}.sqlite"
+    path = DATA / name / "scheduler" / f"{name}.sqlite"  # the scheduler's default db_path
     if not path.is_file():
         return None
     with closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:

@@ -964,17 +964,13 @@ def benchmark_corpus_best(
 
 def openblas_gflops(benchmarker: Any, task: Any) -> dict[str, Any] | None:
     """The task's OpenBLAS routine (dgemm for matmul) at the reward size on this machine,
-    now, as the benchmarker times it (``Benchmarker.reference``: a child process with the
-    host's core type, one thread and the kernel's threads, the faster median); None, said,
-    where it cannot be timed."""
-    try:
-        reference = benchmarker.reference(task).openblas
-    except Exception as exc:  # an unavailable reference is reported, not fatal to the report
-        console.print(f"[yellow]OpenBLAS reference not timed:[/] {str(exc)[-300:]}")
+    now, as the benchmarker times it (``demo_tasks.reference_of``); None, said, where it
+    cannot be timed."""
+    reference = demo_tasks.reference_of(task, benchmarker)
+    if reference["kind"] != "openblas":
+        console.print(f"[yellow]OpenBLAS reference not timed:[/] {reference.get('why', '')}")
         return None
-    if reference is None:
-        return None
-    return {"gflops": reference.gflops, "threads": reference.threads, "core": reference.core}
+    return {name: reference[name] for name in ("gflops", "threads", "core")}
 
 
 if __name__ == "__main__":

@@ -1,11 +1,13 @@
 """The demo's view of an experiment of several tasks (``[experiment.tasks]``, issue 30).
 
-A run of one task (``make demo``) never comes here. A run of several has, per task: its own
+A run of one task (``make demo``) takes only its OpenBLAS figure from here. A run of
+several has, per task: its own
 fixed evaluation set (``evaluation-<task>.json``), its best kernel against that task's
 reference timed in the same run (OpenBLAS ``dgemm``/``dgemv`` for matmul/gemv; for the
 memory-bound stencil and spmv, the share of the node's STREAM-triad bandwidth that the
 kernel reaches, as ``hpcrl-benchmarker check --reference`` reports it) and its plots.
-Pure functions, except :func:`time_reference`, which times on this node.
+Pure functions, except :func:`time_reference` and :func:`reference_of`, which time on this
+node.
 """
 
 from __future__ import annotations
@@ -57,7 +59,11 @@ def time_reference(key: str, benchmarker: Any) -> dict:
     """The task's performance reference on this node, now, as the benchmarker times it:
     ``kind`` openblas (its routine's GFLOPS: dgemm for matmul, dgemv for gemv) or triad
     (STREAM's GB/s: stencil, spmv); ``kind`` none where the task has neither."""
-    task = load_task(key)
+    return reference_of(load_task(key), benchmarker)
+
+
+def reference_of(task: Any, benchmarker: Any) -> dict:
+    """:func:`time_reference` of a task already loaded (a path's, or the experiment's)."""
     try:
         references = benchmarker.reference(task)
     except Exception as exc:  # an unavailable reference is reported, not fatal to the report
@@ -70,6 +76,7 @@ def time_reference(key: str, benchmarker: Any) -> dict:
             "kind": "openblas",
             "routine": routine,
             "gflops": references.openblas.gflops,
+            "threads": references.openblas.threads,
             "core": references.openblas.core,
         }
     return {"kind": "none", "why": "the task has no timed reference"}

@@ -91,6 +91,7 @@ class FakeReference:
     routine: str = "cblas_dgemv"
     gflops: float = 8.0
     core: str = "SkylakeX"
+    threads: int = 1
 
 
 @dataclass
@@ -221,3 +222,10 @@ def test_the_report_of_a_run_of_several_tasks_has_a_row_per_task(tmp_path):
     assert rows[0]["share_of_reference"] == pytest.approx(0.25)
     assert rows[0]["gains"]["share_correct"]["after"] == 0.75
     assert rows[1]["gains"] is None and "share_of_reference" not in rows[1]
+
+
+def test_the_single_task_demo_reports_dgemm_as_the_benchmarker_times_it():
+    figure = demo.openblas_gflops(FakeBenchmarker(), load_task("matmul"))
+    assert figure == {"gflops": 40.0, "threads": 1, "core": "SkylakeX"}
+    # a task without an OpenBLAS routine: no figure, said, not an error
+    assert demo.openblas_gflops(FakeBenchmarker(), load_task("spmv")) is None
