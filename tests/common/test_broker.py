@@ -684,3 +684,44 @@ def test_a_service_exits_on_sigterm_with_work_stuck_and_says_where(broker_settin
         return state in ("Z", "X")
 
     wait_for(child_gone, timeout=10, what="the service's child to end with it")
+
+
+SIGNAL_STORM = """
+import signal, sys, threading, time
+from hpcrl_common.broker.consuming import StopFlag
+
+flag = StopFlag()
+threading.Thread(target=flag.wait, args=(60,), daemon=True).start()
+signal.signal(signal.SIGALRM, lambda *_: flag.set())
+signal.setitimer(signal.ITIMER_REAL, 2e-4, 2e-4)  # a signal every 0.2 ms
+end = time.monotonic() + 1.5
+while time.monotonic() < end:
+    flag.set()  # what the first SIGTERM's handler runs while the next one arrives
+signal.setitimer(signal.ITIMER_REAL, 0)
+print("stopped", flag.is_set())
+"""
+
+
+def test_a_stop_raised_by_a_signal_during_a_stop_neither_hangs_nor_crashes():
+    """CI caught a benchmarker deaf to SIGTERM: a second signal ran the handler inside the
+    first one's ``threading.Event.set``, which waited on the lock its own thread held. The
+    same storm against ``threading.Event`` hangs or dies within the 1.5 s."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", SIGNAL_STORM], capture_output=True, text=True, timeout=30
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "stopped True"
+
+
+def test_the_stop_flag_wakes_a_waiter_and_times_out_without_one():
+    flag = consuming.StopFlag()
+    started = time.monotonic()
+    assert flag.wait(0.2) is False
+    assert 0.2 <= time.monotonic() - started < 1.0
+    threading.Timer(0.1, flag.set).start()
+    started = time.monotonic()
+    assert flag.wait(10) is True
+    assert time.monotonic() - started < 1.0

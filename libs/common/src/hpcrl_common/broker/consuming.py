@@ -81,6 +81,34 @@ _COMPLETED_MEMORY = 50_000
 _LOOP_TICK_S = 0.05
 
 
+class StopFlag:
+    """A stop request that a signal handler may raise at any moment.
+
+    ``threading.Event.set`` takes a lock: a second SIGTERM arriving while the first one's
+    handler held it re-entered ``set`` on the same (main) thread and deadlocked the service,
+    which then ignored every later signal. Raising this flag is one assignment; a waiter
+    polls it, so it never holds anything a handler could need.
+    """
+
+    _POLL_S = 0.05
+
+    def __init__(self) -> None:
+        self._raised = False
+
+    def set(self) -> None:
+        self._raised = True
+
+    def is_set(self) -> bool:
+        return self._raised
+
+    def wait(self, timeout: float) -> bool:
+        """Sleep until the flag is raised or ``timeout`` seconds passed; True if raised."""
+        deadline = time.monotonic() + timeout
+        while not self._raised and (left := deadline - time.monotonic()) > 0:
+            time.sleep(min(left, self._POLL_S))
+        return self._raised
+
+
 @dataclass
 class _Subscription:
     queue: str
@@ -131,7 +159,7 @@ class Consumer:
         self._subscriptions: list[_Subscription] = []
         self._timers: list[_Timer] = []
         self._actions: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._stop = threading.Event()
+        self._stop = StopFlag()
         self._generation = 0
         self._connection: pika.BlockingConnection | None = None
         self._channel: BlockingChannel | None = None
