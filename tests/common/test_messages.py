@@ -319,8 +319,8 @@ def _batch(mode: str, reward: float, status: str = "success") -> dict:
 @pytest.mark.parametrize(
     ("mode", "reward", "status", "reason"),
     [
-        ("group_normalized", 1e6, "success", "outside \\[-100, 100\\]"),
-        ("group_normalized", -1e6, "success", "outside \\[-100, 100\\]"),
+        ("group_normalized", 1e6, "success", "outside \\[-100, 1000\\]"),
+        ("group_normalized", -1e6, "success", "outside \\[-100, 1000\\]"),
         ("parent_relative", 1e5, "success", "outside \\[-100, 9900\\]"),
         ("raw", -500.0, "success", "outside \\[-100, 1e\\+06\\]"),
         ("raw", -1e6, "compile_error", "is not its penalty -40"),

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hpcrl_common.rewards import MAX_ABS_REWARD
+from hpcrl_common.rewards import MAX_ABS_REWARD, MAX_SUCCESS_SCALE, REWARD_RANGES
 from hpcrl_scheduler.groups import (
     PARENT_RELATIVE_CEILING,
     PARENT_RELATIVE_FLOOR,
@@ -55,6 +55,33 @@ def mixed_group():
 def test_each_mode_on_the_same_group(mode: RewardMode, expected: list[float]):
     rewards = compute_rewards(mixed_group(), mode, parent())
     assert [rewards[f"{G}/{i}"] for i in range(6)] == pytest.approx(expected)
+
+
+def test_the_success_scale_weighs_speed_against_the_penalties_and_nothing_else():
+    """At the paper's 100, kernels that succeed one time in four at 8x the speed lose to
+    safe ones that always succeed; at 400 they win. Failures keep their penalty."""
+    risky = [result(G, 0, gflops=40.0), *(result(G, i, "timeout") for i in (1, 2, 3))]
+    safe = [result(G, i, gflops=5.0) for i in (4, 5, 6, 7)]
+    group = risky + safe
+
+    def mean_by_arm(scale: float) -> tuple[float, float]:
+        rewards = compute_rewards(group, "group_normalized", success_scale=scale)
+        return tuple(sum(rewards[r.id] for r in arm) / len(arm) for arm in (risky, safe))
+
+    assert mean_by_arm(100.0) == pytest.approx((2.5, 12.5))  # (100 - 3 x 30) / 4, 100 / 8
+    assert mean_by_arm(400.0) == pytest.approx((77.5, 50.0))
+    paper = compute_rewards(group, "group_normalized")
+    scaled = compute_rewards(group, "group_normalized", success_scale=400.0)
+    for r in group:
+        expected = 4 * paper[r.id] if r.status == "success" else paper[r.id]
+        assert scaled[r.id] == pytest.approx(expected)
+    assert max(scaled.values()) <= REWARD_RANGES["group_normalized"][1]
+    # parent_relative keeps its own scale; it falls back to the scaled group_normalized
+    assert compute_rewards(group, "parent_relative", None, 400.0) == scaled
+    with pytest.raises(ValueError, match="success_scale"):
+        compute_rewards(group, "group_normalized", success_scale=MAX_SUCCESS_SCALE * 2)
+    with pytest.raises(ValueError, match="success_scale"):
+        compute_rewards(group, "group_normalized", success_scale=0.0)
 
 
 def test_a_copy_of_the_parent_earns_nothing_whatever_its_timing():
@@ -112,15 +139,16 @@ outcomes = st.one_of(st.sampled_from(sorted(PENALTY)), gflops)
     mode=st.sampled_from(MODES),
     base=st.none() | positive_gflops,
     copies=st.lists(st.booleans(), min_size=16, max_size=16),
+    scale=st.floats(min_value=1e-3, max_value=MAX_SUCCESS_SCALE),
 )
-def test_any_correct_program_beats_any_wrong_one(outcomes, mode, base, copies):
+def test_any_correct_program_beats_any_wrong_one(outcomes, mode, base, copies, scale):
     results = [
         result(G, i, "success", o, source=PARENT_SOURCE if copies[i] else f"int v{i};")
         if isinstance(o, float)
         else result(G, i, o)
         for i, o in enumerate(outcomes)
     ]
-    rewards = compute_rewards(results, mode, parent(base))
+    rewards = compute_rewards(results, mode, parent(base), scale)
     successes = [rewards[r.id] for r in results if r.status == "success"]
     failures = [rewards[r.id] for r in results if r.status != "success"]
     assert min(successes, default=0.0) > max(failures, default=-10.0)

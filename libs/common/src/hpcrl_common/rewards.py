@@ -47,6 +47,9 @@ REPAIR_RANKS: dict[str, int] = {f.status: f.repair_rank for f in FAILURES}
 # means and standard deviations of rewards cannot become inf or NaN.
 MAX_GFLOPS = 1e6
 MAX_ABS_REWARD = 1e6
+# group_normalized successes reach the scheduler's success_scale (100 in the paper), at
+# most this much (hpcrl_scheduler.groups).
+MAX_SUCCESS_SCALE = 1_000.0
 # parent_relative successes stop at 100x the parent (hpcrl_scheduler.groups).
 MAX_PARENT_RELATIVE_REWARD = 9_900.0
 # The rewards a rollout batch of each reward mode can hold (failures keep their penalty,
@@ -55,7 +58,7 @@ MAX_PARENT_RELATIVE_REWARD = 9_900.0
 LOWEST_PENALTY = min(FAILURE_REWARDS.values())
 REWARD_RANGES: dict[str, tuple[float, float]] = {
     "raw": (LOWEST_PENALTY, MAX_GFLOPS),
-    "group_normalized": (LOWEST_PENALTY, 100.0),
+    "group_normalized": (LOWEST_PENALTY, MAX_SUCCESS_SCALE),
     "parent_relative": (LOWEST_PENALTY, MAX_PARENT_RELATIVE_REWARD),
 }
 

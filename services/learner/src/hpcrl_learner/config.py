@@ -147,8 +147,8 @@ class LearnerSettings(ServiceSection, LossSettings):
         10_000.0,
         gt=0,
         description="a batch with a reward beyond +- this is refused "
-        "(dead-lettered): group_normalized rewards lie in [-100, 100], parent_relative below "
-        "9,900, raw ones are GFLOPS",
+        "(dead-lettered): group_normalized rewards lie in [-100, scheduler.success_scale "
+        "(100)], parent_relative below 9,900, raw ones are GFLOPS",
     )
     require_judged_text: bool = Field(
         True,

@@ -8,8 +8,9 @@ from typing import Annotated, Literal
 from pydantic import Field, model_validator
 
 from hpcrl_common.config import ServiceConfig, related_default
+from hpcrl_common.rewards import MAX_SUCCESS_SCALE
 from hpcrl_common.service import ServiceSection
-from hpcrl_scheduler.groups import RewardMode
+from hpcrl_scheduler.groups import PAPER_SUCCESS_SCALE, RewardMode
 from hpcrl_scheduler.selection import Ratios
 
 
@@ -41,6 +42,14 @@ class SchedulerSection(ServiceSection):
         "group max x 100 (Experiment 2); parent_relative = 100 x GFLOPS / parent GFLOPS - 100, "
         "at least -9, a copy of the parent 0, group_normalized where the parent has no GFLOPS "
         "(seed, repair); failures keep their penalty",
+    )
+    success_scale: float = Field(
+        PAPER_SUCCESS_SCALE,
+        gt=0,
+        le=MAX_SUCCESS_SCALE,
+        description="what a group's fastest success earns where successes are "
+        "group-normalised (the paper: 100); failures keep their penalty, so a larger scale "
+        "makes a fast but risky kernel worth its failures",
     )
     isa: Literal["avx512", "avx2"] = Field(
         "avx512", description="the benchmark hosts' best ISA, named in prompts"

@@ -12,7 +12,11 @@ Rewards (``reward_mode``); a failure always keeps the benchmarker's penalty:
 
 * ``raw`` (Experiment 1): success = GFLOPS;
 * ``group_normalized`` (Experiment 2): success = GFLOPS / max GFLOPS of the kept results
-  x 100;
+  x ``success_scale`` (the paper's 100). GRPO's advantages are unchanged by scaling every
+  reward at once, so the scale sets one thing: how much a group's fastest kernel outweighs
+  the penalties of the failures beside it. At 100 a risky technique (OpenMP) that fails
+  often loses to a safe slow one even where its successes are several times faster;
+  a larger scale makes speed worth the risk. Any success still beats any failure;
 * ``parent_relative`` (beyond the paper): success = 100 x GFLOPS / parent GFLOPS - 100, so
   a verbatim copy of the parent earns ~0 instead of a full reward, a 2x faster child +100.
   Successes are clamped to >= -9, above the mildest penalty (verification error, -10), so a
@@ -33,9 +37,12 @@ from dataclasses import dataclass
 from typing import Literal
 
 from hpcrl_common.messages import BenchResult, RolloutBatch, RolloutSample
+from hpcrl_common.rewards import MAX_SUCCESS_SCALE
 from hpcrl_scheduler.normalize import source_key
 
 RewardMode = Literal["raw", "group_normalized", "parent_relative"]
+# The paper's group_normalized: the group's fastest kernel earns 100.
+PAPER_SUCCESS_SCALE = 100.0
 
 # docs/SPEC.md section 4: the mildest failure penalty is verification_error, -10. A slow but correct
 # child must still out-score every wrong one, so parent-relative successes stop just above.
@@ -79,10 +86,16 @@ def majority_class(results: Sequence[BenchResult]) -> str:
 
 
 def compute_rewards(
-    results: Sequence[BenchResult], mode: RewardMode, parent: Parent | None = None
+    results: Sequence[BenchResult],
+    mode: RewardMode,
+    parent: Parent | None = None,
+    success_scale: float = PAPER_SUCCESS_SCALE,
 ) -> dict[str, float]:
-    """Reward of each result; ``parent`` matters only in ``parent_relative`` mode."""
-    score = _success_score(results, mode, parent)
+    """Reward of each result; ``parent`` matters only in ``parent_relative`` mode,
+    ``success_scale`` only where successes are group-normalised."""
+    if not 0 < success_scale <= MAX_SUCCESS_SCALE:
+        raise ValueError(f"success_scale {success_scale!r} outside (0, {MAX_SUCCESS_SCALE:g}]")
+    score = _success_score(results, mode, parent, success_scale)
     return {r.id: score(r) if r.status == "success" else float(r.reward) for r in results}
 
 
@@ -93,14 +106,14 @@ def parent_relative_reward(gflops: float, parent_gflops: float) -> float:
 
 
 def _success_score(
-    results: Sequence[BenchResult], mode: RewardMode, parent: Parent | None
+    results: Sequence[BenchResult], mode: RewardMode, parent: Parent | None, scale: float
 ) -> Callable[[BenchResult], float]:
     if mode == "raw":
         return lambda r: float(r.gflops or 0.0)
     if mode == "parent_relative" and parent is not None and _comparable(results, parent):
         return lambda r: _relative_to(r, parent)
     best = max((r.gflops or 0.0 for r in results if r.status == "success"), default=0.0)
-    return lambda r: (r.gflops or 0.0) / best * 100.0 if best > 0 else 0.0
+    return lambda r: (r.gflops or 0.0) / best * scale if best > 0 else 0.0
 
 
 def _comparable(results: Sequence[BenchResult], parent: Parent) -> bool:
@@ -127,6 +140,7 @@ def close_group(
     iteration: int,
     reward_mode: RewardMode,
     parent: Parent | None = None,
+    success_scale: float = PAPER_SUCCESS_SCALE,
 ) -> ClosedGroup:
     """Everything that follows from the results a group got (any order, no duplicates)."""
     ordered = sorted(results, key=lambda r: r.index)
@@ -135,7 +149,7 @@ def close_group(
     host_class = majority_class(ordered)
     kept = [r for r in ordered if r.host.host_class == host_class]
     excluded = [r for r in ordered if r.host.host_class != host_class]
-    rewards = compute_rewards(kept, reward_mode, parent)
+    rewards = compute_rewards(kept, reward_mode, parent, success_scale)
     with_rollout = [r for r in kept if r.rollout is not None]
     batch = None
     if with_rollout:

@@ -939,6 +939,7 @@ class Scheduler:
             iteration=group.iteration,
             reward_mode=self.section.reward_mode,
             parent=parent_of(s.program(group.parent_id)),
+            success_scale=self.section.success_scale,
         )
         for result in closed.kept:
             reward = closed.rewards[result.id]
