@@ -261,6 +261,21 @@ def test_outbox_rows_are_valid_wire_messages(tmp_path):
 
 
 @needs_contract
+def test_the_success_scale_reaches_the_batch_and_the_pool_not_the_penalties(tmp_path):
+    s = make(tmp_path, success_scale=400.0)
+    s.step()
+    [seed] = requests(s)
+    answer(s, seed, ["success", "success", "timeout"])  # 2 and 3 GFLOPS
+    [batch] = batches(s)
+    assert batch.reward_mode == "group_normalized"
+    assert [x.reward for x in batch.samples] == pytest.approx([2 / 3 * 400, 400.0, -30.0])
+    stored = {p.id: p.reward for p in s.store.all_programs() if p.parent_id is not None}
+    assert stored == pytest.approx(
+        {f"{seed.id}/0": 2 / 3 * 400, f"{seed.id}/1": 400.0, f"{seed.id}/2": -30.0}
+    )
+
+
+@needs_contract
 def test_parent_relative_groups_publish_rewards_against_their_parent(tmp_path):
     s = make(tmp_path, reward_mode="parent_relative")
     s.step()
