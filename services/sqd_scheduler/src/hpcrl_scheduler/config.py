@@ -39,9 +39,9 @@ class SchedulerSection(ServiceSection):
     reward_mode: RewardMode = Field(
         "group_normalized",
         description="success reward: raw = GFLOPS (Experiment 1); group_normalized = GFLOPS / "
-        "group max x 100 (Experiment 2); parent_relative = 100 x GFLOPS / parent GFLOPS - 100, "
-        "at least -9, a copy of the parent 0, group_normalized where the parent has no GFLOPS "
-        "(seed, repair); failures keep their penalty",
+        "group max x success_scale (Experiment 2); parent_relative = 100 x GFLOPS / parent "
+        "GFLOPS - 100, at least -9, a copy of the parent 0, group_normalized where the parent "
+        "has no GFLOPS (seed, repair); failures keep their penalty",
     )
     success_scale: float = Field(
         PAPER_SUCCESS_SCALE,
