@@ -286,3 +286,53 @@ def test_the_children_table_reads_each_arms_database(monkeypatch: pytest.MonkeyP
     assert "40.0 / 40.0" in text and "14.0 / 14.0" in text
     monkeypatch.setattr(bench, "read_children", lambda name: None)
     assert bench.children_table([control, trained], 0, 9) is None
+
+
+INTERRUPTED_BENCH = """
+import os, sys
+from tests.support.scripts import load_script
+
+bench = load_script("bench/learning.py", "bench_learning")
+run = '''
+import pathlib, signal, sys, time
+
+def stop(*_):
+    time.sleep(1.0)  # stopping four services takes a while
+    pathlib.Path(sys.argv[1]).write_text("stopped in order")
+    sys.exit(0)
+
+signal.signal(signal.SIGTERM, stop)
+print("ready", flush=True)
+time.sleep(60)
+'''
+try:
+    bench.run_to_the_end([sys.executable, "-c", run, sys.argv[1]], dict(os.environ))
+except KeyboardInterrupt:
+    sys.exit(130)
+"""
+
+
+def test_a_ctrl_c_lets_the_running_demo_stop_its_services(tmp_path):
+    """A terminal's Ctrl-C goes to the bench's process group; the run it started (here a
+    stand-in that takes a second to stop) must get a SIGTERM and the time to stop in order,
+    not the SIGKILL that ``subprocess.run`` sends 0.25 s after an interrupt."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    marker = tmp_path / "stopped"
+    bench_proc = subprocess.Popen(
+        [sys.executable, "-c", INTERRUPTED_BENCH, str(marker)],
+        cwd=bench.ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, as a terminal's foreground job
+    )
+    try:
+        assert bench_proc.stdout is not None and bench_proc.stdout.readline() == "ready\n"
+        os.killpg(bench_proc.pid, signal.SIGINT)
+        assert bench_proc.wait(timeout=30) == 130
+    finally:
+        bench_proc.kill()
+    assert marker.read_text() == "stopped in order"
