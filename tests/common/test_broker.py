@@ -10,6 +10,7 @@ from pathlib import Path
 import msgpack
 import pika
 import pytest
+from prometheus_client import REGISTRY
 
 from hpcrl_common.broker import DEFER, Consumer, Publish, Publisher, Reject, consuming
 from hpcrl_common.messages import BenchSpec, Candidate, GenerateRequest, encode
@@ -463,6 +464,15 @@ def test_any_body_and_headers_are_settled_and_the_consumer_keeps_serving(
     consumer = Consumer(broker_settings, "anything")
     consumer.subscribe(CODE_TO_BENCH, lambda m, d: handled.append((m.id, d.attempt)) or [])
     sent = 0
+
+    def duplicates() -> int:
+        """Valid candidates the storm sent more than once (one id): settled, not handled
+        again (the consumer deduplicates by message id)."""
+        value = REGISTRY.get_sample_value(
+            "hpcrl_broker_consumed_total", {"queue": queue, "outcome": "duplicate"}
+        )
+        return int(value or 0)
+
     headers = st.dictionaries(st.text(min_size=1, max_size=16), _header_values(), max_size=4)
     delivery_counts = st.none() | _header_values()
     with RunningConsumer(consumer):
@@ -486,12 +496,13 @@ def test_any_body_and_headers_are_settled_and_the_consumer_keeps_serving(
 
         def all_settled() -> bool:
             dead.extend(drain(raw_channel, topology.dlq(CODE_TO_BENCH)))
-            return len(dead) + len(handled) >= sent
+            return len(dead) + len(handled) + duplicates() >= sent
 
         def state() -> str:
             depth = raw_channel.queue_declare(queue, passive=True).method.message_count
             return (
-                f"sent {sent}, handled {len(handled)}, dead-lettered {len(dead)}, still queued "
+                f"sent {sent}, handled {len(handled)}, duplicates {duplicates()}, "
+                f"dead-lettered {len(dead)}, still queued "
                 f"{depth}, connections {consumer.connections}, health {consumer.healthy()}"
             )
 

@@ -468,6 +468,7 @@ class Consumer:
     def _adopt_redelivery(self, held: Delivery, delivery: Delivery) -> None:
         if held.generation == delivery.generation:
             held.extra_tags.append(delivery.tag)  # a second copy: settle both together
+            CONSUMED.labels(delivery.queue, "duplicate").inc()
         else:
             held.tag, held.generation, held.extra_tags = delivery.tag, delivery.generation, []
 
