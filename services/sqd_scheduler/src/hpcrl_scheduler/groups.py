@@ -16,7 +16,8 @@ Rewards (``reward_mode``); a failure always keeps the benchmarker's penalty:
   reward at once, so the scale sets one thing: how much a group's fastest kernel outweighs
   the penalties of the failures beside it. At 100 a risky technique (OpenMP) that fails
   often loses to a safe slow one even where its successes are several times faster;
-  a larger scale makes speed worth the risk. Any success still beats any failure;
+  a larger scale makes speed worth the risk in expectation (measured at 500 on the demo, it
+  did not keep the fast kernels: README, Measurements). Any success still beats any failure;
 * ``parent_relative`` (beyond the paper): success = 100 x GFLOPS / parent GFLOPS - 100, so
   a verbatim copy of the parent earns ~0 instead of a full reward, a 2x faster child +100.
   Successes are clamped to >= -9, above the mildest penalty (verification error, -10), so a
