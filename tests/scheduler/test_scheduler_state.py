@@ -144,6 +144,23 @@ def test_group_without_token_data_files_children_but_sends_no_batch(tmp_path):
     assert len(s.store.pool(0)) == 2
 
 
+def test_groups_below_the_train_stage_fill_the_pool_but_send_no_batch(tmp_path):
+    s = make(tmp_path, train_from_stage=2)
+    s.step()
+    [seed] = requests(s)
+    answer(s, seed, ["success", "compile_error", "verification_error"])
+    assert batches(s) == []  # stage 1: rewarded and filed, not trained on
+    assert s.store.group(seed.id).outcome == "below_train_stage"
+    assert [p.reward for p in sorted(s.store.pool(0), key=lambda p: p.id)] == [100.0, -40.0, -10.0]
+    assert s.store.count_batches_sent() == 0
+    s.step()
+    deepen = next(r for r in requests(s) if r.mode == "deepen")
+    answer(s, deepen, ["success", "success", "compile_error"])
+    [batch] = batches(s)  # stage 2 reaches the learner
+    assert batch.id == deepen.id and s.store.group(deepen.id).outcome == "sent"
+    assert s.store.count_batches_sent() == 1
+
+
 def test_run_to_the_end_then_done_and_report(tmp_path):
     s = make(tmp_path)
     for _ in range(4):

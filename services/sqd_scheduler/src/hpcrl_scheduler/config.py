@@ -10,6 +10,7 @@ from pydantic import Field, model_validator
 from hpcrl_common.config import ServiceConfig, related_default
 from hpcrl_common.rewards import MAX_SUCCESS_SCALE
 from hpcrl_common.service import ServiceSection
+from hpcrl_common.stages import FIRST_STAGE, LAST_STAGE
 from hpcrl_scheduler.groups import PAPER_SUCCESS_SCALE, RewardMode
 from hpcrl_scheduler.selection import Ratios
 
@@ -51,6 +52,14 @@ class SchedulerSection(ServiceSection):
         "group-normalised (the paper: 100); failures keep their penalty, so a larger scale "
         "makes a fast but risky kernel worth its failures (500 measured on the demo: no "
         "faster best kernel)",
+    )
+    train_from_stage: int = Field(
+        FIRST_STAGE,
+        ge=FIRST_STAGE,
+        le=LAST_STAGE,
+        description="only groups whose target stage is at least this are sent to the "
+        "learner; lower stages still fill the pool and earn rewards (the policy then learns "
+        "only where the fast kernels are written; the default trains on every stage)",
     )
     isa: Literal["avx512", "avx2"] = Field(
         "avx512", description="the benchmark hosts' best ISA, named in prompts"

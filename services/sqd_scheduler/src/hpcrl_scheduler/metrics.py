@@ -79,7 +79,7 @@ GROUPS_CLOSED = Counter(
 )
 BATCHES = Counter(
     "hpcrl_scheduler_batches_total",
-    "Closed groups by what went to the learner (sent, no_rollout, empty)",
+    "Closed groups by what went to the learner (sent, no_rollout, empty, below_train_stage)",
     ["outcome"],
 )
 REQUESTS = Counter(

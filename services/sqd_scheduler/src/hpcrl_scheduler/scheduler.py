@@ -967,7 +967,9 @@ class Scheduler:
                     result.gflops
                 )
         outcome: BatchOutcome
-        if closed.batch is not None:
+        if closed.batch is not None and group.target_stage < self.section.train_from_stage:
+            outcome = "below_train_stage"
+        elif closed.batch is not None:
             s.enqueue(ROLLOUT_BATCHES, closed.batch)
             outcome = "sent"
         else:

@@ -36,7 +36,7 @@ GROUP_STATES: tuple[GroupState, ...] = ("pending", "published", "closed")
 CloseReason = Literal["complete", "deadline"]
 # What became of a closed group's rollout batch: published to the learner, not sent because
 # no kept result had token data, or not sent because the group closed with no kept result.
-BatchOutcome = Literal["sent", "no_rollout", "empty"]
+BatchOutcome = Literal["sent", "no_rollout", "empty", "below_train_stage"]
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
