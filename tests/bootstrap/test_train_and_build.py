@@ -31,6 +31,7 @@ from hpcrl_bootstrap.train import (
     collate,
     lr_at,
 )
+from hpcrl_common.replay import REPLAY_FILE
 
 TINY = BootstrapSettings(
     kernels_per_stage=(3, 3, 2, 1, 1, 1),
@@ -127,9 +128,25 @@ def test_tiny_bootstrap_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture
     assert generated.shape[1] > ids["input_ids"].shape[1]
     assert isinstance(tokenizer.decode(generated[0]), str)
 
+    # The replay file: every trained example, as the ids of its rendered prompt and of its
+    # completion with the end of turn.
+    replay = [json.loads(line) for line in (out / REPLAY_FILE).read_text().splitlines()]
+    assert len(replay) == info["examples_kept"]
+    assert {row["stage"] for row in replay} <= set(range(1, 7)) and len(replay) > 1
+    first = replay[0]
+    assert tokenizer.decode(first["prompt_ids"]).endswith("<|im_start|>assistant\n")
+    assert first["completion_ids"][-1] == tokenizer.eos_token_id
+    assert "matmul_optimized" in tokenizer.decode(first["completion_ids"])
+    written = (out / REPLAY_FILE).read_bytes()
+
     # Cached: a second call neither rebuilds nor touches the weights.
     stamp = (out / "model.safetensors").stat().st_mtime_ns
     assert ensure_model(TINY, out) == out
+    assert (out / "model.safetensors").stat().st_mtime_ns == stamp
+    # A build from before the replay file gets the same one, drawn again from the cache.
+    (out / REPLAY_FILE).unlink()
+    assert ensure_model(TINY, out) == out
+    assert (out / REPLAY_FILE).read_bytes() == written
     assert (out / "model.safetensors").stat().st_mtime_ns == stamp
     # The CLI finds it and prints the directory as its last line.
     capsys.readouterr()

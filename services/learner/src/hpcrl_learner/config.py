@@ -8,7 +8,9 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from hpcrl_common.config import Section, ServiceConfig, related_default
+from hpcrl_common.replay import REPLAY_FILE
 from hpcrl_common.service import ServiceSection
+from hpcrl_common.stages import FIRST_STAGE, LAST_STAGE
 
 Aggregation = Literal["token", "sequence"]
 
@@ -158,6 +160,26 @@ class LearnerSettings(ServiceSection, LossSettings):
         "older benchmarkers, during a rolling upgrade). A hash that does not match "
         "dead-letters the batch either way",
     )
+    replay_coef: float = Field(
+        0.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="weight of the supervised replay term: each step adds this x the mean "
+        "negative log-likelihood of replay_per_step taught examples to the GRPO loss, so the "
+        "policy keeps what it was taught (0: off)",
+    )
+    replay_path: Path | None = Field(
+        None,
+        description="JSONL of taught examples as token ids (prompt_ids, completion_ids, "
+        "stage, mode); unset: <model_path>/replay.jsonl, which the bootstrap writes",
+    )
+    replay_per_step: int = Field(8, ge=1, le=4096, description="replay examples per step")
+    replay_min_stage: int = Field(
+        FIRST_STAGE,
+        ge=FIRST_STAGE,
+        le=LAST_STAGE,
+        description="replay only examples whose target stage is at least this",
+    )
     lora: LoraSettings = LoraSettings()
     device: str = Field("auto", description="auto (cuda if available), cpu, cuda, cuda:N")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
@@ -201,7 +223,12 @@ class LearnerSettings(ServiceSection, LossSettings):
     def _betas(self) -> LearnerSettings:
         if not all(0 <= b < 1 for b in self.adam_betas):
             raise ValueError(f"adam_betas must be in [0, 1), got {self.adam_betas}")
+        if self.replay_coef > 0 and self.backend != "torch":
+            raise ValueError("replay_coef > 0 needs the torch backend (swift has no replay term)")
         return self
+
+    def replay_file(self) -> Path:
+        return self.replay_path or self.model_path / REPLAY_FILE
 
 
 class LearnerConfig(ServiceConfig):

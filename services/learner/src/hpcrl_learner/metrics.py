@@ -31,6 +31,11 @@ SAMPLER_KL_FRESH = Gauge(
     "k3 KL(sampling policy || trainer) per token over the last step's samples drawn from the "
     "trainer's current weights (NaN if none): about 0 unless the sampler uses stale weights",
 )
+REPLAY_NLL = Gauge(
+    "hpcrl_learner_replay_nll",
+    "Negative log-likelihood per completion token of the last step's replay examples (NaN: "
+    "replay_coef 0); rising: the policy forgets what it was taught",
+)
 GRAD_NORM = Gauge("hpcrl_learner_grad_norm", "Global gradient norm before clipping, last step")
 LEARNING_RATE = Gauge("hpcrl_learner_learning_rate", "Learning rate of the last step")
 REWARD_MEAN = Gauge("hpcrl_learner_reward_mean", "Mean reward over the groups of the last step")

@@ -295,6 +295,7 @@ class Learner:
         metrics.SAMPLER_KL.set(train.sampler_kl)
         metrics.SAMPLER_KL_FRESH.set(train.sampler_kl_fresh)
         metrics.GRAD_NORM.set(train.grad_norm)
+        metrics.REPLAY_NLL.set(train.replay_nll)
         metrics.LEARNING_RATE.set(train.learning_rate)
         metrics.TOKENS_PER_SECOND.set(train.tokens_per_second)
         summary = step_summary(groups)

@@ -16,7 +16,7 @@ import random
 import shutil
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +25,7 @@ import structlog
 
 from hpcrl_bootstrap.catalogue import PER_STAGE
 from hpcrl_bootstrap.motifs import TASKS
+from hpcrl_common.replay import REPLAY_FILE, replay_line
 
 MARKER = "BOOTSTRAP_READY"
 INFO_FILE = "bootstrap.json"
@@ -114,10 +115,13 @@ def ensure_model(
     force: bool = False,
     progress: Callable[[str, dict[str, Any]], None] | None = None,
 ) -> Path:
-    """The model directory at ``out``, built first if it is missing or ``force``."""
+    """The model directory at ``out``, built first if it is missing or ``force`` (its replay
+    file written if a build from before the file lacks it)."""
     out = Path(out)
     if is_ready(out) and not force:
         log.info("bootstrap model present", path=str(out))
+        if not (out / REPLAY_FILE).is_file():
+            _fill_replay(settings, out, progress)
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.parent / f".{out.name}.building-{os.getpid()}"
@@ -149,7 +153,7 @@ def _build(
     import torch
     from transformers.utils import logging as hf_logging
 
-    from hpcrl_bootstrap.examples import chat_texts, split_examples
+    from hpcrl_bootstrap.examples import chat_texts
     from hpcrl_bootstrap.model import ModelShape, build_model
     from hpcrl_bootstrap.tokenizer import train_tokenizer
     from hpcrl_bootstrap.train import TrainSettings, encode_examples, save_model, train
@@ -161,12 +165,7 @@ def _build(
     hf_logging.disable_progress_bar()  # the bootstrap shows its own progress
     started = time.monotonic()
     settings = settings.resolved()
-    counts = split_examples(settings.examples, settings.task_names())
-    taught = [_teach(settings, name, count, cache_dir, report) for name, count in counts.items()]
-    examples = [example for one in taught for example in one.examples]
-    if len(taught) > 1:
-        # Tasks mixed: the tokenizer is trained on the first examples.
-        random.Random(f"hpcrl-mix/{settings.seed}").shuffle(examples)
+    taught, examples = _taught_examples(settings, cache_dir, report)
     report("tokenizer", vocab_size=settings.vocab_size)
     tokenizer = train_tokenizer(chat_texts(examples[:6000]), vocab_size=settings.vocab_size)
     tokenizer.model_max_length = settings.max_positions
@@ -213,6 +212,7 @@ def _build(
     )
     where.mkdir(parents=True)
     save_model(model, tokenizer, where)
+    write_replay(where, examples, encoded, too_long)
     (where / CORPUS_FILE).write_text(json.dumps(_export(taught), indent=1) + "\n")
     mean_tokens = sum(len(e.input_ids) for e in encoded) / max(len(encoded), 1)
     return {
@@ -231,6 +231,47 @@ def _build(
         "build_seconds": round(time.monotonic() - started, 1),
         "torch_threads": torch.get_num_threads(),
     }
+
+
+def _taught_examples(
+    settings: BootstrapSettings, cache_dir: Path, report: Callable[..., None]
+) -> tuple[list[_Taught], list[Any]]:
+    """Each task's catalogue (measured, or from the cache in ``cache_dir``) and the examples
+    the policy is trained on, in training order."""
+    from hpcrl_bootstrap.examples import split_examples
+
+    counts = split_examples(settings.examples, settings.task_names())
+    taught = [_teach(settings, name, count, cache_dir, report) for name, count in counts.items()]
+    examples = [example for one in taught for example in one.examples]
+    if len(taught) > 1:
+        # Tasks mixed: the tokenizer is trained on the first examples.
+        random.Random(f"hpcrl-mix/{settings.seed}").shuffle(examples)
+    return taught, examples
+
+
+def _fill_replay(
+    settings: BootstrapSettings,
+    out: Path,
+    progress: Callable[[str, dict[str, Any]], None] | None,
+) -> None:
+    """Writes replay.jsonl into a policy built before the file existed: the same examples
+    drawn again from the catalogue (cached beside it; measured again, with progress, where
+    this host's class has no cache), encoded by the policy's own tokenizer."""
+    from transformers import AutoTokenizer
+
+    from hpcrl_bootstrap.train import encode_examples
+
+    settings = settings.resolved()
+
+    def report(stage: str, **fields: Any) -> None:
+        if progress is not None:
+            progress(stage, fields)
+
+    _, examples = _taught_examples(settings, out.parent, report)
+    tokenizer = AutoTokenizer.from_pretrained(str(out))
+    encoded, too_long = encode_examples(examples, tokenizer, settings.max_positions)
+    write_replay(out, examples, encoded, too_long)
+    log.info("replay examples written", path=str(out), examples=len(encoded))
 
 
 @dataclass
@@ -293,6 +334,29 @@ def _teach(
         stream=None if name == "matmul" else name,
     )
     return _Taught(name, measured, cache, pairs, examples)
+
+
+def write_replay(
+    where: Path, examples: Sequence[Any], encoded: Sequence[Any], too_long: Sequence[int]
+) -> None:
+    """replay.jsonl: the examples the policy was trained on, as their token ids (the
+    learner's supervised replay term reads it); ``encoded`` are the ``examples`` not in
+    ``too_long``, in order."""
+    left_out = set(too_long)
+    kept = [example for index, example in enumerate(examples) if index not in left_out]
+    staging = where / f".{REPLAY_FILE}.{os.getpid()}"
+    with staging.open("w", encoding="utf-8") as out:
+        for example, one in zip(kept, encoded, strict=True):
+            ids = one.input_ids
+            out.write(
+                replay_line(
+                    ids[: one.prompt_len],
+                    ids[one.prompt_len :],
+                    stage=example.target_stage,
+                    mode=example.mode,
+                )
+            )
+    os.replace(staging, where / REPLAY_FILE)
 
 
 def _export(taught: list[_Taught]) -> list[dict[str, Any]]:

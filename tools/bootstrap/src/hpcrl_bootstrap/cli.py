@@ -14,6 +14,7 @@ from hpcrl_bootstrap.build import BootstrapSettings, default_dir, ensure_model, 
 from hpcrl_bootstrap.motifs import TASKS
 from hpcrl_common.config import ServiceConfig
 from hpcrl_common.logs import configure_logging
+from hpcrl_common.replay import REPLAY_FILE
 from hpcrl_common.service import add_config_argument, load_or_exit
 
 _DEFAULTS = BootstrapSettings()
@@ -181,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    if is_ready(out) and not args.force:
+    if is_ready(out) and not args.force and (out / REPLAY_FILE).is_file():
         print(f"bootstrap model already built: {out}", file=sys.stderr)
     else:
         with _Progress() as progress:

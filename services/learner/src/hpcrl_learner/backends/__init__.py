@@ -38,6 +38,7 @@ class StepResult:
     sampler_kl_fresh: float = math.nan  # on samples of the current weights only
     entropy: float = math.nan
     ratio_mean: float = math.nan
+    replay_nll: float = math.nan  # per token, of the step's replay examples (NaN: no replay)
 
     @property
     def tokens_per_second(self) -> float:

@@ -29,6 +29,7 @@ from hpcrl_learner.batches import (
 )
 from hpcrl_learner.config import LearnerSettings
 from hpcrl_learner.grpo import LossSettings, LossStats, grpo_loss, token_logprobs_and_entropy
+from hpcrl_learner.replay import ReplayExample, load_replay, pick
 
 log = structlog.get_logger("hpcrl.learner.trainer")
 
@@ -160,6 +161,14 @@ class TorchTrainer:
         self.reference = self._load_reference()
         self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.replay: list[ReplayExample] = []
+        if settings.replay_coef > 0:
+            self.replay = load_replay(
+                settings.replay_file(),
+                vocab_size=self.vocab_size,
+                min_stage=settings.replay_min_stage,
+                max_tokens=settings.max_sequence_tokens,
+            )
         self._early: _Accumulated | None = None
         self.optimizer = torch.optim.AdamW(
             self.params,
@@ -508,6 +517,7 @@ class TorchTrainer:
             rest = [s for s in sequences if id(s) not in done]
         lr = float(self.scheduler.get_last_lr()[0])
         self._backward(rest, normalizer, stats, fresh_stats)
+        replay_nll = self._replay_backward() if self.replay else math.nan
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.settings.max_grad_norm))
         skipped = not math.isfinite(grad_norm)
         if skipped:
@@ -529,7 +539,34 @@ class TorchTrainer:
             learning_rate=lr,
             train_seconds=elapsed,
             early_seconds=early_seconds,
+            replay_nll=replay_nll,
         )
+
+    def _replay_backward(self) -> float:
+        """Adds the gradient of replay_coef x the mean negative log-likelihood (per completion
+        token) of this update's replay examples; returns that mean."""
+        self.model.train()
+        chosen = pick(self.replay, self.settings.replay_per_step, self.scheduler.last_epoch)
+        sequences = [
+            TrainSequence(
+                e.prompt_ids,
+                e.completion_ids,
+                np.zeros(len(e.completion_ids), dtype=np.float32),
+                0.0,
+            )
+            for e in chosen
+        ]
+        tokens = sum(len(s.completion_ids) for s in sequences)
+        total = 0.0
+        for micro in micro_batches(
+            sequences, self.settings.micro_batch_size, self.settings.micro_batch_tokens
+        ):
+            batch = collate(micro)
+            logp, _ = self._forward_logprobs(self.model, batch)
+            nll = -(logp * batch.completion_mask.to(self.device)).sum()
+            (nll * (self.settings.replay_coef / tokens)).backward()
+            total += float(nll.detach())
+        return total / tokens
 
     @torch.no_grad()
     def logprobs(self, sequences: Sequence[TrainSequence]) -> list[np.ndarray]:
