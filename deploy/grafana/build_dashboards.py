@@ -641,6 +641,13 @@ def policy() -> DashboardSpec:
             q("hpcrl_learner_entropy", "entropy"),
         ),
         ts(
+            "Replay NLL",
+            "Negative log-likelihood per token of the last step's supervised replay examples "
+            "(learner.replay_coef > 0; absent otherwise): rising, the policy forgets what it was "
+            "taught.",
+            q("hpcrl_learner_replay_nll", "replay NLL"),
+        ),
+        ts(
             "Zero-variance groups",
             "Share of the last step's groups whose rewards are all "
             "equal (every sample failed alike, or all equally good): they carry no preference "

@@ -501,7 +501,8 @@ def print_gain_held(evaluation: dict[str, Any]) -> None:
 def print_learner_health(versions: list[dict[str, Any]]) -> None:
     """The last step's optimisation figures beside their range over the run."""
     cells = []
-    for key in ("entropy", "kl", "clip_fraction", "grad_norm", "zero_variance_fraction"):
+    keys = ("entropy", "kl", "clip_fraction", "grad_norm", "zero_variance_fraction", "replay_nll")
+    for key in keys:
         values = [
             v[key] for v in versions if isinstance(v.get(key), int | float) and v[key] == v[key]
         ]  # not NaN

@@ -21,7 +21,14 @@ STEP_METRICS = (
     ("kl", "KL to version 0"),
     ("clip_fraction", "clip fraction"),
     ("zero_variance_fraction", "groups with equal rewards"),
+    ("replay_nll", "replay NLL (nats/token)"),
 )
+
+
+def _recorded(version: dict[str, Any], key: str) -> bool:
+    """The version has a number for ``key`` (NaN: not measured, e.g. no replay)."""
+    value = version.get(key)
+    return value is not None and value == value
 
 
 def _integer_x(axis: Any) -> None:
@@ -87,14 +94,14 @@ def best_gflops(
 def learner_health(versions: list[dict[str, Any]], out: Path) -> bool:
     """One panel per step metric the learner recorded; False (no file) without any."""
     shown = [
-        (key, label) for key, label in STEP_METRICS if any(v.get(key) is not None for v in versions)
+        (key, label) for key, label in STEP_METRICS if any(_recorded(v, key) for v in versions)
     ]
     if not shown:
         return False
     figure, axes = plt.subplots(len(shown), 1, figsize=(6, 2.2 * len(shown)), sharex=True)
     axes = [axes] if len(shown) == 1 else list(axes)
     for axis, (key, label) in zip(axes, shown, strict=True):
-        points = [(v["version"], v[key]) for v in versions if v.get(key) is not None]
+        points = [(v["version"], v[key]) for v in versions if _recorded(v, key)]
         axis.plot([p[0] for p in points], [p[1] for p in points], marker=".")
         axis.set_ylabel(label, fontsize="small")
         _integer_x(axis)
