@@ -20,6 +20,7 @@ from hpcrl_common.broker import Publish, Publisher
 from hpcrl_common.checkpoints import CheckpointStore
 from hpcrl_common.config import BrokerSettings
 from hpcrl_common.messages import WeightUpdate, decode
+from hpcrl_common.replay import replay_line
 from hpcrl_common.topology import ROLLOUT_BATCHES, WEIGHT_UPDATES, Topology
 from hpcrl_learner.backends import StepResult
 from hpcrl_learner.backends.torch import TorchTrainer
@@ -90,6 +91,8 @@ def test_learner_learns_commits_announces_and_drops_stale(
     broker_settings, raw_channel, tiny_model, tmp_path
 ):
     store_dir = tmp_path / "store"
+    replay = tmp_path / "replay.jsonl"
+    replay.write_text(replay_line(PROMPT, GOOD, stage=1, mode="seed"))
     config = LearnerConfig(
         broker=broker_settings,
         learner=LearnerSettings(
@@ -99,6 +102,8 @@ def test_learner_learns_commits_announces_and_drops_stale(
             learning_rate=3e-3,
             max_staleness=1,
             metrics_port=0,
+            replay_coef=0.1,
+            replay_path=replay,
         ),
     )
     updates_queue = listen_to_weight_updates(raw_channel, broker_settings)
@@ -136,7 +141,9 @@ def test_learner_learns_commits_announces_and_drops_stale(
         assert 0 <= v.metrics["clip_fraction"] <= 1 and v.metrics["grad_norm"] > 0
         assert v.metrics["zero_variance_fraction"] == 0.0 and v.metrics["groups_skipped"] == 0
         assert "kl" not in v.metrics
+        assert 0 < v.metrics["replay_nll"] < 50  # nats per token of a real model: finite, set
     assert metric("hpcrl_learner_entropy") == pytest.approx(versions[-1].metrics["entropy"])
+    assert metric("hpcrl_learner_replay_nll") == pytest.approx(versions[-1].metrics["replay_nll"])
     assert all(store.verify(v) for v in versions)
     updates = drain(raw_channel, updates_queue)
     assert [u.version for u in updates] == [1, 2]

@@ -262,6 +262,7 @@ class Learner:
                     "tokens",
                     "sampler_kl_fresh",
                     "entropy",
+                    "replay_nll",
                 )
             },
             "groups_skipped": float(sum(self._skipped(g) for g in groups)),

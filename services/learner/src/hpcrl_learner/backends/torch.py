@@ -197,6 +197,7 @@ class TorchTrainer:
             threads=torch.get_num_threads(),
             trainable=sum(p.numel() for p in self.params),
             reference=self.reference is not None or (self.lora and settings.beta > 0),
+            replay_examples=len(self.replay),
         )
 
     # --- loading ------------------------------------------------------------------------
