@@ -262,9 +262,9 @@ def test_the_steadiest_attempt_is_kept_with_the_count_and_the_flag() -> None:
 
 
 def test_a_noisy_measurement_is_timed_again_and_the_steadiest_kept(tmp_path: Path) -> None:
-    # noisy_first.c: one of the first attempt's three timed runs does ten times the work
-    # (cv ~1.06 when the other two agree; 0.88 once in CI, its first run 3x slow on a busy
-    # node: above max_timing_cv either way); a re-timing attempt runs steadily.
+    # noisy_first.c: one of the first attempt's three timed runs does thirty times the work
+    # (cv ~1.3 when the other two agree, ~1.2 with one of them 3x slow on a busy node, as
+    # seen in CI when it did ten times the work: cv 0.88); a re-timing attempt runs steadily.
     bench = make(tmp_path, max_timing_cv=0.3)
     before = sample("hpcrl_benchmarker_retimed_total")
     events = Events()
@@ -276,7 +276,7 @@ def test_a_noisy_measurement_is_timed_again_and_the_steadiest_kept(tmp_path: Pat
     assert timing is not None and 2 <= timing.attempts <= 3
     assert timing.cv < 0.9 and max(timing.runs_s) < 5 * min(timing.runs_s)
     # Every attempt is recorded; the first was the noisy one, the kept one the steadiest.
-    assert len(events.timings) == timing.attempts and events.timings[0].cv > 0.6
+    assert len(events.timings) == timing.attempts and events.timings[0].cv > 0.9
     assert timing.cv == min(t.cv for t in events.timings)
     assert timing.runs_s == min(events.timings, key=lambda t: t.cv).runs_s
     assert verdict.gflops == pytest.approx(2 * 256**3 / timing.mean_s / 1e9)
