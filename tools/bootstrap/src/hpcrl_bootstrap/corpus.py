@@ -125,10 +125,12 @@ class Kernel:
 # --- spec sampling -------------------------------------------------------------------------
 
 _TILES = (16, 32, 48, 64, 128)
-# Blocks up to 8 accumulators: larger ones are rarely faster here and cost many tokens (a
-# kernel is ~800 tokens under Qwen2's pre-tokenization, which the tiny policy must write).
+# Blocks up to 8 accumulators (a kernel is ~800 tokens under Qwen2's pre-tokenization, which
+# the tiny policy must write), and on AVX2 a 6x8 block of 12: with its 16 registers, 6x8 runs
+# at ~1.7x the 4x8 block at 256^3 on 2 Zen 3 cores (44-48 against 26-29 GFLOPS, 2 threads;
+# README, "Measurements"), so it is listed twice to be the catalogue's common fast form.
 _VECTOR_BLOCKS = {
-    "avx2": ((1, 1), (1, 2), (2, 1), (2, 2), (4, 1), (4, 2), (3, 2)),
+    "avx2": ((1, 1), (1, 2), (2, 1), (2, 2), (4, 1), (4, 2), (3, 2), (6, 2), (6, 2)),
     "avx512": ((1, 1), (1, 2), (2, 1), (2, 2), (4, 1), (4, 2), (3, 2)),
 }
 # Scalar blocks of at most 4 accumulators: scalar blocks measure slower than the ikj loop
@@ -407,7 +409,9 @@ def _zero_c(code: _Code, ctx: _Ctx) -> None:
     if ctx.mistake == NO_ZERO:
         return
     if ctx.spec.omp:
-        code.line(_omp_pragma(ctx.spec))
+        # Static whatever the kernel's schedule: dynamic hands out 65,536 one-element chunks
+        # at 256^2 and made a 6x8 AVX2 kernel 9x slower.
+        code.line("#pragma omp parallel for")
     if ctx.spec.style % 2 or ctx.index.c_ld != "N":
         code.open("for (int i = 0; i < M; i++)")
         code.open("for (int j = 0; j < N; j++)")
@@ -735,10 +739,49 @@ def _register_block(
         if pragma:
             code.line(_omp_pragma(spec))
         code.open(f"for (int i = {i_main}; i < {i1}; i++)")
-        code.open(f"for (int j = {j0}; j < {j1}; j++)")
+        if vec is not None:
+            # The leftover rows as one-row vector blocks: done as scalar dot products down B's
+            # columns they cost a 6x8 block at 256^3 (4 rows left) a third of its speed.
+            _vector_row(code, ctx, vec, "i", (j0, j_main), krange, accumulate)
+            code.open(f"for (int j = {j_main}; j < {j1}; j++)")
+        else:
+            code.open(f"for (int j = {j0}; j < {j1}; j++)")
         _scalar_dot(code, ctx, "i", "j", krange, accumulate)
         code.close()
         code.close()
+
+
+def _vector_row(
+    code: _Code,
+    ctx: _Ctx,
+    vec: _Vec,
+    row: str,
+    jrange: tuple[str, str],
+    krange: tuple[str, str],
+    accumulate: bool,
+) -> None:
+    """Row ``row`` of C over ``jrange`` (whole blocks of vectors) with the block's vectors."""
+    spec, index = ctx.spec, ctx.index
+    cols = spec.block_vectors * spec.width
+    offsets = [v * spec.width for v in range(spec.block_vectors)]
+    code.open(f"for (int j = {jrange[0]}; j < {jrange[1]}; j += {cols})")
+    decls = []
+    for v, offset in enumerate(offsets):
+        init = f"{vec.load}(&{index.c(row, _plus('j', offset))})" if accumulate else vec.zero
+        decls.append(f"r{v} = {init}")
+    code.line(f"{vec.type} " + ", ".join(decls) + ";")
+    code.open(f"for (int k = {krange[0]}; k < {krange[1]}; k++)")
+    code.line(f"{vec.type} a = {vec.set1}({index.a(row, 'k')});")
+    for v, offset in enumerate(offsets):
+        bref = index.b("k", _plus("j", offset))
+        if spec.fma:
+            code.line(f"r{v} = {vec.fma}(a, {vec.load}(&{bref}), r{v});")
+        else:
+            code.line(f"r{v} = {vec.add}(r{v}, {vec.mul}(a, {vec.load}(&{bref})));")
+    code.close()
+    for v, offset in enumerate(offsets):
+        code.line(f"{vec.store}(&{index.c(row, _plus('j', offset))}, r{v});")
+    code.close()
 
 
 def _scalar_dot(
