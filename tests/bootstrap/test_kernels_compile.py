@@ -8,6 +8,7 @@ import json
 import pytest
 
 from hpcrl_bootstrap import catalogue
+from hpcrl_bootstrap import corpus as cp
 from hpcrl_common.task import load_task
 
 pytestmark = pytest.mark.slow
@@ -54,3 +55,32 @@ def test_summary_and_export_count_distinct_verdicts(small_measured) -> None:
     distinct = {catalogue.verdict_key(m.kernel) for m in small_measured}
     assert summary["kernels"] == len(distinct) == len(catalogue.export(small_measured))
     assert sum(summary["statuses"].values()) == len(distinct)
+
+
+def test_six_row_avx2_blocks_leave_no_row_to_scalar_code(tmp_path) -> None:
+    """256 = 6 * 42 + 4: the leftover rows (and those of 255, 33 and 1, the verification
+    sizes) run as one-row vector blocks, untiled and in tiles, and every result is right."""
+    specs = [
+        cp.KernelSpec(family="block", block_rows=6, block_vectors=2, simd="avx2", omp="static"),
+        cp.KernelSpec(
+            family="block", block_rows=6, block_vectors=2, simd="avx2", tile=(48, 32, 128)
+        ),
+        cp.KernelSpec(
+            family="block",
+            block_rows=6,
+            block_vectors=2,
+            simd="avx2",
+            fma=False,
+            tile=(30, 48, 16),
+            tile_order="ijk",
+            omp="dynamic",
+        ),
+    ]
+    kernels = [cp.render_kernel(spec, spec.min_stage, "avx2") for spec in specs]
+    for kernel in kernels:
+        leftover = kernel.source.split("i = i_main" if kernel.spec.tile else "i = M_main")[1]
+        assert "_mm256_set1_pd" in leftover and "_mm256_storeu_pd" in leftover
+    measured, _ = catalogue.measure(kernels, load_task("matmul"), "O3", tmp_path)
+    assert [(m.status, m.generalizes) for m in measured] == [("success", True)] * 3, [
+        m.error[:200] for m in measured
+    ]

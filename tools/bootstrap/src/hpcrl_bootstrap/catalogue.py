@@ -122,9 +122,14 @@ def measure(
     opt_level: str,
     cache_dir: Path,
     progress: Progress | None = None,
-    workers: int = 2,
+    workers: int = 1,
 ) -> tuple[list[Measured], Path]:
-    """Every kernel judged by the benchmarker (cached per host class); and the cache file."""
+    """Every kernel judged by the benchmarker (cached per host class); and the cache file.
+
+    One kernel at a time by default: the node's timing lock keeps timings apart, not a
+    compile from a timing, and on 2 cores gcc beside a two-thread OpenMP kernel halved its
+    speed; improve pairs are chosen by these speeds, so the policy was taught that OpenMP
+    is slow (AVX2 node: best stage-4 kernel 19.4 GFLOPS with 2 workers, ~45 alone)."""
     from hpcrl_benchmarker.config import BenchmarkerSection
     from hpcrl_benchmarker.pipeline import Benchmarker
 
