@@ -129,7 +129,8 @@ def measure(
     One kernel at a time by default: the node's timing lock keeps timings apart, not a
     compile from a timing, and on 2 cores gcc beside a two-thread OpenMP kernel halved its
     speed; improve pairs are chosen by these speeds, so the policy was taught that OpenMP
-    is slow (AVX2 node: best stage-4 kernel 19.4 GFLOPS with 2 workers, ~45 alone)."""
+    is slow (AVX2 node, the same 156 kernels: the best of stages 4, 5 and 6 at 19.4, 24.2 and
+    20.0 GFLOPS with two workers, 26.3, 34.0 and 31.6 with one)."""
     from hpcrl_benchmarker.config import BenchmarkerSection
     from hpcrl_benchmarker.pipeline import Benchmarker
 
