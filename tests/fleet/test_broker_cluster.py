@@ -166,6 +166,10 @@ class Stream:
         self.sent: list[str] = []
         self.publisher_error: list[BaseException] = []
         self.stop_publishing = threading.Event()
+        # Set once the test has seen which node the publisher is on: the publisher holds its
+        # connection after the first message until then (its ~3 s of traffic can be over
+        # before `rabbitmqctl list_connections` answers on two busy cores).
+        self.publisher_seen = threading.Event()
         self.publishing = threading.Thread(
             target=self.publish_steadily, name="drill-publisher", daemon=True
         )
@@ -197,6 +201,9 @@ class Stream:
                     item = request(index)
                     publisher.publish(Publish(self.work_queue, item), attempts=20)
                     self.sent.append(item.id)
+                    if index == 0:
+                        self.publisher_seen.wait(DRILL_TIMEOUT_S)
+                        next_at = time.monotonic()
                     next_at += 1 / RATE_PER_S
                     time.sleep(max(0.0, next_at - time.monotonic()))
         except BaseException as exc:
@@ -224,7 +231,10 @@ def kill_a_mid_stream(
             assert "drill-consumer" in a.connection_names()  # url first: on node a
             stream.publishing.start()
             wait_for(lambda: stream.sent, DRILL_TIMEOUT_S, "the first publish")
-            assert "drill-publisher" in a.connection_names()
+            assert "drill-publisher" in a.connection_names(), [
+                (n.name, n.connection_names()) for n in nodes
+            ]
+            stream.publisher_seen.set()
             wait_for(
                 lambda: len(stream.handled()) >= KILL_AFTER,
                 DRILL_TIMEOUT_S,
