@@ -4,6 +4,7 @@ their stage, its broken twins really are broken, and the verdicts are cached per
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -80,6 +81,12 @@ def test_six_row_avx2_blocks_leave_no_row_to_scalar_code(tmp_path) -> None:
     for kernel in kernels:
         leftover = kernel.source.split("i = i_main" if kernel.spec.tile else "i = M_main")[1]
         assert "_mm256_set1_pd" in leftover and "_mm256_storeu_pd" in leftover
+        # The shape is named once; the loops and steps say MR and NV, never 6 or 2 (with
+        # literals, the policy wrote blocks whose declaration and loops disagreed).
+        source = kernel.source
+        assert "#define MR 6" in source and "#define NV 2" in source
+        assert "c[MR][NV]" in source and "i += MR" in source and "j += NV * 4" in source
+        assert not re.search(r"[<+%] [26]\b|\[[26]\]", source.split("#define NV 2")[1])
     measured, _ = catalogue.measure(kernels, load_task("matmul"), "O3", tmp_path)
     assert [(m.status, m.generalizes) for m in measured] == [("success", True)] * 3, [
         m.error[:200] for m in measured

@@ -32,11 +32,11 @@ def plan(request: pytest.FixtureRequest) -> catalogue.Plan:
 
 # Pinned so that no change to the other tasks moves GEMM's: a GEMM policy cached under
 # data/policy/bootstrap-<hash>/ stays valid, and its rebuild would be the same model. The
-# hash, catalogue and examples are those of build format 9 (vector blocks of several rows as
-# loops over c[rows][vectors], leftover rows as vector code, a 6x8 AVX2 block).
-DEFAULT_KEYS = {"avx512": "27ee55d36a03", "avx2": "6df28dde8be6"}
-MATMUL_PLAN = {"avx512": "b16219e82c12d5bd", "avx2": "748b9908383548cd"}
-MATMUL_EXAMPLES = {"avx512": "ad2971bf902ea885", "avx2": "ba4a9354ee1fe62d"}
+# hash, catalogue and examples are those of build format 10 (vector blocks of several rows
+# as loops over c[MR][NV], leftover rows as vector code, a 6x8 AVX2 block).
+DEFAULT_KEYS = {"avx512": "5b7421dda470", "avx2": "b585ed21d37f"}
+MATMUL_PLAN = {"avx512": "f742fefcc98d05d6", "avx2": "34cd45900e9e56ab"}
+MATMUL_EXAMPLES = {"avx512": "c74acf1a72822cfd", "avx2": "fb45752f8308815f"}
 
 
 @pytest.mark.parametrize("isa", ISAS)
