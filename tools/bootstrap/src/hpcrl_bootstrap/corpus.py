@@ -128,9 +128,9 @@ _TILES = (16, 32, 48, 64, 128)
 # Blocks up to 8 accumulators (a kernel is ~800 tokens under Qwen2's pre-tokenization, which
 # the tiny policy must write), and on AVX2 a 6x8 block of 12: with its 16 registers, 6x8 runs
 # at ~1.7x the 4x8 block at 256^3 on 2 Zen 3 cores (44-48 against 26-29 GFLOPS, 2 threads;
-# README, "Measurements"), so it is listed four times: the catalogue holds only 6-8 kernels
-# of each of stages 4-6, and at one in nine (or three in ten) seed 0 planned no OpenMP 6x8 at
-# stage 4.
+# bench/records/2026-11-29-measurements.md), so it is listed four times: the catalogue holds
+# only 6-8 kernels of each of stages 4-6, and at one in nine (or three in ten) seed 0 planned
+# no OpenMP 6x8 at stage 4.
 _VECTOR_BLOCKS = {
     "avx2": (
         (1, 1),
@@ -724,8 +724,8 @@ def _register_block(
             code.line(_omp_pragma(spec))
         code.open(f"for (int i = {i_main}; i < {i1}; i++)")
         if vec is not None:
-            # The leftover rows as one-row vector blocks: done as scalar dot products down B's
-            # columns they cost a 6x8 block at 256^3 (4 rows left) a third of its speed.
+            # The leftover rows as one-row vector blocks: as scalar dot products down B's
+            # columns, they cost a 6x8 block at 256^3 (4 rows left) a third of its speed.
             _vector_row(code, ctx, vec, "i", (j0, j_main), krange, accumulate)
             code.open(f"for (int j = {j_main}; j < {j1}; j++)")
         else:
