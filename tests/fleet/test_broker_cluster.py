@@ -270,6 +270,7 @@ def kill_a_mid_stream(
             names_b, names_c = b.connection_names(), c.connection_names()
         finally:
             stream.stop_publishing.set()
+            stream.publisher_seen.set()  # a failed check must not leave it waiting
             if stream.publishing.is_alive():
                 stream.publishing.join(15)
     return KillOfA(at_kill, failover_s, drained_s, names_b, names_c), logs
