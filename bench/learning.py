@@ -61,7 +61,6 @@ import sys
 from collections.abc import Callable
 from contextlib import closing
 from dataclasses import dataclass, field
-from itertools import zip_longest
 from pathlib import Path
 from typing import Any
 
@@ -69,10 +68,13 @@ from rich.console import Console
 from rich.table import Table
 
 from hpcrl_common.config import ConfigError, load_config
+from hpcrl_evaluate.retime import ROUNDS, Entry, Retimed, benchmarker_timers, retime
 from hpcrl_evaluate.run import metric_values, records_of
 from hpcrl_evaluate.stats import Interval, gain_difference
 from hpcrl_learner.config import LearnerConfig
+from hpcrl_scheduler import report
 from hpcrl_scheduler.config import SchedulerConfig
+from hpcrl_scheduler.store import Store
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "deploy/local/demo.py"
@@ -333,7 +335,8 @@ class BestComparison:
     trained: float | None
     control: float | None
     # Where the two figures above are the arms' fastest kernels timed again side by side
-    # (RETIME_*): each run's best as its run timed it, and OpenBLAS dgemm timed beside them.
+    # (fastest_children, retime): each run's best as its run timed it, and OpenBLAS dgemm
+    # timed beside them.
     in_run: tuple[float | None, float | None] | None = None  # (trained, lr 0)
     reference: float | None = None
 
@@ -352,111 +355,36 @@ class BestComparison:
 
 # --- each seed's fastest kernels timed again, both arms together -------------------------
 
-# A seed's two runs are timed minutes apart, and a shared node's speed drifts by more than
-# the gain to judge (idle AMD EPYC Zen 5, OpenBLAS dgemm timed every 15 s: 93-96 GFLOPS, then
-# 134-168 within a minute), so the run's best as its run timed it says as much about when it
-# ran as about the policy. The best-GFLOPS target compares each arm's fastest kernels timed
-# again side by side: interleaved, both arms in every round, the order reversed each round,
-# OpenBLAS dgemm once a round; each kernel's median over the rounds.
+# A seed's two runs are timed minutes apart on a node whose speed drifts by more than the gain
+# to judge (hpcrl_evaluate.retime), so the best-GFLOPS target compares each arm's fastest
+# kernels timed again side by side.
 RETIME_TOP = 4  # per arm: its run's fastest distinct correct children
-RETIME_ROUNDS = 3
 
 
-@dataclass(frozen=True)
-class Child:
-    """A correct child of a run, as its run timed it."""
-
-    arm: str
-    source: str
-    stage: int
-    gflops: float
-
-
-def fastest_children(name: str, arm: str, count: int = RETIME_TOP) -> list[Child]:
+def fastest_children(name: str, arm: str, count: int = RETIME_TOP) -> list[Entry]:
     """The ``count`` fastest distinct correct children of run ``name`` (the hand-written seed
     kernel left out, as in the run's best), fastest first; [] without its database."""
     path = DATA / name / "scheduler" / f"{name}.sqlite"
     if not path.is_file():
         return []
-    with closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
-        rows = db.execute(
-            "SELECT source, stage, MAX(gflops) AS best FROM programs WHERE status = 'success' "
-            "AND gflops IS NOT NULL AND source IS NOT NULL AND iteration >= 0 "
-            "GROUP BY source ORDER BY best DESC LIMIT ?",
-            (count,),
-        ).fetchall()
-    return [Child(arm, source, stage, gflops) for source, stage, gflops in rows]
+    store = Store(path, read_only=True)
+    try:
+        children = report.fastest_children(store, count)
+    finally:
+        store.close()
+    return [Entry(arm, p.source or "", p.stage, p.gflops or 0.0) for p in children]
 
 
-def interleaved(arms: list[list[Child]], round_index: int) -> list[Child]:
-    """One round's order: the arms' fastest first, alternating between arms, reversed every
-    other round so that a drift in the node's speed favours no arm and no rank."""
-    order = [child for tier in zip_longest(*arms) for child in tier if child is not None]
-    return order if round_index % 2 == 0 else order[::-1]
+Retimer = Callable[[list[list[Entry]]], Retimed]
 
 
-@dataclass(frozen=True)
-class Retimed:
-    best: dict[str, float | None]  # per arm: its fastest kernel's median (None: none held)
-    reference: float | None  # OpenBLAS dgemm's median over the rounds
-    medians: dict[Child, float | None]
-
-
-def retime(
-    arms: list[list[Child]],
-    time_child: Callable[[Child], float | None],
-    time_reference: Callable[[], float | None],
-    rounds: int = RETIME_ROUNDS,
-) -> Retimed:
-    """Every child timed ``rounds`` times in :func:`interleaved` order, the reference once
-    at the start of each round. A timing of None (a child that failed this time) is left
-    out of its median; a child with no successful timing has none."""
-    samples: dict[Child, list[float]] = {child: [] for arm in arms for child in arm}
-    references: list[float] = []
-    for index in range(rounds):
-        reference = time_reference()
-        if reference is not None:
-            references.append(reference)
-        for child in interleaved(arms, index):
-            gflops = time_child(child)
-            if gflops is not None:
-                samples[child].append(gflops)
-    medians = {c: statistics.median(s) if s else None for c, s in samples.items()}
-    best: dict[str, float | None] = {}
-    for arm in arms:
-        for child in arm:
-            value = medians[child]
-            if value is not None and value > (best.get(child.arm) or 0.0):
-                best[child.arm] = value
-            best.setdefault(child.arm, None)
-    return Retimed(best, statistics.median(references) if references else None, medians)
-
-
-Retimer = Callable[[list[list[Child]]], Retimed]
-
-
-def benchmarker_retimer(rounds: int = RETIME_ROUNDS) -> Retimer:
-    """:func:`retime` with the benchmarker the runs used (its sandbox, checks, verification
-    and timing lock) and OpenBLAS dgemm as the demo times it."""
-    from hpcrl_benchmarker.config import BenchmarkerSection
-    from hpcrl_benchmarker.pipeline import Benchmarker
+def benchmarker_retimer(rounds: int = ROUNDS) -> Retimer:
+    """:func:`retime` with the benchmarker the runs used and OpenBLAS dgemm."""
     from hpcrl_common.task import load_task
 
-    benchmarker = Benchmarker(BenchmarkerSection(pin_threads=False))
-    task = load_task("matmul")
     opt_level = load_config(SchedulerConfig, CONFIG, env={}).experiment.opt_level
-
-    def time_child(child: Child) -> float | None:
-        verdict = benchmarker.evaluate(
-            f"```c\n{child.source}\n```", stage=child.stage, opt_level=opt_level, task=task
-        )
-        return verdict.gflops if verdict.status == "success" else None
-
-    def time_reference() -> float | None:
-        openblas = benchmarker.reference(task).openblas
-        return None if openblas is None else openblas.gflops
-
-    return lambda arms: retime(arms, time_child, time_reference, rounds)
+    time_entry, time_reference = benchmarker_timers(load_task("matmul"), opt_level)
+    return lambda arms: retime(arms, time_entry, time_reference, rounds)
 
 
 @dataclass(frozen=True)
@@ -646,7 +574,7 @@ def compare_bests(
         return in_run
     console.print(
         f"seed {seed}: timing each arm's {RETIME_TOP} fastest kernels again, "
-        f"{RETIME_ROUNDS} interleaved rounds, beside OpenBLAS dgemm"
+        f"{ROUNDS} interleaved rounds, beside OpenBLAS dgemm"
     )
     retimed = retimer(arms)
     return BestComparison(
@@ -877,7 +805,7 @@ def main() -> int:
         action="store_true",
         help="judge the best-GFLOPS target on each run's best as its run timed it, instead "
         f"of timing each arm's {RETIME_TOP} fastest kernels of a seed again side by side "
-        f"({RETIME_ROUNDS} interleaved rounds, about a minute a seed)",
+        f"({ROUNDS} interleaved rounds, about a minute a seed)",
     )
     parser.add_argument(
         "--runs",

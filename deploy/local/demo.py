@@ -425,19 +425,28 @@ def print_learner_and_best(
             f"best kernel of the run: {best['gflops']:.2f} GFLOPS (stage "
             f"{best['stage']}, iteration {best['iteration']})"
         )
-    if corpus_best is not None:
+    corpus_best = corpus_best or {}
+    if "gflops" in corpus_best:
         console.print(
             f"best kernel of the policy's measured catalogue, same benchmarker: "
             f"{corpus_best['gflops']:.2f} GFLOPS (stage {corpus_best['stage']})"
         )
-        blas = corpus_best.get("openblas")
-        if blas and best is not None:
-            console.print(
-                f"OpenBLAS dgemm ({blas['core']} kernels), same machine, same run: "
-                f"{blas['gflops']:.2f} GFLOPS; the run's best is "
-                f"{best['gflops'] / blas['gflops']:.1%} of it and "
-                f"{best['gflops'] / corpus_best['gflops']:.0%} of the catalogue's best"
-            )
+    blas, again = corpus_best.get("openblas"), corpus_best.get("run")
+    if blas:
+        console.print(
+            f"OpenBLAS dgemm ({blas.get('core', '?')} kernels), same machine, same run: "
+            f"{blas['gflops']:.2f} GFLOPS (median of {blas.get('rounds', 1)} rounds)"
+        )
+    if again:
+        parts = [
+            f"the run's fastest kernels timed again beside them: best {again['gflops']:.2f} "
+            f"GFLOPS (stage {again['stage']}; {again['in_run']:.2f} as the run timed it)"
+        ]
+        if blas:
+            parts.append(f"{again['gflops'] / blas['gflops']:.1%} of OpenBLAS")
+        if "gflops" in corpus_best:
+            parts.append(f"{again['gflops'] / corpus_best['gflops']:.0%} of the catalogue's best")
+        console.print("; ".join(parts))
 
 
 def print_headline(
@@ -459,12 +468,14 @@ def print_headline(
             f"[bold]v{comparison['before']} -> v{comparison['after']}:[/] " + "; ".join(parts)
         )
         print_gain_held(evaluation)
-    best, blas = data.get("best"), (corpus_best or {}).get("openblas")
+    best = (corpus_best or {}).get("run")
+    blas = (corpus_best or {}).get("openblas")
     if best is not None and blas:
         console.print(
             f"[bold]best kernel:[/] {best['gflops']:.1f} GFLOPS (stage "
             f"{best['stage']}) = {best['gflops'] / blas['gflops']:.0%} of OpenBLAS "
-            f"dgemm ({blas['gflops']:.1f} GFLOPS, same run)"
+            f"dgemm ({blas['gflops']:.1f} GFLOPS), both timed again side by side after the "
+            f"run (medians of {blas.get('rounds', 1)} interleaved rounds)"
         )
 
 
@@ -841,7 +852,7 @@ def main(argv: list[str] | None = None) -> int:
             previous,
             db,
             checkpoints,
-            None if len(keys) > 1 else benchmark_corpus_best(config, model_dir),
+            None if len(keys) > 1 else benchmark_corpus_best(config, model_dir, db=db),
             earlier_overlap(run_dir / "metrics.json"),
             task_references(config, model_dir, keys),
         )
@@ -890,7 +901,7 @@ def main(argv: list[str] | None = None) -> int:
         for service in reversed(services):
             service.stop()
     overlap = probe.summary(data, db, checkpoints, resumed)
-    corpus_best = None if len(keys) > 1 else benchmark_corpus_best(config, model_dir)
+    corpus_best = None if len(keys) > 1 else benchmark_corpus_best(config, model_dir, db=db)
     references = task_references(config, model_dir, keys)
     evaluated = run_evaluation(args, config, model_dir, backend, checkpoints, run_dir)
     write_report(run_dir, data, db, checkpoints, corpus_best, overlap, references)
@@ -920,47 +931,96 @@ def task_references(
     }
 
 
+# The run's fastest children timed again beside the catalogue's bests and OpenBLAS.
+RUN_RETIMED = 4
+
+
 def benchmark_corpus_best(
-    config: SchedulerConfig, model_dir: Path, key: str | None = None
+    config: SchedulerConfig, model_dir: Path, key: str | None = None, db: Path | None = None
 ) -> dict[str, Any] | None:
-    """The fastest kernel of each stage of the policy's measured catalogue, timed again by
-    the same benchmarker in this run (so the comparison with the run's best is fair).
-    ``key``: one task of a run of several (its catalogue rows; no OpenBLAS dgemm here, the
-    task's reference is ``demo_tasks.time_reference``'s)."""
+    """The fastest kernel of each stage of the policy's measured catalogue and, given the
+    run's database ``db``, the run's RUN_RETIMED fastest children, timed again by the same
+    benchmarker in this run, side by side with OpenBLAS dgemm (``hpcrl_evaluate.retime``:
+    interleaved rounds, medians), so that the run's best against OpenBLAS and the catalogue
+    does not depend on how fast the node was when each was first timed.
+    ``key``: one task of a run of several (its catalogue rows; no OpenBLAS dgemm and no run
+    children here, the task's reference is ``demo_tasks.time_reference``'s)."""
     from hpcrl_benchmarker.config import BenchmarkerSection
     from hpcrl_benchmarker.pipeline import Benchmarker
     from hpcrl_common.task import load_task
+    from hpcrl_evaluate.retime import ROUNDS, Entry, benchmarker_timers, retime
+    from hpcrl_scheduler.report import fastest_children
 
-    path = model_dir / "corpus.json"
-    if not path.is_file():
-        return None
     task = load_task(key or config.experiment.task)
+    path = model_dir / "corpus.json"
     # A catalogue row without a task is of the GEMM catalogue (before several tasks).
-    rows = [
-        row
-        for row in json.loads(path.read_text())
-        if row["status"] == "success" and (key is None or row.get("task", "matmul") == task.name)
-    ]
-    benchmarker = Benchmarker(BenchmarkerSection(pin_threads=False))
-    best, per_stage = None, {}
-    for number in sorted({row["stage"] for row in rows}):
-        top = max((row for row in rows if row["stage"] == number), key=lambda r: r["gflops"])
-        verdict = benchmarker.evaluate(
-            f"```c\n{top['source']}\n```",
-            stage=number,
-            opt_level=config.experiment.opt_level,
-            task=task,
+    rows = (
+        [
+            row
+            for row in json.loads(path.read_text())
+            if row["status"] == "success"
+            and (key is None or row.get("task", "matmul") == task.name)
+        ]
+        if path.is_file()
+        else []
+    )
+    catalogue = [
+        Entry(f"stage {top['stage']}", top["source"], top["stage"], top["gflops"])
+        for top in (
+            max((r for r in rows if r["stage"] == number), key=lambda r: r["gflops"])
+            for number in sorted({r["stage"] for r in rows})
         )
-        if verdict.status != "success":
-            continue
-        per_stage[str(number)] = verdict.gflops
-        if best is None or verdict.gflops > best["gflops"]:
-            best = {"gflops": verdict.gflops, "stage": number}
-    if best is not None:
-        best["per_stage"] = per_stage
-        if key is None:
-            best["openblas"] = openblas_gflops(benchmarker, task)
-    return best
+    ]
+    run: list[Entry] = []
+    if key is None and db is not None and db.is_file():
+        store = Store(db, read_only=True)
+        try:
+            run = [
+                Entry("run", p.source or "", p.stage, p.gflops or 0.0)
+                for p in fastest_children(store, RUN_RETIMED)
+            ]
+        finally:
+            store.close()
+    if not catalogue and not run:
+        return None
+    benchmarker = Benchmarker(BenchmarkerSection(pin_threads=False))
+    time_entry, _ = benchmarker_timers(task, config.experiment.opt_level, benchmarker)
+    blas: dict[str, Any] = {}
+
+    def time_blas() -> float | None:
+        if key is not None or blas.get("unavailable"):
+            return None
+        timed = openblas_gflops(benchmarker, task)
+        if timed is None:
+            blas["unavailable"] = True
+            return None
+        blas.update(timed)
+        return timed["gflops"]
+
+    console.print(
+        f"timing again, side by side: the catalogue's best of each stage, the run's "
+        f"{len(run)} fastest kernels and OpenBLAS dgemm ({ROUNDS} interleaved rounds)"
+    )
+    retimed = retime([run, catalogue], time_entry, time_blas, ROUNDS)
+    per_stage = {
+        str(entry.stage): retimed.best[entry.group]
+        for entry in catalogue
+        if retimed.best[entry.group] is not None
+    }
+    best: dict[str, Any] = {}
+    if per_stage:
+        stage = max(per_stage, key=lambda s: per_stage[s])
+        best = {"gflops": per_stage[stage], "stage": int(stage), "per_stage": per_stage}
+    fastest = retimed.fastest("run")
+    if fastest is not None:
+        best["run"] = {
+            "gflops": retimed.medians[fastest],
+            "stage": fastest.stage,
+            "in_run": fastest.gflops,
+        }
+    if retimed.reference is not None:
+        best["openblas"] = {**blas, "gflops": retimed.reference, "rounds": ROUNDS}
+    return best or None
 
 
 def openblas_gflops(benchmarker: Any, task: Any) -> dict[str, Any] | None:

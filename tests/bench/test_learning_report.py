@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from rich.console import Console
 
+from hpcrl_evaluate.retime import Entry, Retimed
 from hpcrl_evaluate.stats import Interval
 from tests.support.scripts import load_script
 
@@ -341,65 +342,6 @@ def test_a_ctrl_c_lets_the_running_demo_stop_its_services(tmp_path):
 # --- the best-GFLOPS target on each arm's fastest kernels timed again side by side --------
 
 
-def child(arm: str, name: str, gflops: float = 10.0) -> Any:
-    return bench.Child(arm, f"/* {name} */", 4, gflops)
-
-
-def test_a_round_alternates_the_arms_and_every_other_round_runs_backwards() -> None:
-    trained = [child("trained", "t1"), child("trained", "t2"), child("trained", "t3")]
-    control = [child("lr 0", "c1")]
-    names = [[c.source for c in bench.interleaved([trained, control], r)] for r in (0, 1)]
-    assert names[0] == ["/* t1 */", "/* c1 */", "/* t2 */", "/* t3 */"]
-    assert names[1] == names[0][::-1]
-
-
-def test_retiming_side_by_side_undoes_a_drift_that_the_runs_own_timings_show() -> None:
-    """The runs timed the control while the node was fast (its best reads 150) and the
-    trained run while it was slow (100); timed again side by side on a node that speeds up
-    by half between each timing, the trained arm's kernel, 20 % faster, comes out ahead."""
-    true_speed = {"/* t */": 60.0, "/* c */": 50.0, "/* c2 */": 20.0}
-    trained, control = (
-        [child("trained", "t", 100.0)],
-        [
-            child("lr 0", "c", 150.0),
-            child("lr 0", "c2", 60.0),
-        ],
-    )
-    calls: list[str] = []
-
-    def node_speed() -> float:
-        return 1.0 + 0.5 * len(calls)
-
-    def time_child(c: Any) -> float:
-        value = true_speed[c.source] * node_speed()
-        calls.append(c.source)
-        return value
-
-    def time_reference() -> float:
-        value = 90.0 * node_speed()
-        calls.append("openblas")
-        return value
-
-    retimed = bench.retime([trained, control], time_child, time_reference, rounds=3)
-    assert len(calls) == 3 * 4
-    assert retimed.best["trained"] > retimed.best["lr 0"]
-    assert retimed.medians[control[1]] < retimed.medians[control[0]]
-    assert retimed.reference is not None and retimed.reference > 90.0
-
-
-def test_a_kernel_that_fails_when_timed_again_has_no_median() -> None:
-    trained, control = [child("trained", "t")], [child("lr 0", "c")]
-    flaky = iter([12.0, None, 14.0])
-    retimed = bench.retime(
-        [trained, control],
-        lambda c: None if c.arm == "lr 0" else next(flaky),
-        lambda: None,
-        rounds=3,
-    )
-    assert retimed.best == {"trained": 13.0, "lr 0": None}
-    assert retimed.reference is None
-
-
 def test_the_fastest_children_are_distinct_correct_children_not_the_seed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -445,14 +387,14 @@ def test_the_target_is_judged_on_the_kernels_timed_again(
             json.dumps(metrics([{"3": best}], {"gflops": best, "stage": 3, "iteration": 0}))
         )
     children = {
-        trained.run_name(0): [child("trained", "t", 80.0)],
-        control.run_name(0): [child("lr 0", "c", 110.0)],
+        trained.run_name(0): [Entry("trained", "/* t */", 4, 80.0)],
+        control.run_name(0): [Entry("lr 0", "/* c */", 4, 110.0)],
     }
     monkeypatch.setattr(bench, "fastest_children", lambda name, arm: children[name])
 
     def retimer(arms: list[list[Any]]) -> Any:
-        best = {arm[0].arm: {"trained": 99.0, "lr 0": 80.0}[arm[0].arm] for arm in arms}
-        return bench.Retimed(best, 120.0, {})
+        best = {arm[0].group: {"trained": 99.0, "lr 0": 80.0}[arm[0].group] for arm in arms}
+        return Retimed(best, 120.0, {})
 
     printed = io.StringIO()
     monkeypatch.setattr(bench, "console", Console(file=printed, width=250, color_system=None))
@@ -470,7 +412,7 @@ def test_the_benchmarker_retimer_times_real_kernels_and_openblas() -> None:
     seed = builtin_seed("matmul")
     assert seed is not None
     retimed = bench.benchmarker_retimer(rounds=1)(
-        [[bench.Child("trained", seed, 1, 1.0)], [bench.Child("lr 0", seed + "\n", 1, 1.0)]]
+        [[Entry("trained", seed, 1, 1.0)], [Entry("lr 0", seed + "\n", 1, 1.0)]]
     )
     assert (retimed.best["trained"] or 0) > 0 and (retimed.best["lr 0"] or 0) > 0
     assert retimed.reference is not None and retimed.reference > retimed.best["trained"]

@@ -134,6 +134,22 @@ def _children_ok(store: Store, task: str | None = None) -> list[Program]:
     ]
 
 
+def fastest_children(store: Store, count: int, task: str | None = None) -> list[Program]:
+    """The ``count`` fastest correct children with distinct sources, fastest first (a
+    source filed twice counts once, at its faster figure)."""
+    ranked = sorted(_children_ok(store, task), key=lambda p: (p.gflops or 0.0, p.id), reverse=True)
+    seen: set[str | None] = set()
+    fastest = []
+    for program in ranked:
+        if program.source is None or program.source in seen:
+            continue
+        seen.add(program.source)
+        fastest.append(program)
+        if len(fastest) == count:
+            break
+    return fastest
+
+
 def _best_overall(store: Store, task: str | None = None) -> Program | None:
     ok = _children_ok(store, task)
     return max(ok, key=lambda p: (p.gflops or 0.0, p.id), default=None)
