@@ -31,7 +31,8 @@ kernels: their mix of prompts drifts with what the policy wrote. Printed:
    two runs of a seed are timed minutes apart on a node whose speed drifts by more than that
    gain, so each arm's 4 fastest kernels are timed again side by side (3 rounds, interleaved,
    the order reversed each round, OpenBLAS dgemm once a round) and each arm's best is its
-   fastest kernel's median; the table shows the runs' own figures beside them
+   fastest kernel's median (each kernel's figures also in
+   <runs>/retimed-<trained run>.json); the table shows the runs' own figures beside them
    (--no-retime judges on those);
 5. per seed and arm: the children the run filed (its scheduler database), OpenMP, SIMD-only
    and scalar, in the first and the second half of the iterations: count, share correct, mean
@@ -555,10 +556,11 @@ def compare_bests(
     t_metrics: dict[str, Any] | None,
     c_metrics: dict[str, Any] | None,
     retimer: Retimer | None,
+    out: Path | None = None,
 ) -> BestComparison:
     """The seed's best GFLOPS, trained against lr 0: each arm's fastest children timed again
-    together (``retimer``), or without one (or without a run's database), as the runs timed
-    them."""
+    together (``retimer``; each kernel's figures printed and, given ``out``, written there as
+    JSON), or without one (or without a run's database), as the runs timed them."""
     in_run = BestComparison(seed, run_best(t_metrics), run_best(c_metrics))
     if retimer is None or t_metrics is None or c_metrics is None:
         return in_run
@@ -577,6 +579,10 @@ def compare_bests(
         f"{ROUNDS} interleaved rounds, beside OpenBLAS dgemm"
     )
     retimed = retimer(arms)
+    console.print(retimed_table(retimed, seed))
+    if out is not None:
+        out.write_text(json.dumps(retimed_record(retimed), indent=1))
+        console.print(f"figures: {out}")
     return BestComparison(
         seed,
         retimed.best.get("trained"),
@@ -584,6 +590,29 @@ def compare_bests(
         in_run=(in_run.trained, in_run.control),
         reference=retimed.reference,
     )
+
+
+def retimed_record(retimed: Retimed) -> dict[str, Any]:
+    """What the re-timing found, as JSON: each kernel's median beside its run's figure."""
+    return {
+        "rounds": ROUNDS,
+        "openblas_gflops": retimed.reference,
+        "best": retimed.best,
+        "kernels": [
+            {"arm": e.group, "stage": e.stage, "in_run": e.gflops, "median": median}
+            for e, median in retimed.medians.items()
+        ],
+    }
+
+
+def retimed_table(retimed: Retimed, seed: int) -> Table:
+    table = Table(title=f"Seed {seed}: fastest kernels timed again (GFLOPS)")
+    for column in ("arm", "stage", "as its run timed it", f"median of {ROUNDS}"):
+        table.add_column(column)
+    for entry, median in retimed.medians.items():
+        table.add_row(entry.group, str(entry.stage), _gflops(entry.gflops), _gflops(median))
+    table.add_row("OpenBLAS dgemm", "", "", _gflops(retimed.reference))
+    return table
 
 
 def report_best_gflops(
@@ -600,7 +629,17 @@ def report_best_gflops(
     for seed in seeds:
         t_metrics = read_metrics(runs / trained.run_name(seed))
         c_metrics = read_metrics(runs / control.run_name(seed))
-        comparisons.append(compare_bests(seed, control, trained, t_metrics, c_metrics, retimer))
+        comparisons.append(
+            compare_bests(
+                seed,
+                control,
+                trained,
+                t_metrics,
+                c_metrics,
+                retimer,
+                runs / f"retimed-{trained.run_name(seed)}.json",
+            )
+        )
         if t_metrics is None or c_metrics is None:
             unread.append(seed)
             continue

@@ -393,8 +393,8 @@ def test_the_target_is_judged_on_the_kernels_timed_again(
     monkeypatch.setattr(bench, "fastest_children", lambda name, arm: children[name])
 
     def retimer(arms: list[list[Any]]) -> Any:
-        best = {arm[0].group: {"trained": 99.0, "lr 0": 80.0}[arm[0].group] for arm in arms}
-        return Retimed(best, 120.0, {})
+        medians = {arm[0]: {"trained": 99.0, "lr 0": 80.0}[arm[0].group] for arm in arms}
+        return Retimed({e.group: m for e, m in medians.items()}, 120.0, medians)
 
     printed = io.StringIO()
     monkeypatch.setattr(bench, "console", Console(file=printed, width=250, color_system=None))
@@ -402,6 +402,12 @@ def test_the_target_is_judged_on_the_kernels_timed_again(
     out = printed.getvalue()
     assert "110.00 / 80.00" in out and "120.00" in out  # the runs' own figures, OpenBLAS
     assert "+24%" in out and "in 1 of 1 seeds" in out
+    record = json.loads((tmp_path / f"retimed-{trained.run_name(0)}.json").read_text())
+    assert record["best"] == {"trained": 99.0, "lr 0": 80.0}
+    assert {(k["arm"], k["in_run"], k["median"]) for k in record["kernels"]} == {
+        ("trained", 80.0, 99.0),
+        ("lr 0", 110.0, 80.0),
+    }
 
 
 def test_the_benchmarker_retimer_times_real_kernels_and_openblas() -> None:
