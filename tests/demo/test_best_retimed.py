@@ -8,6 +8,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 from hpcrl_common.task import builtin_seed
 from hpcrl_scheduler.config import SchedulerConfig
 from hpcrl_scheduler.report import fastest_children
@@ -62,3 +64,19 @@ def test_the_runs_best_is_timed_again_beside_openblas_and_the_catalogue(
     assert run["in_run"] == 500.0 and 0 < run["gflops"] < blas["gflops"]
     assert blas["rounds"] == 3 and blas["core"]
     assert set(best["per_stage"]) == {"1"} and best["stage"] == 1
+
+
+def test_the_headline_says_how_the_best_kernel_was_timed(monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    from rich.console import Console
+
+    printed = io.StringIO()
+    monkeypatch.setattr(demo, "console", Console(file=printed, width=200, color_system=None))
+    blas = {"gflops": 100.0, "rounds": 3, "core": "SkylakeX"}
+    data = {"best": {"gflops": 90.0, "stage": 4, "iteration": 3}}
+    demo.print_headline(None, data, {"openblas": blas, "run": {"gflops": 70.0, "stage": 4}})
+    demo.print_headline(None, data, {"openblas": blas})  # a run's database not read
+    first, second = printed.getvalue().splitlines()
+    assert "70.0 GFLOPS (stage 4) = 70% of OpenBLAS" in first and "side by side" in first
+    assert "90.0 GFLOPS (stage 4) = 90% of OpenBLAS" in second and "as the run timed" in second
