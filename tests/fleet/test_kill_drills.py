@@ -547,6 +547,12 @@ def test_benchmarker_replica_added_and_another_removed_mid_run(fleet_factory):
         a.frozen = False
     assert held >= 1, "the broker never gave replica A a candidate"
     done_at_removal = fleet.done()
+    assert fleet.iteration() < fleet.iterations - 1, "no iteration left to plan after A"
+    # The scheduler waits while A is removed, so that the run still has groups to request
+    # once A has exited: on a fast node the run's last groups once all went out during A's
+    # stop, leaving nothing to show that B alone judges after it.
+    scheduler = procs["scheduler"]
+    fleet.freeze(scheduler)
     removed_at = time.monotonic()
     a.retired = True
     fleet.signal(a, signal.SIGTERM)  # removed, gracefully
@@ -556,6 +562,8 @@ def test_benchmarker_replica_added_and_another_removed_mid_run(fleet_factory):
     code_a = fleet.terminate(a, grace_s=45)
     exited_at = time.time()
     stop_s = time.monotonic() - removed_at
+    fleet.signal(scheduler, signal.SIGCONT)
+    scheduler.frozen = False
     assert code_a == 0, fleet.tail(a)
     assert not done_at_removal, "the run ended before replica A could be removed"
 
