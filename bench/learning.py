@@ -43,6 +43,7 @@ kernels: their mix of prompts drifts with what the policy wrote. Printed:
     .venv/bin/python bench/learning.py --reward-modes parent_relative group_normalized
     .venv/bin/python bench/learning.py --seeds 0 --iterations 2 --eval-samples 4   # quicker
     .venv/bin/python bench/learning.py --seeds 0 --variant nokl:learner.beta=0     # a sweep
+    .venv/bin/python bench/learning.py --variants-only --variant clip02:learner.max_grad_norm=0.2
 
 With several reward modes, learning rates or variants, every trained arm is compared with the
 same lr-0 run of its seed: at learning rate 0 the weights never move, whatever the rewards.
@@ -383,8 +384,10 @@ def benchmarker_retimer(rounds: int = ROUNDS) -> Retimer:
     """:func:`retime` with the benchmarker the runs used and OpenBLAS dgemm."""
     from hpcrl_common.task import load_task
 
-    opt_level = load_config(SchedulerConfig, CONFIG, env={}).experiment.opt_level
-    time_entry, time_reference = benchmarker_timers(load_task("matmul"), opt_level)
+    experiment = load_config(SchedulerConfig, CONFIG, env={}).experiment
+    time_entry, time_reference = benchmarker_timers(
+        load_task(experiment.task), experiment.opt_level
+    )
     return lambda arms: retime(arms, time_entry, time_reference, rounds)
 
 
@@ -770,6 +773,20 @@ def check_variant(variant: Variant, parser: argparse.ArgumentParser) -> None:
             parser.error(f"--variant {variant.name}: {exc}")
 
 
+def trained_arms(
+    learning_rates: list[float],
+    modes: list[str],
+    variants: list[Variant],
+    variants_only: bool = False,
+) -> list[Arm]:
+    """Every trained arm of a bench: each learning rate under each reward mode, with the
+    demo's own settings (unless ``variants_only``) and with each variant's."""
+    settings = variants if variants_only else [None, *variants]
+    return [
+        Arm(lr, mode, variant) for mode in modes for lr in learning_rates for variant in settings
+    ]
+
+
 def main() -> int:
     demo_learner = load_config(LearnerConfig, CONFIG, env={}).learner
     demo_scheduler = load_config(SchedulerConfig, CONFIG, env={}).scheduler
@@ -820,6 +837,12 @@ def main() -> int:
         "dapo:learner.skip_zero_variance_groups=true,learner.clip_eps_high=0.28",
     )
     parser.add_argument(
+        "--variants-only",
+        action="store_true",
+        help="train only the --variant arms, not the demo's own settings beside them "
+        "(a sweep that already has, or does not need, the demo's trained arm)",
+    )
+    parser.add_argument(
         "--reuse",
         action="store_true",
         help="reuse runs that already finished (their evaluation.json) instead "
@@ -862,14 +885,16 @@ def main() -> int:
 
     for variant in args.variant:
         check_variant(variant, parser)
+    if args.variants_only and not args.variant:
+        parser.error("--variants-only needs at least one --variant")
     modes = args.reward_modes or [demo_scheduler.reward_mode]
     control = Arm(0.0)
-    trained = [
-        Arm(lr, mode, variant)
-        for mode in modes
-        for lr in args.learning_rate or [demo_learner.learning_rate]
-        for variant in (None, *args.variant)
-    ]
+    trained = trained_arms(
+        args.learning_rate or [demo_learner.learning_rate],
+        modes,
+        args.variant,
+        args.variants_only,
+    )
     runs: dict[Arm, list[dict[str, Any]]] = {arm: [] for arm in (control, *trained)}
     console.print(
         f"[bold]Experiment 2:[/] {args.iterations_total} iterations x seeds "

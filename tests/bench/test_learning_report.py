@@ -222,6 +222,15 @@ def test_a_variant_arm_runs_under_its_own_name_with_its_settings_in_the_environm
     assert "dapo" in arm.label
 
 
+def test_variants_only_leaves_out_the_arm_with_the_demos_own_settings() -> None:
+    clip = bench.Variant.parse("clip02:learner.max_grad_norm=0.2")
+    both = bench.trained_arms([2e-4], ["group_normalized"], [clip])
+    assert [arm.variant for arm in both] == [None, clip]
+    only = bench.trained_arms([2e-4, 1e-4], ["group_normalized"], [clip], variants_only=True)
+    assert [(arm.lr, arm.variant) for arm in only] == [(2e-4, clip), (1e-4, clip)]
+    assert only[0].run_name(1) == "learning-group-normalized-clip02-lr0p0002-s1"
+
+
 @pytest.mark.parametrize("text", ["dapo", "Dapo:learner.beta=0", "x:beta=0", "x:learner.beta"])
 def test_a_malformed_variant_is_refused(text: str) -> None:
     with pytest.raises(argparse.ArgumentTypeError):
