@@ -323,3 +323,52 @@ def test_a_winner_is_not_confirmed_by_its_own_broker_user_where_another_has_the_
     group = scheduler.store.group(request.id)
     assert group is not None and group.state == "closed" and group.excluded == 1
     assert [p.id for p in scheduler.store.all_programs() if p.id != "seed"] == [f"{request.id}/0"]
+
+
+@pytest.mark.parametrize("rounds", [3, 1])
+def test_a_runner_up_measured_once_above_the_confirmed_winner_is_measured_again(
+    broker_settings, raw_channel, tmp_path, rounds
+):
+    """The winner (3.0) is confirmed at 2.0, its lower measurement; the runner-up (2.8,
+    measured once) would count at that ceiling too, tied with it. With rounds left it is
+    measured again (2.6) and the group's rewards rank the two by their lower measurements;
+    with one round it is capped at the ceiling, as before."""
+    topology = Topology(broker_settings.namespace, broker_settings.delivery_limit)
+    _scheduler, consumer, _svc = service(
+        broker_settings,
+        tmp_path,
+        f"runner-up-{rounds}",
+        reward_mode="group_normalized",
+        confirm_rounds=rounds,
+    )
+    with RunningConsumer(consumer), Publisher(broker_settings) as publisher:
+        [request] = take(raw_channel, topology.name(GENERATE_REQUESTS), GenerateRequest)
+        winner = bench_result(request.id, 0, 3.0)
+        runner_up = bench_result(request.id, 1, 2.8)
+        publisher.publish(*committed(topology, (winner, runner_up)))
+        [check] = take(raw_channel, topology.name(CODE_TO_BENCH), Candidate)
+        assert "/* kernel 0 */" in check.completion
+        publisher.publish(
+            Publish(
+                topology.name(BENCH_RESULTS),
+                bench_result(check.group_id, 0, 2.0, benchmarker="benchmarker-b", kernel=0),
+            )
+        )
+        if rounds > 1:
+            [again] = take(raw_channel, topology.name(CODE_TO_BENCH), Candidate)
+            assert again.group_id == f"{request.id}.confirm2"
+            assert "/* kernel 1 */" in again.completion
+            assert take(raw_channel, topology.name(ROLLOUT_BATCHES), RolloutBatch, 1.0) == []
+            publisher.publish(
+                Publish(
+                    topology.name(BENCH_RESULTS),
+                    bench_result(again.group_id, 0, 2.6, benchmarker="benchmarker-b", kernel=1),
+                )
+            )
+        [batch] = take(raw_channel, topology.name(ROLLOUT_BATCHES), RolloutBatch)
+        assert take(raw_channel, topology.name(CODE_TO_BENCH), Candidate, timeout=0.5) == []
+    rewards = {s.candidate_id: s.reward for s in batch.samples}
+    if rounds > 1:
+        assert rewards == {runner_up.id: 100.0, winner.id: pytest.approx(100.0 * 2.0 / 2.6)}
+    else:
+        assert rewards == {winner.id: 100.0, runner_up.id: 100.0}
