@@ -294,6 +294,14 @@ class Store:
         value = self._scalar("SELECT value FROM meta WHERE key = ?", (key,))
         return default if value is None else json.loads(value)
 
+    def items(self, prefix: str) -> list[tuple[str, Any]]:
+        """The meta rows whose key starts with ``prefix``, in key order."""
+        rows = self._query(
+            "SELECT key, value FROM meta WHERE substr(key, 1, ?) = ? ORDER BY key",
+            (len(prefix), prefix),
+        )
+        return [(key, json.loads(value)) for key, value in rows]
+
     def set(self, key: str, value: Any) -> None:
         self._execute(
             "INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO UPDATE "
