@@ -59,10 +59,12 @@ NO_ROLLOUT = Counter(
 )
 CONFIRMATIONS = Counter(
     "hpcrl_scheduler_confirmations_total",
-    "Second measurements of group winners (of the generator's committed text): requested; "
+    "Second measurements of group winners, and of a success measured once above a "
+    "confirmed winner (of the generator's committed text): requested; "
     "answered agreed, disagreed (the committed text yields another source than the one "
     "reported, or measures far below the claim: winner dropped, host suspect) or "
-    "inconclusive (another host class); winners dropped timed_out or unconfirmed (rounds "
+    "inconclusive (another host class); winners dropped timed_out (a runner-up's: it "
+    "counts at the confirmed winner's figure) or unconfirmed (rounds "
     "spent); no_source (not re-measurable: dropped, or counted with confirm_without_source "
     "= count); no_text (no committed text: dropped); reported_source (no committed text, "
     "re-measured from the source it reports: require_committed_text = false)",
