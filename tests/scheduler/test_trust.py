@@ -372,3 +372,39 @@ def test_a_runner_up_measured_once_above_the_confirmed_winner_is_measured_again(
         assert rewards == {runner_up.id: 100.0, winner.id: pytest.approx(100.0 * 2.0 / 2.6)}
     else:
         assert rewards == {winner.id: 100.0, runner_up.id: 100.0}
+
+
+def test_a_runner_up_whose_second_measurement_is_far_below_is_dropped_and_its_host_suspect(
+    broker_settings, raw_channel, tmp_path
+):
+    """Measured again, the runner-up is judged as a winner is: 2.8 claimed above the
+    confirmed winner's 2.0, 0.5 measured again (beyond the tolerance's 3x) drops it and marks
+    its host; the winner's figure stands alone in the batch."""
+    topology = Topology(broker_settings.namespace, broker_settings.delivery_limit)
+    _scheduler, consumer, svc = service(
+        broker_settings, tmp_path, "runner-up-forged", reward_mode="group_normalized"
+    )
+    with RunningConsumer(consumer), Publisher(broker_settings) as publisher:
+        [request] = take(raw_channel, topology.name(GENERATE_REQUESTS), GenerateRequest)
+        winner = bench_result(request.id, 0, 3.0)
+        forged = bench_result(request.id, 1, 2.8, benchmarker="evil", hostname="node3")
+        publisher.publish(*committed(topology, (winner, forged)))
+        [check] = take(raw_channel, topology.name(CODE_TO_BENCH), Candidate)
+        publisher.publish(
+            Publish(
+                topology.name(BENCH_RESULTS),
+                bench_result(check.group_id, 0, 2.0, benchmarker="benchmarker-b", kernel=0),
+            )
+        )
+        [again] = take(raw_channel, topology.name(CODE_TO_BENCH), Candidate)
+        assert "/* kernel 1 */" in again.completion
+        publisher.publish(
+            Publish(
+                topology.name(BENCH_RESULTS),
+                bench_result(again.group_id, 0, 0.5, benchmarker="benchmarker-b", kernel=1),
+            )
+        )
+        [batch] = take(raw_channel, topology.name(ROLLOUT_BATCHES), RolloutBatch)
+        _healthy, detail = svc.health()
+    assert {s.candidate_id: s.reward for s in batch.samples} == {winner.id: 100.0}
+    assert "node3/evil" in detail["suspect_hosts"]
