@@ -20,6 +20,7 @@ is left only where rounds ran out. Per run, over its groups with a confirmed win
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 from dataclasses import dataclass
@@ -69,16 +70,12 @@ def ranks_of(store: Store) -> list[GroupRanks]:
             GroupRanks(
                 first=first,
                 counted=state.adjusted[winner],
-                top_tied=len(counted) > 1 and _tied(counted[0], counted[1]),
-                first_tied=len(raw) > 1 and _tied(raw[0], raw[1]),
+                top_tied=len(counted) > 1 and math.isclose(counted[0], counted[1], rel_tol=TIE),
+                first_tied=len(raw) > 1 and math.isclose(raw[0], raw[1], rel_tol=TIE),
                 rounds=state.round,
             )
         )
     return found
-
-
-def _tied(a: float, b: float) -> bool:
-    return abs(a - b) <= TIE * max(abs(a), abs(b), 1.0)
 
 
 def row(name: str, ranks: list[GroupRanks]) -> list[str]:

@@ -27,7 +27,7 @@ The group stays open (its rewards, pool children and rollout batch wait) until t
   confirmed winner), and the group closes; except that a success measured once *above* the
   confirmed winner's lower measurement would count there too, tied with it although the
   group's own timings ranked them (on a busy node the lower measurement erased the winner's
-  lead in ~40 % of groups): while ``confirm_rounds`` last, the fastest such success is
+  lead in 35-52 % of groups): while ``confirm_rounds`` last, the fastest such success is
   measured again in turn and counts at its own lower measurement (no committed text, no
   answer in time or no rounds left: at the winner's, as before), so near-ties are settled
   by like measurements and nothing counts above a figure measured twice;

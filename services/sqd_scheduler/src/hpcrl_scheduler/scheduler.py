@@ -757,11 +757,7 @@ class Scheduler:
             state.dropped.append(winner.id)
             s.set(key, state.to_json())
             return self._confirming(group, results, now, reason, overdue)
-        text = s.committed_text(
-            winner.id,
-            rollout_sha256=None if winner.rollout is None else rollout_sha256(winner.rollout),
-            completion_sha256=winner.completion_sha256,
-        )
+        text = self._committed_text(winner)
         if text is None and self.section.require_committed_text:
             # Measured again from the source it reports, a fast kernel from elsewhere
             # reported against a slow candidate would be confirmed (and that candidate's
@@ -794,7 +790,7 @@ class Scheduler:
         """A winner is confirmed, at the lower of its two measurements. A success of the
         group measured once above that ceiling would count at the ceiling too (state.apply),
         tied with the winner although the group's own timings ranked them: in a run on a
-        busy node that erased the winner's lead in ~40 % of groups. While rounds are left,
+        busy node that erased the winner's lead in 35-52 % of groups. While rounds are left,
         the fastest such success is measured again as the winner was, so that the group's
         top ranks compare lower measurements with lower measurements. True while one is in
         flight. One that cannot be measured again (no committed text, no answer in time, no
@@ -832,15 +828,19 @@ class Scheduler:
         if not above:
             return False
         runner_up = max(above, key=lambda r: (r.gflops or 0.0, -r.index))
-        text = s.committed_text(
-            runner_up.id,
-            rollout_sha256=None if runner_up.rollout is None else rollout_sha256(runner_up.rollout),
-            completion_sha256=runner_up.completion_sha256,
-        )
+        text = self._committed_text(runner_up)
         if text is None and self.section.require_committed_text:
             return False
         self._request_confirmation(group, state, runner_up, text, now, reason)
         return True
+
+    def _committed_text(self, result: BenchResult) -> str | None:
+        """The text the generator committed to for ``result``'s candidate, if it did."""
+        return self.store.committed_text(
+            result.id,
+            rollout_sha256=None if result.rollout is None else rollout_sha256(result.rollout),
+            completion_sha256=result.completion_sha256,
+        )
 
     def _request_confirmation(
         self,
