@@ -100,6 +100,18 @@ def service(
     return scheduler, consumer, SchedulerService(scheduler, consumer)
 
 
+def measured_again(
+    publisher: Publisher, topology: Topology, check: Candidate, gflops: float, kernel: int
+) -> None:
+    """Another benchmarker's answer to a confirmation request: ``kernel``'s text, ``gflops``."""
+    publisher.publish(
+        Publish(
+            topology.name(BENCH_RESULTS),
+            bench_result(check.group_id, 0, gflops, benchmarker="benchmarker-b", kernel=kernel),
+        )
+    )
+
+
 def dead_letters(channel, queue: str, expect: int, timeout: float = 20.0) -> list[str]:
     found: list[str] = []
     deadline = time.monotonic() + timeout
@@ -348,23 +360,13 @@ def test_a_runner_up_measured_once_above_the_confirmed_winner_is_measured_again(
         publisher.publish(*committed(topology, (winner, runner_up)))
         [check] = take(raw_channel, topology.name(CODE_TO_BENCH), Candidate)
         assert "/* kernel 0 */" in check.completion
-        publisher.publish(
-            Publish(
-                topology.name(BENCH_RESULTS),
-                bench_result(check.group_id, 0, 2.0, benchmarker="benchmarker-b", kernel=0),
-            )
-        )
+        measured_again(publisher, topology, check, 2.0, kernel=0)
         if rounds > 1:
             [again] = take(raw_channel, topology.name(CODE_TO_BENCH), Candidate)
             assert again.group_id == f"{request.id}.confirm2"
             assert "/* kernel 1 */" in again.completion
             assert take(raw_channel, topology.name(ROLLOUT_BATCHES), RolloutBatch, 1.0) == []
-            publisher.publish(
-                Publish(
-                    topology.name(BENCH_RESULTS),
-                    bench_result(again.group_id, 0, 2.6, benchmarker="benchmarker-b", kernel=1),
-                )
-            )
+            measured_again(publisher, topology, again, 2.6, kernel=1)
         [batch] = take(raw_channel, topology.name(ROLLOUT_BATCHES), RolloutBatch)
         assert take(raw_channel, topology.name(CODE_TO_BENCH), Candidate, timeout=0.5) == []
     rewards = {s.candidate_id: s.reward for s in batch.samples}
@@ -390,20 +392,10 @@ def test_a_runner_up_whose_second_measurement_is_far_below_is_dropped_and_its_ho
         forged = bench_result(request.id, 1, 2.8, benchmarker="evil", hostname="node3")
         publisher.publish(*committed(topology, (winner, forged)))
         [check] = take(raw_channel, topology.name(CODE_TO_BENCH), Candidate)
-        publisher.publish(
-            Publish(
-                topology.name(BENCH_RESULTS),
-                bench_result(check.group_id, 0, 2.0, benchmarker="benchmarker-b", kernel=0),
-            )
-        )
+        measured_again(publisher, topology, check, 2.0, kernel=0)
         [again] = take(raw_channel, topology.name(CODE_TO_BENCH), Candidate)
         assert "/* kernel 1 */" in again.completion
-        publisher.publish(
-            Publish(
-                topology.name(BENCH_RESULTS),
-                bench_result(again.group_id, 0, 0.5, benchmarker="benchmarker-b", kernel=1),
-            )
-        )
+        measured_again(publisher, topology, again, 0.5, kernel=1)
         [batch] = take(raw_channel, topology.name(ROLLOUT_BATCHES), RolloutBatch)
         _healthy, detail = svc.health()
     assert {s.candidate_id: s.reward for s in batch.samples} == {winner.id: 100.0}
