@@ -80,7 +80,8 @@ def test_the_reference_is_the_csr_product() -> None:
         for k in range(rowptr[i], rowptr[i + 1]):
             loops[i] += val[k] * x[col[k]]
             term_sizes[i] += abs(val[k] * x[col[k]])
-    # The reference sums each row pairwise, the loops in order: equal to rounding.
+    # The reference sums each row in storage order as the loops do (numpy's fallback
+    # pairwise): equal to rounding.
     rounding = 1e-14 * term_sizes
     out = np.full(41, np.nan)
     spmv.SPMV.reference_into((rowptr, col, val, x), out)
@@ -94,6 +95,36 @@ def test_the_reference_is_the_csr_product() -> None:
     bad = expected.full.copy()
     bad[empty] = 1e-9  # an empty row must be 0
     assert f"y[{empty}] = 1e-09" in verify.check_expected(bad, expected, 1e-6)
+
+
+def test_the_templates_own_reference_is_numpys_to_rounding(spmv_task: TaskSpec) -> None:
+    """The parent's reference is harness/spmv.c's own loop (in its trusted library): numpy's
+    pairwise products to rounding at every size of the task, an empty row exactly 0; what
+    does not fit its template is refused, never written past."""
+    assert harnesses.native_library("spmv") is not None  # gcc is here: it must build
+    for sizes in (spmv_task.sizes.reward, *spmv_task.sizes.verify, {"M": 3, "N": 2, "NNZ": 40000}):
+        for seed in (5, 2**63 - 1):
+            rowptr, col, val, x = spmv.inputs(sizes, seed)
+            a = spmv.Matrix(rowptr, col, val)
+            ours = np.full(a.m, np.nan)
+            dims = [sizes[d] for d in spmv.SPMV.dims]
+            assert harnesses.native_reference("spmv", dims, (rowptr, col, val, x), ours)
+            numpy_y, term_sizes = spmv.products(a, x)
+            # Rows in storage order against pairwise: both within L u of the row's size.
+            lengths = np.diff(rowptr)
+            assert np.all(np.abs(ours - numpy_y) <= 2 * lengths * 2.0**-53 * term_sizes)
+            assert np.all(ours[lengths == 0] == 0.0)
+            assert np.array_equal(spmv.reference(a, x), ours)
+    rowptr, col, val, x = spmv.inputs(REWARD, 1)
+    dims = [REWARD[d] for d in spmv.SPMV.dims]
+    with pytest.raises(harnesses.HarnessError, match="output"):
+        harnesses.native_reference("spmv", dims, (rowptr, col, val, x), np.empty(20010))
+    with pytest.raises(harnesses.HarnessError, match="input 1"):
+        harnesses.native_reference("spmv", dims, (rowptr, col[:-1], val, x), np.empty(20011))
+    with pytest.raises(harnesses.HarnessError, match="inputs"):
+        harnesses.native_reference("spmv", dims, (rowptr, col, val), np.empty(20011))
+    # A template without a reference of its own: the description's numpy one is used.
+    assert not harnesses.native_reference("gemv", [3, 4], (np.empty(12), np.empty(4)), np.empty(3))
 
 
 # --- every reward row, real kernels ---------------------------------------------------------

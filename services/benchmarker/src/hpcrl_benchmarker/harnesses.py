@@ -197,12 +197,21 @@ def _build(name: str) -> ctypes.CDLL | None:
     lib.hpcrl_max_dim.restype = ctypes.c_long
     lib.hpcrl_input_bytes.restype = ctypes.c_size_t
     lib.hpcrl_input_bytes.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int)]
+    lib.hpcrl_output_count.restype = ctypes.c_size_t
+    lib.hpcrl_output_count.argtypes = [ctypes.POINTER(ctypes.c_int)]
     lib.hpcrl_fill_inputs.restype = None
     lib.hpcrl_fill_inputs.argtypes = [
         ctypes.POINTER(ctypes.c_void_p),
         ctypes.POINTER(ctypes.c_int),
         ctypes.c_uint64,
     ]
+    if hasattr(lib, "hpcrl_reference"):
+        lib.hpcrl_reference.restype = None
+        lib.hpcrl_reference.argtypes = [
+            ctypes.POINTER(ctypes.c_void_p),
+            ctypes.POINTER(ctypes.c_int),
+            ctypes.POINTER(ctypes.c_double),
+        ]
     return lib
 
 
@@ -226,6 +235,34 @@ def native_inputs(
     pointers = (ctypes.c_void_p * len(arrays))(*(a.ctypes.data for a in arrays))
     lib.hpcrl_fill_inputs(pointers, sizes, ctypes.c_uint64(seed & _MASK64))
     return arrays
+
+
+def native_reference(
+    name: str, dims: Sequence[int], inputs: Sequence[np.ndarray], out: np.ndarray
+) -> bool:
+    """The template's own reference (``HARNESS_REFERENCE``) on ``inputs``, written into
+    ``out``; False where the template has none or its library did not build (the
+    description's numpy reference is then used). The inputs must be what ``fill_inputs``
+    makes for ``dims`` (the reference trusts their structure, as the kernel's call does).
+    ctypes lets go of the GIL during the call."""
+    lib = native_library(name)
+    if lib is None or not hasattr(lib, "hpcrl_reference") or len(dims) != lib.hpcrl_dims():
+        return False
+    sizes = (ctypes.c_int * len(dims))(*dims)
+    for i, array in enumerate(inputs):
+        if not array.flags.c_contiguous or array.nbytes != lib.hpcrl_input_bytes(i, sizes):
+            raise HarnessError(f"harness {name!r}: input {i} is not its template's")
+    if len(inputs) != lib.hpcrl_inputs():
+        raise HarnessError(f"harness {name!r}: {lib.hpcrl_inputs()} inputs, not {len(inputs)}")
+    if (
+        out.dtype != np.float64
+        or not out.flags.c_contiguous
+        or out.size != lib.hpcrl_output_count(sizes)
+    ):
+        raise HarnessError(f"harness {name!r}: the reference writes its output's doubles")
+    pointers = (ctypes.c_void_p * len(inputs))(*(a.ctypes.data for a in inputs))
+    lib.hpcrl_reference(pointers, sizes, pointer(out))
+    return True
 
 
 class HarnessError(ValueError):

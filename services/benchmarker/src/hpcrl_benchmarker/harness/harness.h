@@ -342,9 +342,22 @@ HPCRL_EXPORT long hpcrl_max_dim(void) {
 HPCRL_EXPORT size_t hpcrl_input_bytes(int input, const int *dims) {
     return input_bytes(input, dims);
 }
+HPCRL_EXPORT size_t hpcrl_output_count(const int *dims) {
+    return output_count(dims);
+}
 HPCRL_EXPORT void hpcrl_fill_inputs(void *const *in, const int *dims, uint64_t seed) {
     fill_inputs(in, dims, seed);
 }
+#ifdef HARNESS_REFERENCE
+/* A template that defines HARNESS_REFERENCE before including this file gives the parent its
+ * reference in C too (harnesses.native_reference): reference(in, out, dims) writes the whole
+ * correct output for inputs made by fill_inputs. Trusted code only, as above: it is built
+ * into this library alone, never into the harness that runs a kernel. */
+static void reference(void *const *in, double *out, const int *dims);
+HPCRL_EXPORT void hpcrl_reference(void *const *in, const int *dims, double *out) {
+    reference(in, out, dims);
+}
+#endif
 #else
 int main(int argc, char **argv) {
     if (argc < 2 || argc > 3) return HARNESS_EXIT_BAD_INPUT;
