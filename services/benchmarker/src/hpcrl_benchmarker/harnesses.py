@@ -248,12 +248,12 @@ def native_reference(
     lib = native_library(name)
     if lib is None or not hasattr(lib, "hpcrl_reference") or len(dims) != lib.hpcrl_dims():
         return False
+    if len(inputs) != lib.hpcrl_inputs():
+        raise HarnessError(f"harness {name!r}: {lib.hpcrl_inputs()} inputs, not {len(inputs)}")
     sizes = (ctypes.c_int * len(dims))(*dims)
     for i, array in enumerate(inputs):
         if not array.flags.c_contiguous or array.nbytes != lib.hpcrl_input_bytes(i, sizes):
             raise HarnessError(f"harness {name!r}: input {i} is not its template's")
-    if len(inputs) != lib.hpcrl_inputs():
-        raise HarnessError(f"harness {name!r}: {lib.hpcrl_inputs()} inputs, not {len(inputs)}")
     if (
         out.dtype != np.float64
         or not out.flags.c_contiguous
