@@ -29,6 +29,7 @@ from hpcrl_bootstrap.train import (
     TrainSettings,
     batches,
     collate,
+    completion_loss,
     lr_at,
 )
 from hpcrl_common.replay import REPLAY_FILE
@@ -60,6 +61,40 @@ def test_collate_trains_on_the_completion_only() -> None:
         [IGNORE] * 3 + [8, 9] + [IGNORE] * 3,
         [IGNORE, 2] + [IGNORE] * 6,
     ]
+
+
+def test_the_loss_is_the_full_cross_entropy_of_the_completion_tokens() -> None:
+    """The output layer runs on the completion positions only: the loss and every gradient
+    are those of the whole sequence's logits with the prompt's ignored."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=300,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        tie_word_embeddings=True,
+    )
+    model = Qwen2ForCausalLM(config)
+    batch = collate(
+        [Encoded(list(range(1, 41)), prompt_len=25), Encoded(list(range(50, 70)), prompt_len=3)],
+        pad_id=0,
+        multiple=8,
+    )
+    loss = completion_loss(model, batch)
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    logits = model(input_ids=batch["input_ids"]).logits
+    full = torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, config.vocab_size),
+        batch["labels"][:, 1:].reshape(-1),
+        ignore_index=IGNORE,
+    )
+    assert loss.item() == pytest.approx(full.item(), rel=1e-6)
+    for mine, theirs in zip(grads, torch.autograd.grad(full, list(model.parameters()))):
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-6)
 
 
 def test_batches_are_full_and_lr_warms_up_then_decays() -> None:

@@ -135,13 +135,14 @@ def lr_at(step: int, settings: TrainSettings) -> float:
 
 
 def completion_loss(model: Qwen2ForCausalLM, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    logits = model(input_ids=batch["input_ids"]).logits
+    """Mean cross-entropy of the completion tokens. The output layer and the log-softmax run
+    on their positions only: the prompt's logits, which the loss ignores, were ~30 % of a
+    step (a 4,096-row head over every position, and its backward)."""
+    hidden = model.get_decoder()(input_ids=batch["input_ids"]).last_hidden_state
     targets = batch["labels"][:, 1:]
-    return torch.nn.functional.cross_entropy(
-        logits[:, :-1].float().reshape(-1, logits.shape[-1]),
-        targets.reshape(-1),
-        ignore_index=IGNORE,
-    )
+    taught = targets != IGNORE
+    logits = model.get_output_embeddings()(hidden[:, :-1][taught])
+    return torch.nn.functional.cross_entropy(logits.float(), targets[taught])
 
 
 def train(
