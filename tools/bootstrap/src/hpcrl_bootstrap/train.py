@@ -135,9 +135,9 @@ def lr_at(step: int, settings: TrainSettings) -> float:
 
 
 def completion_loss(model: Qwen2ForCausalLM, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Mean cross-entropy of the completion tokens. The output layer and the log-softmax run
-    on their positions only: the prompt's logits, which the loss ignores, were ~30 % of a
-    step (a 4,096-row head over every position, and its backward)."""
+    """Mean cross-entropy of the completion tokens (44 % of the build's tokens). The output
+    layer and the log-softmax run on their positions only, not on the prompt's, whose logits
+    the loss would ignore: ~2 % of a step at the build's lengths, where attention is ~46 %."""
     hidden = model.get_decoder()(input_ids=batch["input_ids"]).last_hidden_state
     targets = batch["labels"][:, 1:]
     taught = targets != IGNORE
