@@ -93,7 +93,8 @@ def test_the_loss_is_the_full_cross_entropy_of_the_completion_tokens() -> None:
         ignore_index=IGNORE,
     )
     assert loss.item() == pytest.approx(full.item(), rel=1e-6)
-    for mine, theirs in zip(grads, torch.autograd.grad(full, list(model.parameters()))):
+    theirs_all = torch.autograd.grad(full, list(model.parameters()))
+    for mine, theirs in zip(grads, theirs_all, strict=True):
         torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-6)
 
 
