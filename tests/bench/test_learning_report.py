@@ -299,8 +299,12 @@ def test_the_children_table_reads_each_arms_database(monkeypatch: pytest.MonkeyP
 
 
 INTERRUPTED_BENCH = """
-import os, sys
+import os, signal, sys
 from tests.support.scripts import load_script
+
+# As in a terminal: a suite started in the background of a shell without job control
+# inherits SIGINT ignored, and Python then leaves it ignored.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 bench = load_script("bench/learning.py", "bench_learning")
 run = '''
