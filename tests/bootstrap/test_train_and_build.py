@@ -66,19 +66,9 @@ def test_collate_trains_on_the_completion_only() -> None:
 def test_the_loss_is_the_full_cross_entropy_of_the_completion_tokens() -> None:
     """The output layer runs on the completion positions only: the loss and every gradient
     are those of the whole sequence's logits with the prompt's ignored."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from hpcrl_bootstrap.model import build_model, tiny_shape, tiny_tokenizer
 
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=300,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=64,
-        tie_word_embeddings=True,
-    )
-    model = Qwen2ForCausalLM(config)
+    model = build_model(tiny_shape(hidden_size=32, heads=4, kv_heads=2), tiny_tokenizer(), 0)
     batch = collate(
         [Encoded(list(range(1, 41)), prompt_len=25), Encoded(list(range(50, 70)), prompt_len=3)],
         pad_id=0,
@@ -88,7 +78,7 @@ def test_the_loss_is_the_full_cross_entropy_of_the_completion_tokens() -> None:
     grads = torch.autograd.grad(loss, list(model.parameters()))
     logits = model(input_ids=batch["input_ids"]).logits
     full = torch.nn.functional.cross_entropy(
-        logits[:, :-1].reshape(-1, config.vocab_size),
+        logits[:, :-1].reshape(-1, logits.shape[-1]),
         batch["labels"][:, 1:].reshape(-1),
         ignore_index=IGNORE,
     )
