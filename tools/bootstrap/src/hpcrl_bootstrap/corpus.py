@@ -130,11 +130,7 @@ _TILES = (16, 32, 48, 64, 128)
 # at ~1.7x the 4x8 block at 256^3 on 2 Zen 3 cores (44-48 against 26-29 GFLOPS, 2 threads;
 # bench/records/2026-11-29-measurements.md), so it is listed four times: the catalogue holds
 # only 6-8 kernels of each of stages 4-6, and at one in nine (or three in ten) seed 0 planned
-# no OpenMP 6x8 at stage 4. AVX-512 has 32 registers: its 8x16 block (16 accumulators, and
-# 256 = 8 * 32 leaves no row over) runs at ~1.9x the 4x16 block on 2 Zen 5 cores (203-234
-# against 118-122 GFLOPS with OpenMP, untiled and tiled; OpenBLAS ~100 in the same driver),
-# so it too is listed four times. Blocks of three vectors leave 256 % 24 columns to scalar
-# dot products and run at a third of that: not listed.
+# no OpenMP 6x8 at stage 4.
 _VECTOR_BLOCKS = {
     "avx2": (
         (1, 1),
@@ -149,20 +145,7 @@ _VECTOR_BLOCKS = {
         (6, 2),
         (6, 2),
     ),
-    "avx512": (
-        (1, 1),
-        (1, 2),
-        (2, 1),
-        (2, 2),
-        (4, 1),
-        (4, 2),
-        (3, 2),
-        (6, 2),
-        (8, 2),
-        (8, 2),
-        (8, 2),
-        (8, 2),
-    ),
+    "avx512": ((1, 1), (1, 2), (2, 1), (2, 2), (4, 1), (4, 2), (3, 2)),
 }
 # Scalar blocks of at most 4 accumulators: scalar blocks measure slower than the ikj loop
 # order at 256³ anyway, and a tiled 2x4 block with its remainder loops was the longest
