@@ -11,6 +11,8 @@ idle-thread rules. Kernels: tests/benchmarker/kernels/gemv/.
 from __future__ import annotations
 
 import json
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,6 +20,7 @@ import numpy as np
 import pytest
 
 from hpcrl_benchmarker import gemm, gemv, harnesses, protocol, verify
+from hpcrl_benchmarker import reference as reference_module
 from hpcrl_benchmarker.pipeline import Benchmarker
 from hpcrl_benchmarker.verdict import Verdict
 from hpcrl_common.task import TaskSpec, builtin_seed, load_task
@@ -237,6 +240,33 @@ def test_openblas_dgemv_is_timed_as_the_reference(bench: Benchmarker, gemv_task:
     assert dgemm.triad is None and dgemm.openblas is not None
     assert dgemm.openblas.routine == "cblas_dgemm" and dgemm.openblas.gflops > 0
     assert dgemm.openblas.gbytes_per_s is None
+    # OpenBLAS's workers slept through every fill, as a kernel's OpenMP team must: no call
+    # of the reference starts with a team already awake (spinning, 0.2-0.9 ms a gap here).
+    for timed in (reference, dgemm.openblas):
+        assert timed.workers_between_calls_ns < 50_000, timed
+
+
+def test_the_workers_clock_sees_a_spinning_thread_and_not_a_sleeping_one() -> None:
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            pass
+
+    def sleep() -> None:
+        stop.wait()
+
+    for target, busy in ((sleep, False), (spin, True)):
+        stop.clear()
+        thread = threading.Thread(target=target)
+        thread.start()
+        before = reference_module.workers_cpu_ns()
+        time.sleep(0.05)
+        seen = reference_module.workers_cpu_ns() - before
+        stop.set()
+        thread.join()
+        # The spinner has the GIL while this thread sleeps: nearly all of the 50 ms.
+        assert (seen > 5_000_000) is busy, (target.__name__, seen)
 
 
 def test_check_judges_a_gemv_kernel_and_times_the_reference(tmp_path: Path) -> None:

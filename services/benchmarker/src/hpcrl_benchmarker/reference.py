@@ -9,7 +9,12 @@ fresh output, filled just before the call as the harness fills a kernel's (so a 
 routine finds its inputs in the caches a kernel finds them in); three untimed calls, then
 the median of ``runs`` timed ones, on one thread and on the kernel's threads, of which the
 faster counts (OpenBLAS's threads wait for each other actively: on a node whose other work
-takes a core, its team of all the cores was seen 5x slower than one thread). For a
+takes a core, its team of all the cores was seen 5x slower than one thread). Between calls
+OpenBLAS's workers sleep, as a kernel's OpenMP team must (the harness sees no thread run
+between calls): by default they would spin on for 2**28 cycles, through the next call's
+fill, and each timed call would start with a team already awake that no kernel can have
+(``IDLE_WORKERS_SLEEP``). The CPU time the workers spend between calls is measured and
+reported with the figure. For a
 memory-bound task the bandwidth it reaches (the harness's bytes moved per call over the
 time) comes beside its GFLOPS.
 
@@ -27,6 +32,7 @@ either). The figure is STREAM's: the best pass of the faster thread count.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -35,6 +41,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass
 from importlib import resources
@@ -49,6 +56,9 @@ from hpcrl_common.task import Sizes, TaskSpec
 
 WARMUP_CALLS = 3
 TIMEOUT_S = 120.0
+# 2**4 cycles, OpenBLAS's least busy-wait: its idle workers go to sleep at once and the next
+# call wakes them, as every call of a kernel wakes its team (OMP_WAIT_POLICY=passive).
+IDLE_WORKERS_SLEEP = {"OPENBLAS_THREAD_TIMEOUT": "4"}
 
 
 @dataclass(frozen=True)
@@ -61,6 +71,9 @@ class Reference:
     runs_s: list[float]
     core: str  # OpenBLAS's kernels (its core name)
     threads: int  # OpenBLAS threads of the faster measurement
+    # CPU time its worker threads had between two timed calls, the most of any gap of either
+    # thread count (about 0 when they slept through every fill, as a kernel's team must)
+    workers_between_calls_ns: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -210,6 +223,7 @@ def time_reference(task: TaskSpec, *, threads: int, cpus: list[int], runs: int =
         **os.environ,
         "OPENBLAS_NUM_THREADS": str(threads),
         **({"OPENBLAS_CORETYPE": core} if core else {}),
+        **IDLE_WORKERS_SLEEP,
     }
     counts = sorted({1, threads})
     argv = [
@@ -246,6 +260,9 @@ def time_reference(task: TaskSpec, *, threads: int, cpus: list[int], runs: int =
         runs_s=timed[best],
         core=measured["core"],
         threads=best,
+        workers_between_calls_ns=max(
+            gap for gaps in measured["workers_between_calls_ns"].values() for gap in gaps
+        ),
     )
 
 
@@ -254,21 +271,46 @@ def _measure(name: str, sizes: Sizes, runs: int, counts: list[int]) -> dict[str,
     lib = harnesses.openblas()  # OPENBLAS_CORETYPE is in this process's environment
     lib.openblas_get_corename.restype = ctypes.c_char_p
     timed: dict[int, list[float]] = {}
+    between: dict[int, list[int]] = {}
     for threads in counts:
         lib.openblas_set_num_threads(threads)
         runs_s = timed[threads] = []
+        gaps = between[threads] = []
         for call in range(WARMUP_CALLS + runs):
+            ended = workers_cpu_ns()
             # As the harness: fresh inputs (and their copies), a fresh NaN output, the call.
             inputs = harness.inputs(sizes, call + 1)
             copies = [np.copy(x) for x in inputs]
             out = np.full(harness.output_shape(sizes), np.nan)
+            gap = max(workers_cpu_ns() - ended, 0)  # a worker that ended takes its time along
             started = time.perf_counter()
             harness.reference_into(inputs, out)
             seconds = time.perf_counter() - started
             del copies
             if call >= WARMUP_CALLS:
                 runs_s.append(seconds)
-    return {"runs_s": timed, "core": lib.openblas_get_corename().decode()}
+                gaps.append(gap)
+    return {
+        "runs_s": timed,
+        "workers_between_calls_ns": between,
+        "core": lib.openblas_get_corename().decode(),
+    }
+
+
+def workers_cpu_ns() -> int:
+    """CPU time every thread of this process but the calling one has had, in ns: a spinning
+    worker's time counts, a sleeping one's does not. Each thread's own CPU-time clock, which
+    the kernel brings up to date as it is read, even while the thread runs (its schedstat
+    would lag by up to a tick, longer than a gap between calls)."""
+    caller = threading.get_native_id()
+    total = 0
+    for entry in os.scandir("/proc/self/task"):
+        tid = int(entry.name)
+        if tid == caller:
+            continue
+        with contextlib.suppress(OSError):  # a thread that has just ended
+            total += time.clock_gettime_ns(((~tid) << 3) | 6)  # CPUCLOCK_SCHED, per thread
+    return total
 
 
 def main(argv: list[str]) -> int:
