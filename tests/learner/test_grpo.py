@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
-from hpcrl_learner.grpo import LossSettings, LossStats, group_advantages, grpo_loss, token_logprobs
+from hpcrl_learner.grpo import (
+    LossSettings,
+    LossStats,
+    group_advantages,
+    grpo_loss,
+    token_logprobs,
+    weight_negative_advantages,
+)
 
 # --- advantages -----------------------------------------------------------------------------
 
@@ -211,3 +221,23 @@ def test_token_logprobs_match_log_softmax():
 def test_rewards_too_large_to_normalise_are_refused_not_turned_into_nan():
     with pytest.raises(ValueError, match="too large to normalise"):
         group_advantages([1e308, 1e308, -1e308], eps=1e-4)
+
+
+@given(
+    st.lists(st.floats(-100, 1000, allow_nan=False), min_size=2, max_size=16),
+    st.floats(0.01, 1.0),
+)
+def test_negative_weighting_keeps_the_order_and_the_positives(rewards, scale):
+    plain = group_advantages(rewards).tolist()
+    weighted = weight_negative_advantages(plain, scale)
+    for before, after in zip(plain, weighted, strict=True):
+        assert after == (before if before >= 0 else pytest.approx(before * scale))
+    # every failure still ranks below every success: the order of the group is kept
+    order = sorted(range(len(plain)), key=plain.__getitem__)
+    assert all(weighted[i] <= weighted[j] for i, j in itertools.pairwise(order))
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.5, 1.5, math.nan])
+def test_negative_weighting_refuses_scales_outside_0_1(scale):
+    with pytest.raises(ValueError, match="scale"):
+        weight_negative_advantages([1.0, -1.0], scale)

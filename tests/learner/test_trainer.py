@@ -204,6 +204,27 @@ def test_bad_batches_are_refused():
     assert group.staleness == 4 and group.advantages == [1.0, -1.0]
 
 
+def test_negative_advantages_are_scaled_into_the_sequences():
+    group = prepare_group(
+        rollout_batch("x", [[1], [2], [3]], [100.0, 50.0, -40.0]),
+        0,
+        adv_eps=0.0,
+        negative_advantage_scale=0.25,
+        vocab_size=256,
+        max_sequence_tokens=64,
+    )
+    plain = prepare_group(
+        rollout_batch("x", [[1], [2], [3]], [100.0, 50.0, -40.0]),
+        0,
+        adv_eps=0.0,
+        vocab_size=256,
+        max_sequence_tokens=64,
+    )
+    assert group.advantages[:2] == plain.advantages[:2] and plain.advantages[0] > 0
+    assert group.advantages[2] == pytest.approx(0.25 * plain.advantages[2])
+    assert [s.advantage for s in group.sequences] == group.advantages
+
+
 def test_lora_resume_restores_adapter_and_optimizer(tiny_model, tmp_path):
     settings = LearnerSettings(model_path=tiny_model, learning_rate=1e-2, lora={"enabled": True})
     trainer = TorchTrainer(settings)

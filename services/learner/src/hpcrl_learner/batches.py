@@ -15,7 +15,7 @@ import torch
 
 from hpcrl_common.messages import RolloutBatch
 from hpcrl_common.rewards import MAX_ABS_REWARD
-from hpcrl_learner.grpo import group_advantages
+from hpcrl_learner.grpo import group_advantages, weight_negative_advantages
 
 
 class BadBatch(ValueError):
@@ -60,6 +60,7 @@ def prepare_group(
     *,
     adv_eps: float,
     scale_advantages: bool = True,
+    negative_advantage_scale: float = 1.0,
     vocab_size: int,
     max_sequence_tokens: int,
     max_abs_reward: float = MAX_ABS_REWARD,
@@ -73,6 +74,7 @@ def prepare_group(
         raise BadBatch(f"rewards outside +-{bound:g} (learner.max_abs_reward): {rewards}")
     try:
         advantages = group_advantages(rewards, eps=adv_eps, scale=scale_advantages).tolist()
+        advantages = weight_negative_advantages(advantages, negative_advantage_scale)
     except ValueError as exc:
         raise BadBatch(str(exc)) from None
     lag = staleness(batch, current_version)

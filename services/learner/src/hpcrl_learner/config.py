@@ -115,6 +115,14 @@ class LearnerSettings(ServiceSection, LossSettings):
         "with beta > 0 such groups then add no KL term either",
     )
     adv_eps: float = Field(1e-4, ge=0, description="epsilon of A = (R - mean) / (std + eps)")
+    negative_advantage_scale: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="negative advantages are multiplied by this (1: plain GRPO); below 1 a "
+        "failed attempt at a risky technique pushes the policy away from it less than a "
+        "success pulls toward it",
+    )
     max_staleness: int = Field(
         related_default("learner.max_staleness"),
         ge=0,

@@ -67,6 +67,18 @@ def group_advantages(
     return advantages
 
 
+def weight_negative_advantages(advantages: Sequence[float], scale: float) -> list[float]:
+    """Negative advantages times ``scale`` in (0, 1], positive ones as they are.
+
+    Under the paper's rewards a failure costs -100 to -10 while successes share 0-100, so a
+    group's failures dominate its spread: most of a step pushes away from what failed (often
+    the SIMD attempts) rather than toward what was fast. Scaling the push keeps its sign,
+    so every failure still ranks below every success."""
+    if not 0 < scale <= 1 or not math.isfinite(scale):
+        raise ValueError(f"scale must be in (0, 1], got {scale}")
+    return [a * scale if a < 0 else a for a in advantages]
+
+
 @dataclass
 class LossStats:
     """Sums over the tokens of one or more micro-batches; :meth:`means` turns them into rates."""

@@ -140,6 +140,7 @@ class Learner:
                     self.version,
                     adv_eps=self.settings.adv_eps,
                     scale_advantages=self.settings.scale_advantages,
+                    negative_advantage_scale=self.settings.negative_advantage_scale,
                     vocab_size=self.backend.vocab_size,
                     max_sequence_tokens=self.settings.max_sequence_tokens,
                     max_abs_reward=self.settings.max_abs_reward,
