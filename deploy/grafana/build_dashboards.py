@@ -641,10 +641,13 @@ def policy() -> DashboardSpec:
             q("hpcrl_learner_entropy", "entropy"),
         ),
         ts(
-            "Replay NLL",
-            "Negative log-likelihood per token of the last step's supervised replay examples "
-            "(learner.replay_coef > 0; absent otherwise): rising, the policy forgets what it was "
-            "taught.",
+            "Taught-set NLL",
+            "Negative log-likelihood per token of taught examples under the policy: the held-out "
+            "probe after each step (learner.probe_examples), and the last step's supervised "
+            "replay examples (learner.replay_coef > 0; absent otherwise). Rising, the policy "
+            "forgets what it was taught, on prompts its own samples (and so its KL) never "
+            "cover.",
+            q("hpcrl_learner_taught_nll", "held-out probe NLL"),
             q("hpcrl_learner_replay_nll", "replay NLL"),
         ),
         ts(

@@ -518,7 +518,15 @@ def print_gain_held(evaluation: dict[str, Any]) -> None:
 def print_learner_health(versions: list[dict[str, Any]]) -> None:
     """The last step's optimisation figures beside their range over the run."""
     cells = []
-    keys = ("entropy", "kl", "clip_fraction", "grad_norm", "zero_variance_fraction", "replay_nll")
+    keys = (
+        "entropy",
+        "kl",
+        "clip_fraction",
+        "grad_norm",
+        "zero_variance_fraction",
+        "replay_nll",
+        "taught_nll",
+    )
     for key in keys:
         values = [
             v[key] for v in versions if isinstance(v.get(key), int | float) and v[key] == v[key]

@@ -22,6 +22,7 @@ STEP_METRICS = (
     ("clip_fraction", "clip fraction"),
     ("zero_variance_fraction", "groups with equal rewards"),
     ("replay_nll", "replay NLL (nats/token)"),
+    ("taught_nll", "held-out taught NLL (nats/token)"),
 )
 
 

@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from hpcrl_common.replay import REPLAY_FILE, replay_line
 from hpcrl_learner.backends.torch import TorchTrainer
 from hpcrl_learner.config import LearnerSettings
-from hpcrl_learner.replay import ReplayError, load_replay, pick
+from hpcrl_learner.replay import ReplayError, load_replay, pick, read_examples, split_probe
 
 from .conftest import BAD, GOOD, PROMPT, sequences_of
 
@@ -109,3 +109,80 @@ def test_replay_pulls_the_policy_towards_its_examples(tiny_model, tmp_path, coef
     else:
         assert good1 > good0 + 0.5, (good0, good1)
         assert nll[-1] < nll[0] and np.isclose(nll[0], -good0 / len(GOOD), rtol=1e-4)
+
+
+def write_kinds(path: Path) -> Path:
+    """Three examples of each of four (stage, mode) kinds, completions told apart by token."""
+    kinds = [(1, "seed"), (2, "deepen"), (2, "improve"), (5, "deepen")]
+    path.write_text(
+        "".join(
+            replay_line(PROMPT, [30 + 3 * k + n, 2], stage=stage, mode=mode)
+            for k, (stage, mode) in enumerate(kinds)
+            for n in range(3)
+        )
+    )
+    return path
+
+
+def test_the_probe_covers_every_kind_the_same_way_and_is_held_out(tmp_path):
+    examples = read_examples(write_kinds(tmp_path / "r.jsonl"), vocab_size=100)
+    probe, rest = split_probe(examples, 4, max_tokens=99)
+    assert {(e.stage, e.mode) for e in probe} == {
+        (1, "seed"),
+        (2, "deepen"),
+        (2, "improve"),
+        (5, "deepen"),
+    }
+    again, _ = split_probe(examples, 4, max_tokens=99)
+    assert [e.completion_ids.tolist() for e in again] == [e.completion_ids.tolist() for e in probe]
+    held = {tuple(e.completion_ids.tolist()) for e in probe}
+    assert len(rest) == 8 and not held & {tuple(e.completion_ids.tolist()) for e in rest}
+
+
+def test_the_probe_takes_what_fits_and_at_most_half(tmp_path):
+    path = write(tmp_path / "r.jsonl", [(PROMPT, GOOD, 1), (PROMPT, BAD, 2), (PROMPT * 9, GOOD, 3)])
+    examples = read_examples(path, vocab_size=100)
+    probe, rest = split_probe(examples, 6, max_tokens=20)  # the third is too long
+    assert len(probe) == 1 and len(rest) == 2
+    assert len(probe[0].prompt_ids) == len(PROMPT)
+    assert split_probe(examples, 0, max_tokens=99) == ([], list(examples))
+    probe, _ = split_probe(examples[:1], 6, max_tokens=99)
+    assert probe == []  # one example: replay keeps it
+
+
+@pytest.mark.parametrize("coef", [0.0, 1.0])
+def test_taught_nll_is_the_probes_likelihood_and_replay_never_sees_it(tiny_model, tmp_path, coef):
+    path = write_kinds(tmp_path / "r.jsonl")
+    settings = LearnerSettings(
+        model_path=tiny_model,
+        learning_rate=2e-3,
+        replay_coef=coef,
+        replay_path=path,
+        replay_min_stage=1,
+        probe_examples=4,
+    )
+    trainer = TorchTrainer(settings, seed=1)
+    assert len(trainer.probe) == 4
+    held = {tuple(e.completion_ids.tolist()) for e in trainer.probe}
+    assert not held & {tuple(e.completion_ids.tolist()) for e in trainer.replay}
+    assert len(trainer.replay) == (8 if coef else 0)
+    tokens = sum(len(e.completion_ids) for e in trainer.probe)
+    expected = -sum(logprob(trainer, e.completion_ids.tolist()) for e in trainer.probe) / tokens
+    result = trainer.step(sequences_of([BAD, BAD]))
+    after = -sum(logprob(trainer, e.completion_ids.tolist()) for e in trainer.probe) / tokens
+    assert math.isfinite(result.taught_nll) and result.taught_nll == pytest.approx(after, rel=1e-4)
+    if coef == 0:  # no gradient at all: the probe's likelihood does not move
+        assert result.taught_nll == pytest.approx(expected, rel=1e-5)
+
+
+def test_taught_nll_is_off_without_a_probe_or_a_file(tiny_model, tmp_path):
+    path = write_kinds(tmp_path / "r.jsonl")
+    off = TorchTrainer(
+        LearnerSettings(model_path=tiny_model, replay_path=path, probe_examples=0), seed=1
+    )
+    no_file = TorchTrainer(
+        LearnerSettings(model_path=tiny_model, replay_path=tmp_path / "none.jsonl"), seed=1
+    )
+    for trainer in (off, no_file):
+        assert trainer.probe == []
+        assert math.isnan(trainer.step(sequences_of([BAD, BAD])).taught_nll)

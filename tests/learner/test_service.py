@@ -92,7 +92,10 @@ def test_learner_learns_commits_announces_and_drops_stale(
 ):
     store_dir = tmp_path / "store"
     replay = tmp_path / "replay.jsonl"
-    replay.write_text(replay_line(PROMPT, GOOD, stage=1, mode="seed"))
+    replay.write_text(  # two examples: one replayed, one held out as the drift probe
+        replay_line(PROMPT, GOOD, stage=1, mode="seed")
+        + replay_line(PROMPT, BAD, stage=2, mode="deepen")
+    )
     config = LearnerConfig(
         broker=broker_settings,
         learner=LearnerSettings(
@@ -142,8 +145,10 @@ def test_learner_learns_commits_announces_and_drops_stale(
         assert v.metrics["zero_variance_fraction"] == 0.0 and v.metrics["groups_skipped"] == 0
         assert "kl" not in v.metrics
         assert 0 < v.metrics["replay_nll"] < 50  # nats per token of a real model: finite, set
+        assert 0 < v.metrics["taught_nll"] < 50
     assert metric("hpcrl_learner_entropy") == pytest.approx(versions[-1].metrics["entropy"])
     assert metric("hpcrl_learner_replay_nll") == pytest.approx(versions[-1].metrics["replay_nll"])
+    assert metric("hpcrl_learner_taught_nll") == pytest.approx(versions[-1].metrics["taught_nll"])
     assert all(store.verify(v) for v in versions)
     updates = drain(raw_channel, updates_queue)
     assert [u.version for u in updates] == [1, 2]

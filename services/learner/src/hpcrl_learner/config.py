@@ -188,6 +188,15 @@ class LearnerSettings(ServiceSection, LossSettings):
         le=LAST_STAGE,
         description="replay only examples whose target stage is at least this",
     )
+    probe_examples: int = Field(
+        6,
+        ge=0,
+        le=256,
+        description="taught examples of the replay file, spread over stages and modes and "
+        "held out of replay, scored after every update: hpcrl_learner_taught_nll, which "
+        "rises as the policy forgets how to extend parents it did not write (GRPO's KL sees "
+        "only its own samples); no replay file: not measured (0: off)",
+    )
     lora: LoraSettings = LoraSettings()
     device: str = Field("auto", description="auto (cuda if available), cpu, cuda, cuda:N")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(

@@ -36,6 +36,12 @@ REPLAY_NLL = Gauge(
     "Negative log-likelihood per completion token of the last step's replay examples (NaN: "
     "replay_coef 0); rising: the policy forgets what it was taught",
 )
+TAUGHT_NLL = Gauge(
+    "hpcrl_learner_taught_nll",
+    "Negative log-likelihood per completion token of the held-out taught examples "
+    "(probe_examples) under the policy after the last step (NaN: off); rising: the policy "
+    "drifts on prompts it did not write, which its KL on its own samples does not show",
+)
 GRAD_NORM = Gauge("hpcrl_learner_grad_norm", "Global gradient norm before clipping, last step")
 LEARNING_RATE = Gauge("hpcrl_learner_learning_rate", "Learning rate of the last step")
 REWARD_MEAN = Gauge("hpcrl_learner_reward_mean", "Mean reward over the groups of the last step")

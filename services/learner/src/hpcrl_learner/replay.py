@@ -13,6 +13,11 @@ object per line (``hpcrl_common.replay``): ``{"prompt_ids": [...], "completion_i
 "stage": n, "mode": "..."}``.
 The bootstrap writes ``replay.jsonl`` beside the policy it trains (its SFT examples, exactly as
 encoded for it); for another base model, write the file from its own SFT data.
+
+The same file gives the drift probe (``probe_examples``): a few examples of every stage and
+mode, held out of replay, whose likelihood the trainer measures after each update. GRPO's KL
+is taken on the policy's own samples, so it stays small while the policy forgets how to extend
+parents it did not write; the probe's NLL rises then.
 """
 
 from __future__ import annotations
@@ -56,10 +61,8 @@ def _example(line: str, where: str, vocab_size: int) -> ReplayExample:
     return ReplayExample(prompt, completion, stage, mode)
 
 
-def load_replay(
-    path: Path, *, vocab_size: int, min_stage: int, max_tokens: int
-) -> list[ReplayExample]:
-    """The file's examples of stage ``min_stage`` and above that fit in ``max_tokens``."""
+def read_examples(path: Path, *, vocab_size: int) -> list[ReplayExample]:
+    """Every example of the file, in its order."""
     if not path.is_file():
         raise ReplayError(
             f"{path}: no replay file (learner.replay_coef > 0 needs one; the bootstrap writes "
@@ -70,6 +73,21 @@ def load_replay(
         for number, line in enumerate(lines, start=1):
             if line.strip():
                 examples.append(_example(line, f"{path}:{number}", vocab_size))
+    return examples
+
+
+def load_replay(
+    path: Path,
+    *,
+    vocab_size: int,
+    min_stage: int,
+    max_tokens: int,
+    examples: Sequence[ReplayExample] | None = None,
+) -> list[ReplayExample]:
+    """The file's examples (or ``examples``, read from it already) of stage ``min_stage``
+    and above that fit in ``max_tokens``."""
+    if examples is None:
+        examples = read_examples(path, vocab_size=vocab_size)
     kept = [
         e
         for e in examples
@@ -88,3 +106,32 @@ def pick(examples: Sequence[ReplayExample], count: int, step: int) -> list[Repla
     again after a restart resumes that step."""
     rng = random.Random(f"hpcrl-replay/{step}")
     return rng.sample(list(examples), min(count, len(examples)))
+
+
+def split_probe(
+    examples: Sequence[ReplayExample], count: int, *, max_tokens: int
+) -> tuple[list[ReplayExample], list[ReplayExample]]:
+    """(probe, rest): ``count`` examples that fit in ``max_tokens``, spread over every
+    (stage, mode) in turn, and the others, which replay may use: the probe stays held out.
+    It never takes more than half of what fits, so a small file still leaves replay some.
+
+    The probe is the same for a given file whatever the step or restart, so a change in the
+    policy's likelihood of it is the policy drifting, not a different sample."""
+    fitting = [
+        i for i, e in enumerate(examples) if len(e.prompt_ids) + len(e.completion_ids) <= max_tokens
+    ]
+    count = min(count, len(fitting) // 2)
+    rng = random.Random("hpcrl-probe")
+    rng.shuffle(fitting)
+    kinds: dict[tuple[int, str], list[int]] = {}
+    for i in fitting:
+        kinds.setdefault((examples[i].stage, examples[i].mode), []).append(i)
+    queues = [kinds[kind] for kind in sorted(kinds)]
+    chosen: list[int] = []
+    while len(chosen) < count and any(queues):
+        for queue in queues:
+            if queue and len(chosen) < count:
+                chosen.append(queue.pop(0))
+    held = set(chosen)
+    probe = [examples[i] for i in sorted(chosen)]
+    return probe, [e for i, e in enumerate(examples) if i not in held]

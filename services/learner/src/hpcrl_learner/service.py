@@ -264,6 +264,7 @@ class Learner:
                     "sampler_kl_fresh",
                     "entropy",
                     "replay_nll",
+                    "taught_nll",
                 )
             },
             "groups_skipped": float(sum(self._skipped(g) for g in groups)),
@@ -298,6 +299,7 @@ class Learner:
         metrics.SAMPLER_KL_FRESH.set(train.sampler_kl_fresh)
         metrics.GRAD_NORM.set(train.grad_norm)
         metrics.REPLAY_NLL.set(train.replay_nll)
+        metrics.TAUGHT_NLL.set(train.taught_nll)
         metrics.LEARNING_RATE.set(train.learning_rate)
         metrics.TOKENS_PER_SECOND.set(train.tokens_per_second)
         summary = step_summary(groups)

@@ -39,6 +39,7 @@ class StepResult:
     entropy: float = math.nan
     ratio_mean: float = math.nan
     replay_nll: float = math.nan  # per token, of the step's replay examples (NaN: no replay)
+    taught_nll: float = math.nan  # per token, of the held-out probe after the step (NaN: off)
 
     @property
     def tokens_per_second(self) -> float:

@@ -29,7 +29,7 @@ from hpcrl_learner.batches import (
 )
 from hpcrl_learner.config import LearnerSettings
 from hpcrl_learner.grpo import LossSettings, LossStats, grpo_loss, token_logprobs_and_entropy
-from hpcrl_learner.replay import ReplayExample, load_replay, pick
+from hpcrl_learner.replay import ReplayExample, load_replay, pick, read_examples, split_probe
 
 log = structlog.get_logger("hpcrl.learner.trainer")
 
@@ -161,14 +161,7 @@ class TorchTrainer:
         self.reference = self._load_reference()
         self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.replay: list[ReplayExample] = []
-        if settings.replay_coef > 0:
-            self.replay = load_replay(
-                settings.replay_file(),
-                vocab_size=self.vocab_size,
-                min_stage=settings.replay_min_stage,
-                max_tokens=settings.max_sequence_tokens,
-            )
+        self.probe, self.replay = self._load_taught(settings)
         self._early: _Accumulated | None = None
         self.optimizer = torch.optim.AdamW(
             self.params,
@@ -198,9 +191,39 @@ class TorchTrainer:
             trainable=sum(p.numel() for p in self.params),
             reference=self.reference is not None or (self.lora and settings.beta > 0),
             replay_examples=len(self.replay),
+            probe_examples=len(self.probe),
         )
+        if self.probe:
+            log.info("taught-set likelihood at start", taught_nll=self.taught_nll())
 
     # --- loading ------------------------------------------------------------------------
+
+    def _load_taught(
+        self, settings: LearnerSettings
+    ) -> tuple[list[ReplayExample], list[ReplayExample]]:
+        """(probe, replay) from the replay file; a probe without a file is switched off,
+        replay without one is an error."""
+        wanted = settings.probe_examples > 0
+        if not wanted and settings.replay_coef == 0:
+            return [], []
+        path = settings.replay_file()
+        if settings.replay_coef == 0 and not path.is_file():
+            log.warning("no replay file: taught_nll is not measured", path=str(path))
+            return [], []
+        examples = read_examples(path, vocab_size=self.vocab_size)
+        probe, rest = split_probe(
+            examples, settings.probe_examples, max_tokens=settings.max_sequence_tokens
+        )
+        if settings.replay_coef == 0:
+            return probe, []
+        replay = load_replay(
+            path,
+            vocab_size=self.vocab_size,
+            min_stage=settings.replay_min_stage,
+            max_tokens=settings.max_sequence_tokens,
+            examples=rest,
+        )
+        return probe, replay
 
     def _from_pretrained(self, path: Path) -> torch.nn.Module:
         return AutoModelForCausalLM.from_pretrained(str(path), dtype=self.dtype).to(self.device)
@@ -529,6 +552,7 @@ class TorchTrainer:
             self.optimizer.step()
             self.scheduler.step()  # the schedule counts updates, not attempts
         self.optimizer.zero_grad(set_to_none=True)
+        taught_nll = self.taught_nll() if self.probe else math.nan
         elapsed = time.perf_counter() - started + early_seconds
         return StepResult(
             skipped=skipped,
@@ -541,6 +565,7 @@ class TorchTrainer:
             train_seconds=elapsed,
             early_seconds=early_seconds,
             replay_nll=replay_nll,
+            taught_nll=taught_nll,
         )
 
     def _replay_backward(self) -> float:
@@ -548,15 +573,7 @@ class TorchTrainer:
         token) of this update's replay examples; returns that mean."""
         self.model.train()
         chosen = pick(self.replay, self.settings.replay_per_step, self.scheduler.last_epoch)
-        sequences = [
-            TrainSequence(
-                e.prompt_ids,
-                e.completion_ids,
-                np.zeros(len(e.completion_ids), dtype=np.float32),
-                0.0,
-            )
-            for e in chosen
-        ]
+        sequences = self._teaching_sequences(chosen)
         tokens = sum(len(s.completion_ids) for s in sequences)
         total = 0.0
         for micro in micro_batches(
@@ -568,6 +585,33 @@ class TorchTrainer:
             (nll * (self.settings.replay_coef / tokens)).backward()
             total += float(nll.detach())
         return total / tokens
+
+    def _teaching_sequences(self, examples: Sequence[ReplayExample]) -> list[TrainSequence]:
+        return [
+            TrainSequence(
+                e.prompt_ids,
+                e.completion_ids,
+                np.zeros(len(e.completion_ids), dtype=np.float32),
+                0.0,
+            )
+            for e in examples
+        ]
+
+    @torch.no_grad()
+    def taught_nll(self) -> float:
+        """The policy's negative log-likelihood per completion token of the probe: taught
+        examples held out of replay. GRPO's own KL sees only prompts the policy samples; this
+        sees it forget how to extend parents it did not write."""
+        self.model.eval()
+        sequences = self._teaching_sequences(self.probe)
+        total = 0.0
+        for micro in micro_batches(
+            sequences, self.settings.micro_batch_size, self.settings.micro_batch_tokens
+        ):
+            batch = collate(micro)
+            logp, _ = self._forward_logprobs(self.model, batch)
+            total -= float((logp.float() * batch.completion_mask.to(self.device)).sum())
+        return total / sum(len(s.completion_ids) for s in sequences)
 
     @torch.no_grad()
     def logprobs(self, sequences: Sequence[TrainSequence]) -> list[np.ndarray]:
