@@ -36,7 +36,12 @@ kernels: their mix of prompts drifts with what the policy wrote. Printed:
    (--no-retime judges on those);
 5. per seed and arm: the children the run filed (its scheduler database), OpenMP, SIMD-only
    and scalar, in the first and the second half of the iterations: count, share correct, mean
-   reward, median and best GFLOPS. A policy that buys correctness with speed shows here.
+   reward, median and best GFLOPS. A policy that buys correctness with speed shows here;
+6. per seed and arm: the learner's drift, from its checkpoints' figures in metrics.json: KL to
+   v0 on its own samples (last, max) and the held-out taught-set NLL (`taught_nll`: first,
+   max, last). The lr-0 arm's NLL is v0's, since its weights never move; a trained arm whose
+   NLL climbs above it forgets how to extend parents it did not write, which its own KL does
+   not show.
 
     .venv/bin/python bench/learning.py                 # Experiment 2: 3 seeds x 2 arms, ~70 min
     .venv/bin/python bench/learning.py --reuse         # resume it, or print its report again
@@ -754,6 +759,43 @@ def _class_cell(figures: ClassFigures | None) -> str:
     )
 
 
+def learner_figures(metrics: dict[str, Any] | None, key: str) -> list[float]:
+    """One learner figure over a run's versions, in version order, NaN and absent left out."""
+    versions = ((metrics or {}).get("learner") or {}).get("versions") or []
+    values = [v.get(key) for v in versions]
+    return [float(x) for x in values if isinstance(x, int | float) and x == x]
+
+
+def learner_table(runs_dir: Path, arms: list[Arm], seed: int) -> Table | None:
+    """Per arm, how far its policy moved: KL to v0 on its own samples, and the NLL of the
+    taught examples held out of replay (the probe), which also sees the prompts it never
+    samples. None where no run reported either."""
+    table = Table(
+        title=f"Seed {seed}: learner drift per arm: KL to v0 (own samples) last / max; "
+        "held-out taught NLL (nats/token) first / max / last"
+    )
+    table.add_column("arm")
+    table.add_column("steps")
+    table.add_column("KL to v0")
+    table.add_column("taught NLL")
+    shown = False
+    for arm in arms:
+        metrics = read_metrics(runs_dir / arm.run_name(seed))
+        kl = learner_figures(metrics, "kl")
+        nll = learner_figures(metrics, "taught_nll")
+        if not (kl or nll):
+            continue
+        shown = True
+        steps = len(((metrics or {}).get("learner") or {}).get("versions") or [])
+        table.add_row(
+            arm.label,
+            str(steps),
+            f"{kl[-1]:.3g} / {max(kl):.3g}" if kl else "-",
+            f"{nll[0]:.3g} / {max(nll):.3g} / {nll[-1]:.3g}" if nll else "-",
+        )
+    return table if shown else None
+
+
 SWEPT_SECTIONS = {"learner": LearnerConfig, "scheduler": SchedulerConfig}
 
 
@@ -911,9 +953,12 @@ def main() -> int:
         console.print(learning_table(differences, args.seeds, arm))
         report_best_gflops(args.runs, args.seeds, control, arm, differences, retimer)
     for seed in args.seeds:
-        table = children_table(list(runs), seed, args.iterations_total)
-        if table is not None:
-            console.print(table)
+        for table in (
+            children_table(list(runs), seed, args.iterations_total),
+            learner_table(args.runs, list(runs), seed),
+        ):
+            if table is not None:
+                console.print(table)
     return 0
 
 

@@ -284,6 +284,35 @@ def test_the_children_table_shows_a_policy_trading_speed_for_safety() -> None:
     assert bench._class_cell(None) == "-"
 
 
+def test_the_learner_table_shows_the_probe_rising_where_the_own_kl_stays_low(
+    tmp_path: Path,
+) -> None:
+    """metrics.json as the demo writes it: the lr-0 arm's probe NLL is v0's, flat; the
+    trained arm's KL stays small while its probe NLL climbs; NaN (probe off) is left out."""
+    control, trained = bench.Arm(0.0), bench.Arm(2e-4)
+
+    def write(arm: Any, versions: list[dict[str, float]]) -> None:
+        run = tmp_path / arm.run_name(1)
+        run.mkdir()
+        (run / "metrics.json").write_text(json.dumps({"learner": {"versions": versions}}))
+
+    write(control, [{"version": v, "kl": 0.0, "taught_nll": 0.41} for v in (1, 2, 3)])
+    write(
+        trained,
+        [
+            {"version": 1, "kl": 0.004, "taught_nll": 0.42},
+            {"version": 2, "kl": 0.012, "taught_nll": 0.97},
+            {"version": 3, "kl": 0.009, "taught_nll": 0.88},
+            {"version": 4, "kl": 0.010, "taught_nll": math.nan},
+        ],
+    )
+    text = render(bench.learner_table(tmp_path, [control, trained], 1))
+    assert "0.41 / 0.41 / 0.41" in text
+    assert "0.42 / 0.97 / 0.88" in text
+    assert "0.01 / 0.012" in text and "| 4 " in text.replace("│", "|")
+    assert bench.learner_table(tmp_path, [control, trained], 2) is None
+
+
 def test_the_children_table_reads_each_arms_database(monkeypatch: pytest.MonkeyPatch) -> None:
     trained, control = bench.Arm(2e-4), bench.Arm(0.0)
     databases = {
