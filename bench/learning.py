@@ -759,10 +759,14 @@ def _class_cell(figures: ClassFigures | None) -> str:
     )
 
 
+def learner_versions(metrics: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """A run's trained versions with their step figures (metrics.json's learner.versions)."""
+    return ((metrics or {}).get("learner") or {}).get("versions") or []
+
+
 def learner_figures(metrics: dict[str, Any] | None, key: str) -> list[float]:
     """One learner figure over a run's versions, in version order, NaN and absent left out."""
-    versions = ((metrics or {}).get("learner") or {}).get("versions") or []
-    values = [v.get(key) for v in versions]
+    values = [v.get(key) for v in learner_versions(metrics)]
     return [float(x) for x in values if isinstance(x, int | float) and x == x]
 
 
@@ -786,10 +790,9 @@ def learner_table(runs_dir: Path, arms: list[Arm], seed: int) -> Table | None:
         if not (kl or nll):
             continue
         shown = True
-        steps = len(((metrics or {}).get("learner") or {}).get("versions") or [])
         table.add_row(
             arm.label,
-            str(steps),
+            str(len(learner_versions(metrics))),
             f"{kl[-1]:.3g} / {max(kl):.3g}" if kl else "-",
             f"{nll[0]:.3g} / {max(nll):.3g} / {nll[-1]:.3g}" if nll else "-",
         )
