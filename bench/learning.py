@@ -305,11 +305,13 @@ BEST_SHARE_OF_SEEDS = (2, 3)
 BEST_MIN_MEAN_GAIN = 0.16
 
 
-def read_metrics(run_dir: Path) -> dict[str, Any] | None:
-    """A run's metrics.json (the demo's report), or None where the run has none."""
+def read_metrics(run_dir: Path, *, warn: bool = True) -> dict[str, Any] | None:
+    """A run's metrics.json (the demo's report), or None where the run has none (said once,
+    by the best-GFLOPS table; later readers pass warn=False)."""
     path = run_dir / "metrics.json"
     if not path.is_file():
-        console.print(f"[yellow]{path} is missing: no best GFLOPS for this run[/]")
+        if warn:
+            console.print(f"[yellow]{path} is missing: no best GFLOPS for this run[/]")
         return None
     return json.loads(path.read_text())
 
@@ -784,7 +786,7 @@ def learner_table(runs_dir: Path, arms: list[Arm], seed: int) -> Table | None:
     table.add_column("taught NLL")
     shown = False
     for arm in arms:
-        metrics = read_metrics(runs_dir / arm.run_name(seed))
+        metrics = read_metrics(runs_dir / arm.run_name(seed), warn=False)
         kl = learner_figures(metrics, "kl")
         nll = learner_figures(metrics, "taught_nll")
         if not (kl or nll):

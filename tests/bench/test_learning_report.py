@@ -285,7 +285,7 @@ def test_the_children_table_shows_a_policy_trading_speed_for_safety() -> None:
 
 
 def test_the_learner_table_shows_the_probe_rising_where_the_own_kl_stays_low(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """metrics.json as the demo writes it: the lr-0 arm's probe NLL is v0's, flat; the
     trained arm's KL stays small while its probe NLL climbs; NaN (probe off) is left out."""
@@ -310,7 +310,12 @@ def test_the_learner_table_shows_the_probe_rising_where_the_own_kl_stays_low(
     assert "0.41 / 0.41 / 0.41" in text
     assert "0.42 / 0.97 / 0.88" in text
     assert "0.01 / 0.012" in text and "| 4 " in text.replace("│", "|")
+    said = io.StringIO()
+    monkeypatch.setattr(bench, "console", Console(file=said, width=200))
     assert bench.learner_table(tmp_path, [control, trained], 2) is None
+    assert said.getvalue() == "", "the best-GFLOPS table already said the file is missing"
+    bench.read_metrics(tmp_path / control.run_name(2))
+    assert "is missing" in said.getvalue()
 
 
 def test_the_children_table_reads_each_arms_database(monkeypatch: pytest.MonkeyPatch) -> None:
