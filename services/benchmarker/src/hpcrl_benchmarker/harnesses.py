@@ -173,6 +173,7 @@ def _build(name: str) -> ctypes.CDLL | None:
             compiler,
             "-O2",
             "-march=native",
+            "-fopenmp-simd",  # the templates' `omp simd` loops, without OpenMP's runtime
             "-shared",
             "-fPIC",
             "-fvisibility=hidden",

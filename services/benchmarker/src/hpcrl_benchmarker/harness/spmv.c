@@ -63,30 +63,64 @@ static uint64_t mod_by(uint64_t x, uint64_t d, double reciprocal) {
     return (uint64_t)r;
 }
 
+/* Entry k's row: the skewed law's t, scattered by (r * SCATTER + offset) % m. */
+static int entry_row(uint64_t row_seed, size_t k, uint64_t m, uint64_t offset, double per_m) {
+    uint64_t h = draw(row_seed, k);
+    uint64_t t = ((h >> 43) * ((h >> 22) & 0x1FFFFF) * ((h >> 1) & 0x1FFFFF)) >> 42;
+    /* (r * SCATTER + offset) % m, r < m <= 2^24: below 2^49 */
+    return (int)mod_by(((t * m) >> 21) * SCATTER + offset, m, per_m);
+}
+
+/* A column anywhere in the row (three entries in four, by h's low bits). */
+static int far_column(uint64_t h, uint64_t n) {
+    return (int)(((h >> 32) * n) >> 32);
+}
+
+/* A column within 16 of the row's diagonal position: (diagonal + (h >> 8) % 33 + 16 n - 16) %
+ * n, the sum below 17 n + 33. */
+static int near_column(uint64_t h, uint64_t diagonal, uint64_t n, double per_n) {
+    return (int)mod_by(diagonal + (h >> 8) % 33 + 16 * n - 16, n, per_n);
+}
+
+static void prefix_sum(int *rowptr, uint64_t m) {
+    for (uint64_t i = 0; i < m; i++) rowptr[i + 1] += rowptr[i];
+}
+
 static void fill_inputs(void *const *in, const int *d, uint64_t seed) {
     int *rowptr = in[0], *col = in[1];
     uint64_t m = (uint64_t)d[0], n = (uint64_t)d[1];
     size_t nnz = (size_t)d[2];
     double per_m = 1.0 / (double)m, per_n = 1.0 / (double)n;
-    uint64_t offset = mix(seed ^ ROW_SALT) % m;
+    uint64_t row_seed = seed ^ ROW_SALT, col_seed = seed ^ COL_SALT;
+    uint64_t offset = mix(row_seed) % m;
     for (uint64_t i = 0; i <= m; i++) rowptr[i] = 0;
+#ifdef __AVX512DQ__
+    /* Where vectors multiply and convert 64-bit integers, the hashing vectorises once it is
+     * apart from the stores through computed addresses: each entry's row parked in col
+     * (overwritten below) and then counted; each column drawn, those near the diagonal marked
+     * -1 and drawn again once their row is known. Reward size: 5.5 -> 3.4 ms a call (AVX-512,
+     * gcc 12 -O2); with AVX2 alone the extra passes cost more than the vectors save. */
+    _Pragma("omp simd")
+    for (size_t k = 0; k < nnz; k++) col[k] = entry_row(row_seed, k, m, offset, per_m);
+    for (size_t k = 0; k < nnz; k++) rowptr[col[k] + 1]++;
+    prefix_sum(rowptr, m);
+    _Pragma("omp simd")
     for (size_t k = 0; k < nnz; k++) {
-        uint64_t h = draw(seed ^ ROW_SALT, k);
-        uint64_t t = ((h >> 43) * ((h >> 22) & 0x1FFFFF) * ((h >> 1) & 0x1FFFFF)) >> 42;
-        /* (r * SCATTER + offset) % m, r < m <= 2^24: below 2^49 */
-        uint64_t row = mod_by(((t * m) >> 21) * SCATTER + offset, m, per_m);
-        rowptr[row + 1]++;
+        uint64_t h = draw(col_seed, k);
+        col[k] = (h & 3) == 0 ? -1 : far_column(h, n);
     }
-    for (uint64_t i = 0; i < m; i++) rowptr[i + 1] += rowptr[i];
-    for (uint64_t i = 0; i < m; i++) {
-        uint64_t diagonal = i * n / m;
+    for (uint64_t i = 0; i < m; i++)
+        for (int k = rowptr[i]; k < rowptr[i + 1]; k++)
+            if (col[k] < 0) col[k] = near_column(draw(col_seed, (size_t)k), i * n / m, n, per_n);
+#else
+    for (size_t k = 0; k < nnz; k++) rowptr[entry_row(row_seed, k, m, offset, per_m) + 1]++;
+    prefix_sum(rowptr, m);
+    for (uint64_t i = 0; i < m; i++)
         for (int k = rowptr[i]; k < rowptr[i + 1]; k++) {
-            uint64_t h = draw(seed ^ COL_SALT, (size_t)k);
-            /* (diagonal + (h >> 8) % 33 + 16 n - 16) % n: below 17 n + 33 */
-            col[k] = (int)((h & 3) == 0 ? mod_by(diagonal + (h >> 8) % 33 + 16 * n - 16, n, per_n)
-                                        : ((h >> 32) * n) >> 32);
+            uint64_t h = draw(col_seed, (size_t)k);
+            col[k] = (h & 3) == 0 ? near_column(h, i * n / m, n, per_n) : far_column(h, n);
         }
-    }
+#endif
     fill(in[2], nnz, seed ^ VAL_SALT);
     fill(in[3], (size_t)n, seed ^ X_SALT);
 }
