@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -365,6 +367,27 @@ def test_the_templates_own_fill_makes_numpys_inputs(task_name: str) -> None:
     # Sizes the harness would refuse (0, past its MAX_DIM) are never filled natively.
     dims = [0] * len(harness.dims)
     assert harnesses.native_inputs(harness.name, dims, ((np.float64, (1,)),), 1) is None
+
+
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64-v4"])
+def test_spmv_fill_makes_numpys_inputs_on_either_code_path(march: str) -> None:
+    """harness/spmv.c fills in split, vectorised loops where AVX-512DQ is there (x86-64-v4)
+    and in fused scalar ones elsewhere (AVX2: x86-64-v3): both are the same bits as numpy's,
+    whichever path this machine's own build takes."""
+    if march == "x86-64-v4" and "avx512dq" not in Path("/proc/cpuinfo").read_text():
+        pytest.skip("this CPU has no AVX-512DQ to run the x86-64-v4 build on")
+    lib = harnesses._build("spmv", march=march)
+    assert lib is not None
+    task = load_task("spmv")
+    for sizes in (task.sizes.reward, *task.sizes.verify):
+        for seed in (1, 2**63 - 1, 0x5DEECE66DA3B1F7F):
+            layout = spmv.SPMV.input_layout(sizes)
+            arrays = tuple(np.empty(shape, dtype=dtype) for dtype, shape in layout)
+            dims = (ctypes.c_int * 3)(sizes["M"], sizes["N"], sizes["NNZ"])
+            pointers = (ctypes.c_void_p * len(arrays))(*(a.ctypes.data for a in arrays))
+            lib.hpcrl_fill_inputs(pointers, dims, ctypes.c_uint64(seed))
+            for ours, theirs in zip(arrays, spmv.numpy_inputs(sizes, seed), strict=True):
+                assert np.array_equal(ours, theirs), (march, sizes, seed)
 
 
 def test_stencil_reference_in_blocks_is_the_whole_grid_sweep() -> None:

@@ -156,7 +156,9 @@ def native_library(name: str) -> ctypes.CDLL | None:
         return _NATIVE[name]
 
 
-def _build(name: str) -> ctypes.CDLL | None:
+def _build(name: str, march: str = "native") -> ctypes.CDLL | None:
+    """The template's library for this CPU (``march``: another target, for the tests of a
+    template's code paths that this CPU would not take)."""
     compiler = shutil.which("gcc") or shutil.which("cc")
     try:
         template = Template.of(name)
@@ -172,7 +174,7 @@ def _build(name: str) -> ctypes.CDLL | None:
         command = [
             compiler,
             "-O2",
-            "-march=native",
+            f"-march={march}",
             "-fopenmp-simd",  # the templates' `omp simd` loops, without OpenMP's runtime
             "-shared",
             "-fPIC",
