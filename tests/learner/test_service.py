@@ -544,3 +544,33 @@ def test_only_tokens_of_the_judged_text_within_bounds_are_trained(
     assert "8007 tokens > max_sequence_tokens 4096" in reasons["long"]
     assert "learner.max_abs_reward" in reasons["huge"]
     assert "no completion_sha256" in reasons["unhashed"]
+
+
+def test_with_skip_copied_lines_a_step_credits_only_the_edit(
+    broker_settings, raw_channel, tiny_model, tmp_path
+):
+    """learner.skip_copied_lines over the broker: each sample's credit is made from its own
+    tokens' text against the prompt's lines (the policy's tokenizer), and the groups train."""
+    lp = base_logprobs(tiny_model)
+    publish(broker_settings, good_bad_batch("edit0", lp), good_bad_batch("edit1", lp))
+    config = LearnerConfig(
+        broker=broker_settings,
+        learner=LearnerSettings(
+            model_path=tiny_model,
+            checkpoint_dir=tmp_path / "store",
+            groups_per_step=2,
+            metrics_port=0,
+            skip_copied_lines=True,
+        ),
+    )
+    consumer, learner = build(config)
+    tokenizer = learner.texts.tokenizer()
+    prompt = np.array(tokenizer("a = 1;\nb = 2;\n", add_special_tokens=False)["input_ids"])
+    child = np.array(tokenizer("a = 1;\nc = 3;\n", add_special_tokens=False)["input_ids"])
+    [mask] = learner._credit(prompt, [child])
+    credited = tokenizer.decode(child[mask > 0].tolist())
+    assert "c = 3" in credited and "a = 1" not in credited
+    store = CheckpointStore(tmp_path / "store")
+    with RunningConsumer(consumer):
+        wait_for(lambda: len(store.versions()) == 1, 120, "a step of both groups")
+    assert learner.failed is None and store.versions()[0].metrics["groups_trained"] == 2.0

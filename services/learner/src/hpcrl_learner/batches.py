@@ -7,7 +7,8 @@ trainer score a different sequence from the one that was sampled.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,6 +30,8 @@ class TrainSequence:
     sampling_logprobs: np.ndarray  # float32, one per completion token
     advantage: float
     fresh: bool = True  # sampled by the trainer's current version (no update since)
+    # 1.0 per completion token the policy-gradient term credits (credit.py); None: all of them
+    credit: np.ndarray | None = None
 
     @property
     def length(self) -> int:
@@ -64,7 +67,10 @@ def prepare_group(
     vocab_size: int,
     max_sequence_tokens: int,
     max_abs_reward: float = MAX_ABS_REWARD,
+    credit: Callable[[np.ndarray, list[np.ndarray]], list[np.ndarray]] | None = None,
 ) -> PreparedGroup:
+    """``credit``: given the prompt and the completions, each one's per-token credit
+    (``credit.credit_mask``); None credits every token."""
     prompt = batch.prompt_token_ids.numpy().astype(np.int64)
     if len(prompt) == 0:
         raise BadBatch("empty prompt: the first completion token has nothing to condition on")
@@ -96,6 +102,12 @@ def prepare_group(
                     f"vocabulary [0, {vocab_size})"
                 )
         sequences.append(TrainSequence(prompt, ids, logprobs, float(advantage), fresh=lag == 0))
+    if credit is not None:
+        masks = credit(prompt, [seq.completion_ids for seq in sequences])
+        sequences = [
+            dataclasses.replace(seq, credit=np.asarray(mask, dtype=np.float32))
+            for seq, mask in zip(sequences, masks, strict=True)
+        ]
     return PreparedGroup(batch.id, sequences, rewards, advantages, lag)
 
 
@@ -122,6 +134,7 @@ class Collated:
     completion_mask: torch.Tensor  # [B, C] 1 on completion tokens (left-aligned)
     sampling_logprobs: torch.Tensor  # [B, C]
     advantages: torch.Tensor  # [B]
+    credit: torch.Tensor  # [B, C] 1 on the completion tokens the policy gradient credits
 
     @property
     def width(self) -> int:
@@ -152,6 +165,7 @@ def collate(
     input_ids = torch.full((rows, length), pad_id, dtype=torch.long)
     completion_mask = torch.zeros((rows, width), dtype=torch.float32)
     sampling = torch.zeros((rows, width), dtype=torch.float32)
+    credit = torch.zeros((rows, width), dtype=torch.float32)
     flat_rows, flat_cols, flat_slots = [], [], []
     for row, seq in enumerate(sequences):
         tokens = np.concatenate([seq.prompt_ids, seq.completion_ids])
@@ -160,6 +174,7 @@ def collate(
         if count:
             completion_mask[row, :count] = 1.0
             sampling[row, :count] = torch.from_numpy(seq.sampling_logprobs)
+            credit[row, :count] = _credit(seq)
             flat_rows.append(np.full(count, row))
             flat_cols.append(np.arange(start - 1, start - 1 + count))
             flat_slots.append(np.arange(count))
@@ -174,6 +189,7 @@ def collate(
         completion_mask=completion_mask,
         sampling_logprobs=sampling,
         advantages=torch.tensor([s.advantage for s in sequences], dtype=torch.float32),
+        credit=credit,
     )
 
 
@@ -225,6 +241,7 @@ def collate_completions(
     input_ids = torch.full((rows, padded_width(max(width, 1), multiple)), pad_id, dtype=torch.long)
     completion_mask = torch.zeros((rows, width), dtype=torch.float32)
     sampling = torch.zeros((rows, width), dtype=torch.float32)
+    credit = torch.zeros((rows, width), dtype=torch.float32)
     flat_rows, flat_slots = [], []
     for row, seq in enumerate(sequences):
         count = len(seq.completion_ids)
@@ -232,6 +249,7 @@ def collate_completions(
             input_ids[row, :count] = torch.from_numpy(seq.completion_ids)
             completion_mask[row, :count] = 1.0
             sampling[row, :count] = torch.from_numpy(seq.sampling_logprobs)
+            credit[row, :count] = _credit(seq)
             flat_rows.append(np.full(count, row))
             flat_slots.append(np.arange(count))
     rows_t = _flat(flat_rows)
@@ -245,7 +263,16 @@ def collate_completions(
         completion_mask=completion_mask,
         sampling_logprobs=sampling,
         advantages=torch.tensor([s.advantage for s in sequences], dtype=torch.float32),
+        credit=credit,
     )
+
+
+def _credit(seq: TrainSequence) -> torch.Tensor | float:
+    if seq.credit is None:
+        return 1.0
+    if seq.credit.shape != seq.completion_ids.shape:
+        raise ValueError("a sequence's credit must have one value per completion token")
+    return torch.from_numpy(seq.credit)
 
 
 def _flat(parts: list[np.ndarray]) -> torch.Tensor:

@@ -123,6 +123,12 @@ class LearnerSettings(ServiceSection, LossSettings):
         "failed attempt at a risky technique pushes the policy away from it less than a "
         "success pulls toward it",
     )
+    skip_copied_lines: bool = Field(
+        False,
+        description="the policy-gradient term skips completion tokens on lines copied "
+        "verbatim from the prompt (the parent's unchanged lines): the advantage goes to the "
+        "edit; the KL term still covers them",
+    )
     max_staleness: int = Field(
         related_default("learner.max_staleness"),
         ge=0,
@@ -242,6 +248,10 @@ class LearnerSettings(ServiceSection, LossSettings):
             raise ValueError(f"adam_betas must be in [0, 1), got {self.adam_betas}")
         if self.replay_coef > 0 and self.backend != "torch":
             raise ValueError("replay_coef > 0 needs the torch backend (swift has no replay term)")
+        if self.skip_copied_lines and self.backend != "torch":
+            raise ValueError(
+                "skip_copied_lines needs the torch backend (swift credits every token)"
+            )
         return self
 
     def replay_file(self) -> Path:

@@ -133,6 +133,7 @@ def grpo_loss(
     settings: LossSettings,
     ref_logp: torch.Tensor | None = None,
     normalizer: float | None = None,
+    credit: torch.Tensor | None = None,
 ) -> LossOutput:
     """The GRPO loss of a (micro-)batch of completions, shape [B, T] per token.
 
@@ -141,6 +142,8 @@ def grpo_loss(
     ``normalizer`` is the denominator of the whole optimizer step (tokens for "token"
     aggregation, sequences for "sequence"); pass it when a step is split into micro-batches so
     that their losses add up to the step's loss. By default the batch's own count is used.
+    ``credit`` ([B, T], 0 or 1): the tokens whose clipped advantage term counts (credit.py);
+    the KL term and the normaliser still count every completion token. None: all of them.
     """
     if logp.shape != sampling_logp.shape or logp.shape != mask.shape or logp.ndim != 2:
         raise ValueError(
@@ -168,6 +171,10 @@ def grpo_loss(
     upper = settings.clip_eps if settings.clip_eps_high is None else settings.clip_eps_high
     low, high = 1.0 - settings.clip_eps, 1.0 + upper
     objective = torch.minimum(ratio * adv, torch.clamp(ratio, low, high) * adv) * used
+    if credit is not None:
+        if credit.shape != logp.shape:
+            raise ValueError(f"credit must be {tuple(logp.shape)}, got {tuple(credit.shape)}")
+        objective = objective * credit.to(logp.dtype)
 
     kl = None
     if settings.beta > 0:

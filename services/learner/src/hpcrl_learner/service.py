@@ -25,7 +25,7 @@ from hpcrl_common.broker import DEFER, Consumer, Delivery, Publish, Reject
 from hpcrl_common.checkpoints import CheckpointInfo, CheckpointStore, run_label
 from hpcrl_common.messages import RolloutBatch
 from hpcrl_common.topology import WEIGHT_UPDATES
-from hpcrl_learner import metrics
+from hpcrl_learner import credit, metrics
 from hpcrl_learner.backends import BackendFactory, StepResult, backend_for
 from hpcrl_learner.batches import BadBatch, PreparedGroup, prepare_group, staleness
 from hpcrl_learner.config import LearnerConfig
@@ -144,6 +144,7 @@ class Learner:
                     vocab_size=self.backend.vocab_size,
                     max_sequence_tokens=self.settings.max_sequence_tokens,
                     max_abs_reward=self.settings.max_abs_reward,
+                    credit=self._credit if self.settings.skip_copied_lines else None,
                 )
                 self.texts.check(batch)
             except BadBatch as exc:
@@ -160,6 +161,19 @@ class Learner:
             elif self.settings.train_on_arrival and not self._skipped(group):
                 self._accumulate(group)
             return DEFER
+
+    def _credit(self, prompt: np.ndarray, completions: list[np.ndarray]) -> list[np.ndarray]:
+        """``learner.skip_copied_lines``: each completion's credit (credit.py), its tokens'
+        text decoded one by one with the policy's tokenizer."""
+        tokenizer = self.texts.tokenizer()
+        copied = credit.prompt_lines(tokenizer.decode(prompt.tolist(), skip_special_tokens=True))
+        return [
+            credit.credit_mask(
+                [tokenizer.decode([token], skip_special_tokens=True) for token in ids.tolist()],
+                copied,
+            )
+            for ids in completions
+        ]
 
     def health(self) -> tuple[bool, dict[str, Any]]:
         return self.failed is None, {

@@ -451,6 +451,7 @@ class TorchTrainer:
             self.loss_settings,
             ref_logp=ref,
             normalizer=normalizer,
+            credit=batch.credit.to(self.device),
         )
         out.loss.backward()
         out.stats.entropy_sum = float((entropy * mask).sum())
