@@ -2,11 +2,12 @@
 
 A deepen or improve completion rewrites its parent: most of its lines are the parent's, copied.
 GRPO gives every token of a completion its advantage, so a copied line is pushed up or down by
-whatever the rest of the kernel earned. Where a group's failures share a copied line more often
+whatever the rest of the kernel earned; where a group's failures share a copied line more often
 than its successes (the SIMD attempts, which fail most, all carry `#include <immintrin.h>`),
-the push is systematic: measured on the fixed evaluation set (bench/records/2026-12-05), a
-trained policy wrote SIMD code without that include in 44 of 192 samples, against 9 at
-version 0. With ``learner.skip_copied_lines`` a token whose characters all lie on lines found
+the push is systematic. One run drifted so (seed 2 with supervised replay over every stage,
+bench/records/2026-12-05: SIMD code without its include in 44 of the fixed set's 192 samples,
+against 9 at version 0), though the default on the same seed and node did not (5).
+With ``learner.skip_copied_lines`` a token whose characters all lie on lines found
 verbatim (stripped) in the prompt earns no advantage: the credit goes to the edit. The KL term
 still covers every token.
 """
