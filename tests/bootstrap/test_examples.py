@@ -55,7 +55,7 @@ def test_every_answer_is_a_correct_kernel_of_the_target_stage(examples, small_me
     verdicts = {catalogue.verdict_key(m.kernel): m for m in small_measured}
     assert set(Counter(e.mode for e in examples)) == {"seed", "deepen", "improve", "repair"}
     for ex in examples:
-        assert ex.completion.startswith("```c\n") and ex.completion.endswith("\n```")
+        assert ex.completion.startswith("```c\n") and ex.completion.endswith("\n```\n")
         assert ex.target.mistake is None and ex.target.stage == ex.target_stage
         assert verdicts[catalogue.verdict_key(ex.target)].ok
         assert not stage(ex.target_stage).violations(detect_techniques(ex.target.source))

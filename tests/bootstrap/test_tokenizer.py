@@ -86,3 +86,19 @@ def test_examples_over_the_length_are_left_out_by_index(trained) -> None:
     kept, too_long = encode_examples(held_out, tokenizer, cut)
     assert too_long == [i for i, n in enumerate(lengths) if n > cut]
     assert len(kept) + len(too_long) == len(held_out) and too_long
+
+
+def test_the_answer_opening_token_never_ends_a_turn(trained) -> None:
+    """The token an answer opens with is never the last before the end of a turn, in answers
+    or in prompts, so the policy cannot learn "an opening fence may end the answer". Answers
+    that closed on a bare ```, the opening token, left a build that ended its stage 4-6
+    answers right after opening them."""
+    tokenizer, held_out = trained
+    encoded, _ = encode_examples(held_out, tokenizer, 100_000)
+    eos = tokenizer.eos_token_id
+    openers = {e.input_ids[e.prompt_len] for e in encoded}
+    before_eos = {
+        ids[n - 1] for ids in (e.input_ids for e in encoded) for n, t in enumerate(ids) if t == eos
+    }
+    assert openers and before_eos
+    assert not openers & before_eos, [tokenizer.decode([t]) for t in openers & before_eos]

@@ -247,8 +247,16 @@ def with_mistake(
 
 
 def completion_text(source: str) -> str:
-    """A kernel as the policy answers: one fenced C block."""
-    return f"```c\n{source.rstrip()}\n```"
+    """A kernel as the policy answers: one fenced C block, its closing fence ended by a newline.
+
+    The newline keeps the two fences apart as tokens. The pre-tokenizer makes the closing
+    "```\n" one token and the opening "```" (followed by "c") another; the prompts' blocks
+    already close that way. An answer that closed on a bare "```" taught that token as an
+    opener (followed by "c") and as the last token before the end of the turn. A policy built
+    that way on a Zen 4 node opened every stage 4-6 answer with "```" and ended the turn
+    there (99.7 % of the mass on the end of turn, all 80 samples a format violation).
+    """
+    return f"```c\n{source.rstrip()}\n```\n"
 
 
 def render_kernel(spec: KernelSpec, label_stage: int, isa: str) -> Kernel:
