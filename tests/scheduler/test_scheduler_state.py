@@ -320,3 +320,57 @@ def test_parent_relative_groups_publish_rewards_against_their_parent(tmp_path):
     answer(s, repair, ["success", "success", "timeout"])  # 2 and 3 GFLOPS, parent failed
     [batch] = [b for b in batches(s) if b.id == repair.id]
     assert [x.reward for x in batch.samples] == pytest.approx([2 / 3 * 100, 100.0, -30.0])
+
+
+TILED = """#define BM 32
+void matmul_optimized(double *A, double *B, double *C, int M, int N, int K) {
+    for (int ii = 0; ii < M; ii += BM) {
+        int i_end = ii + BM < M ? ii + BM : M;
+        for (int i = ii; i < i_end; i++) {
+            for (int j = 0; j < N; j++) {
+                double sum = 0.0;
+                for (int k = 0; k < K; k++) {
+                    sum += A[i * K + k] * B[k * N + j];
+                }
+                C[i * N + j] = sum;
+            }
+        }
+    }
+}
+"""
+
+
+def second_iteration_prompts(tmp_path, **section) -> dict[str, str]:
+    """The user message of each mode of iteration 1, after the seed group wrote TILED."""
+    s = make(tmp_path, **section)
+    s.step()
+    [seed] = requests(s)
+    for index, status in enumerate(["success", "compile_error", "verification_error"]):
+        source = TILED + f"int v{index};\n"
+        deliver(
+            s,
+            result(
+                seed.id,
+                index,
+                status,
+                2.0 if status == "success" else None,
+                source=source,
+                error="" if status == "success" else "x.c:3: error: 'ii' undeclared",
+            ),
+        )
+    s.step()
+    return {r.mode: r.prompt[1].content for r in requests(s) if r.iteration == 1}
+
+
+def test_restyled_parents_change_the_style_of_deepen_prompts_never_of_repair(tmp_path):
+    plain = second_iteration_prompts(tmp_path / "plain")
+    restyled = second_iteration_prompts(tmp_path / "restyled", restyle_parents=1.0)
+    again = second_iteration_prompts(tmp_path / "again", restyle_parents=1.0)
+    assert TILED in plain["deepen"] and TILED in plain["repair"]
+    assert TILED not in restyled["deepen"]  # another style of the same program
+    assert (
+        "void matmul_optimized(double *A, double *B, double *C, int M, int N, int K)"
+        in (restyled["deepen"])
+    )
+    assert TILED in restyled["repair"]  # the error names the parent's own lines
+    assert restyled == again  # seeded by the experiment: both arms of a bench see the same

@@ -61,6 +61,15 @@ class SchedulerSection(ServiceSection):
         "learner; lower stages still fill the pool and earn rewards (the policy then learns "
         "only where the fast kernels are written; the default trains on every stage)",
     )
+    restyle_parents: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="share of seed, deepen and improve prompts whose parent is shown "
+        "restyled (renamed variables and tile macros, other indentation and comments; the "
+        "program unchanged), as the bootstrap shows three in five of its parents; repair "
+        "prompts never (0 = every parent as written)",
+    )
     isa: Literal["avx512", "avx2"] = Field(
         "avx512", description="the benchmark hosts' best ISA, named in prompts"
     )

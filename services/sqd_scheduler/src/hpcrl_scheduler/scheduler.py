@@ -9,6 +9,7 @@ to a kill -9. No SQL either: a group's life cycle reads as the store's named ope
 from __future__ import annotations
 
 import hashlib
+import random
 import re
 import statistics
 import time
@@ -34,6 +35,7 @@ from hpcrl_common.messages import (
     rollout_sha256,
 )
 from hpcrl_common.prompts import Templates, build_prompt, failure_text, load_templates
+from hpcrl_common.restyle import restyle_for_task
 from hpcrl_common.stages import FIRST_STAGE
 from hpcrl_common.task import TaskError, TaskSpec, load_task, seed_program
 from hpcrl_common.topology import BENCH_RESULTS, CODE_TO_BENCH, GENERATE_REQUESTS, ROLLOUT_BATCHES
@@ -42,7 +44,7 @@ from hpcrl_scheduler.config import SchedulerConfig
 from hpcrl_scheduler.groups import Parent, close_group, majority_class
 from hpcrl_scheduler.pacing import PacingState, hold_reason, outstanding
 from hpcrl_scheduler.peaks import PeakBook
-from hpcrl_scheduler.selection import SEED_ID, Program, Ratios, dedupe, select_tasks
+from hpcrl_scheduler.selection import SEED_ID, Node, Program, Ratios, dedupe, select_tasks
 from hpcrl_scheduler.store import BatchOutcome, CloseReason, GroupRow, Store
 
 log = structlog.get_logger("hpcrl.scheduler")
@@ -249,7 +251,7 @@ class Scheduler:
                 self.tasks[node.task],
                 target_stage=node.target_stage,
                 mode=node.mode,  # type: ignore[arg-type]
-                parent_source=node.parent.source,
+                parent_source=self._shown_parent(node, t, ordinal),
                 error=repair_error(node.parent) if node.mode == "repair" else None,
                 isa=self.section.isa,
                 templates=self.templates,
@@ -276,6 +278,20 @@ class Scheduler:
         log.info(
             "iteration planned", iteration=t, nodes=len(nodes), pool=len(pool), **modes, **extra
         )
+
+    def _shown_parent(self, node: Node, iteration: int, ordinal: int) -> str:
+        """The parent's text as its prompt shows it: restyled in a share of seed, deepen and
+        improve prompts, never in repair ones (their error names the parent's own lines). The
+        draw depends on the seed and the node's place only, so two arms of one experiment
+        restyle alike."""
+        source = node.parent.source
+        share = self.section.restyle_parents
+        if share <= 0 or node.mode == "repair":
+            return source
+        rng = random.Random(f"hpcrl-restyle/{self.config.experiment.seed}/{iteration}/{ordinal}")
+        if rng.random() >= share:
+            return source
+        return restyle_for_task(source, self.tasks[node.task], rng)
 
     def pacing_state(self) -> PacingState:
         s = self.store

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from hpcrl_bootstrap.catalogue import Measured, Plan, verdict_key
 from hpcrl_bootstrap.chat import IM_END, format_chat
 from hpcrl_bootstrap.corpus import Kernel, completion_text
-from hpcrl_bootstrap.restyle import restyle
 from hpcrl_common.messages import ChatMessage
 from hpcrl_common.prompts import build_prompt, failure_text
+from hpcrl_common.restyle import restyle
 from hpcrl_common.task import TaskSpec
 
 PromptBuilder = Callable[..., list[ChatMessage]]

@@ -7,6 +7,11 @@ changes what a program looks like and never what it does: comments, identifier n
 indentation, brace placement, increment spelling, tile-size macro names. Answers are never
 restyled: the policy writes the house style it memorises best.
 
+Shared by the policy bootstrap (60 % of its prompts' parents) and the scheduler
+(``scheduler.restyle_parents``): in RL the parents are the policy's own programs, whose
+lines (a tile size's ``#define``, an ``#include``) a child can copy, so without restyling the
+policy stops writing them for parents that lack them.
+
 Pure and seeded: the same source and random state give the same text.
 """
 
@@ -14,6 +19,9 @@ from __future__ import annotations
 
 import random
 import re
+from collections.abc import Sequence
+
+from hpcrl_common.task import TaskSpec
 
 # Local names the corpus uses, with names a person might have written instead. The signature's
 # names (A, B, C, M, N, K) and the function name stay: the task fixes them.
@@ -34,12 +42,18 @@ _RENAMES: dict[str, tuple[str, ...]] = {
     "BN": ("TILE_J", "BLOCK_N", "TN", "NB"),
     "BK": ("TILE_K", "BLOCK_K", "TK", "KB"),
 }
-_HEADERS = (
+GEMM_HEADERS = (
     "// Matrix multiplication C = A * B (row-major doubles).",
     "/* C = A x B; A is M x K, B is K x N, C is M x N. */",
     "// A straightforward version; correct for any M, N, K.",
     "// Written for clarity first.",
     "/* dgemm-like kernel, row-major storage */",
+)
+# Headers that fit any task's kernel.
+NEUTRAL_HEADERS = (
+    "// Written for clarity first.",
+    "/* A straightforward version. */",
+    "// Reference-style implementation.",
 )
 _LINE_NOTES = ("// main loop", "// remainder", "// accumulate", "// tile", "// inner loop")
 _IDENT = re.compile(r"\b[A-Za-z_]\w*\b")
@@ -47,11 +61,21 @@ _INCREMENT = re.compile(r"\b(\w+)\+\+\)")
 _OPEN_BRACE = re.compile(r"^(\s*)(.*\S)\s*\{\s*$")
 
 
-def restyle(source: str, rng: random.Random) -> str:
-    """``source`` with a random choice of cosmetic rewrites applied (possibly none)."""
+def restyle(
+    source: str,
+    rng: random.Random,
+    keep: frozenset[str] = frozenset(),
+    headers: Sequence[str] = GEMM_HEADERS,
+) -> str:
+    """``source`` with a random choice of cosmetic rewrites applied (possibly none).
+
+    ``keep``: identifiers never renamed (a task's signature fixes its parameters' names).
+    ``headers``: the comments one of which may open the text. Neither changes which random
+    numbers are drawn, so the bootstrap's examples stay the same.
+    """
     text = source
     if rng.random() < 0.7:
-        text = _rename(text, rng)
+        text = _rename(text, rng, keep)
     if rng.random() < 0.3:
         text = _INCREMENT.sub(lambda m: f"++{m.group(1)})", text)
     if rng.random() < 0.3:
@@ -61,17 +85,28 @@ def restyle(source: str, rng: random.Random) -> str:
     if rng.random() < 0.3:
         text = _line_notes(text, rng)
     if rng.random() < 0.5:
-        text = rng.choice(_HEADERS) + "\n" + text
+        # Drawn as from GEMM's headers whatever ``headers`` holds: the same draws either way.
+        index = rng.randrange(len(GEMM_HEADERS))
+        if headers:
+            text = headers[index % len(headers)] + "\n" + text
     return text
 
 
-def _rename(text: str, rng: random.Random) -> str:
+def restyle_for_task(source: str, task: TaskSpec, rng: random.Random) -> str:
+    """:func:`restyle` for a parent of ``task``: the names its signature fixes kept, and a
+    header that fits the task (GEMM's name the product)."""
+    headers = GEMM_HEADERS if task.name == "matmul" else NEUTRAL_HEADERS
+    return restyle(source, rng, keep=frozenset(_IDENT.findall(task.signature)), headers=headers)
+
+
+def _rename(text: str, rng: random.Random, keep: frozenset[str]) -> str:
     present = set(_IDENT.findall(_code_only(text)))
     mapping = {
         old: rng.choice(new)
         for old, new in _RENAMES.items()
         if old in present and rng.random() < 0.8
     }
+    mapping = {old: new for old, new in mapping.items() if old not in keep}
     taken = present - set(mapping)
     mapping = {old: new for old, new in mapping.items() if new not in taken}
     if len(set(mapping.values())) < len(mapping):  # two olds drew one new name: keep the olds
