@@ -75,6 +75,7 @@ from rich.console import Console
 from rich.table import Table
 
 from hpcrl_common.config import ConfigError, load_config
+from hpcrl_evaluate.errors import CAUSES, compile_error_causes
 from hpcrl_evaluate.retime import ROUNDS, Entry, Retimed, benchmarker_timers, retime
 from hpcrl_evaluate.run import metric_values, records_of
 from hpcrl_evaluate.stats import Interval, gain_difference
@@ -801,6 +802,28 @@ def learner_table(runs_dir: Path, arms: list[Arm], seed: int) -> Table | None:
     return table if shown else None
 
 
+def compile_errors_table(runs: dict[Arm, list[dict[str, Any]]], index: int, seed: int) -> Table:
+    """Per arm, v0's and the final version's compile errors on the fixed set by gcc's first
+    error: a policy that stops writing what its own parents always carry (a tile size's
+    ``#define``, ``<immintrin.h>``) shows here where share correct only shows a loss."""
+    table = Table(title=f"Seed {seed}: fixed-set compile errors by gcc's first error")
+    table.add_column("arm")
+    table.add_column("version")
+    table.add_column("all")
+    for cause in CAUSES:
+        table.add_column(cause)
+    for arm, evaluations in runs.items():
+        for version in (evaluations[index]["versions"][0], evaluations[index]["versions"][-1]):
+            counts = compile_error_causes((s["status"], s["error"]) for s in version["samples"])
+            table.add_row(
+                arm.label,
+                f"v{version['version']}",
+                str(sum(counts.values())),
+                *(str(counts[cause]) for cause in CAUSES),
+            )
+    return table
+
+
 SWEPT_SECTIONS = {"learner": LearnerConfig, "scheduler": SchedulerConfig}
 
 
@@ -957,8 +980,9 @@ def main() -> int:
         differences = seed_differences(runs, args.seeds, control, arm)
         console.print(learning_table(differences, args.seeds, arm))
         report_best_gflops(args.runs, args.seeds, control, arm, differences, retimer)
-    for seed in args.seeds:
+    for index, seed in enumerate(args.seeds):
         for table in (
+            compile_errors_table(runs, index, seed),
             children_table(list(runs), seed, args.iterations_total),
             learner_table(args.runs, list(runs), seed),
         ):

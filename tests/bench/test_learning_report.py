@@ -469,3 +469,28 @@ def test_the_benchmarker_retimer_times_real_kernels_and_openblas() -> None:
     )
     assert (retimed.best["trained"] or 0) > 0 and (retimed.best["lr 0"] or 0) > 0
     assert retimed.reference is not None and retimed.reference > retimed.best["trained"]
+
+
+def test_compile_errors_table_counts_v0_and_the_final_version_by_cause() -> None:
+    def version(number: int, errors: list[tuple[str, str]]) -> dict[str, Any]:
+        return {"version": number, "samples": [{"status": s, "error": e} for s, e in errors]}
+
+    undefined = ("compile_error", "kernel.c:2:36: error: 'BM' undeclared (first use)")
+    loop_var = ("compile_error", "kernel.c:3:14: error: 'j' undeclared (first use)")
+    ok = ("success", "")
+    evaluation = {"versions": [version(0, [undefined, ok, ok]), version(17, [undefined] * 3)]}
+    control = {"versions": [version(0, [undefined, ok, ok]), version(0, [loop_var, ok, ok])]}
+    runs = {bench.Arm(0.0): [control], bench.Arm(2e-4): [evaluation]}
+    rows = [
+        line.split("│")[1:-1]
+        for line in render(bench.compile_errors_table(runs, 0, 1)).splitlines()
+        if line.count("│") > 3 and "arm" not in line
+    ]
+    cells = [[cell.strip() for cell in row] for row in rows]
+    # arm, version, all, undefined macro, undeclared variable, no header, syntax, other
+    assert [row[1:5] for row in cells] == [
+        ["v0", "1", "1", "0"],
+        ["v0", "1", "0", "1"],
+        ["v0", "1", "1", "0"],
+        ["v17", "3", "3", "0"],
+    ]
