@@ -34,10 +34,14 @@ kernels: their mix of prompts drifts with what the policy wrote. Printed:
    fastest kernel's median (each kernel's figures also in
    <runs>/retimed-<trained run>.json); the table shows the runs' own figures beside them
    (--no-retime judges on those);
-5. per seed and arm: the children the run filed (its scheduler database), OpenMP, SIMD-only
+5. per seed and arm: the fixed set's compile errors of v0 and of the final version by gcc's
+   first error (undefined macro, undeclared variable, SIMD without <immintrin.h>, syntax,
+   other): a policy that stops writing what its own parents always carry (a tile size's
+   #define, the intrinsics header) for parents that lack it shows here;
+6. per seed and arm: the children the run filed (its scheduler database), OpenMP, SIMD-only
    and scalar, in the first and the second half of the iterations: count, share correct, mean
    reward, median and best GFLOPS. A policy that buys correctness with speed shows here;
-6. per seed and arm: the learner's drift, from its checkpoints' figures in metrics.json: KL to
+7. per seed and arm: the learner's drift, from its checkpoints' figures in metrics.json: KL to
    v0 on its own samples (last, max) and the held-out taught-set NLL (`taught_nll`: first,
    max, last). The lr-0 arm's NLL is v0's, since its weights never move; a trained arm whose
    NLL climbs above it forgets how to extend parents it did not write, which its own KL does
@@ -49,6 +53,7 @@ kernels: their mix of prompts drifts with what the policy wrote. Printed:
     .venv/bin/python bench/learning.py --seeds 0 --iterations 2 --eval-samples 4   # quicker
     .venv/bin/python bench/learning.py --seeds 0 --variant nokl:learner.beta=0     # a sweep
     .venv/bin/python bench/learning.py --variants-only --variant clip02:learner.max_grad_norm=0.2
+    .venv/bin/python bench/learning.py --seeds 1 2 --variant restyle:scheduler.restyle_parents=0.6
 
 With several reward modes, learning rates or variants, every trained arm is compared with the
 same lr-0 run of its seed: at learning rate 0 the weights never move, whatever the rewards.
