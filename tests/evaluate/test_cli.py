@@ -121,7 +121,7 @@ def test_identical_versions_show_no_gain_and_seeds_repeat(policy, tmp_path: Path
         assert len(version["per_prompt"]) == 2
     assert completions(report["versions"][0]) != completions(report["versions"][1])
     assert set(report["comparison"]["metrics"]) == set(METRICS)
-    assert "gain" in stdout and "share correct" in stdout
+    assert "gain" in stdout and "share correct" in stdout and "failures" in stdout
     assert (tmp_path / "a.png").stat().st_size > 0
 
     # Version 1 holds the base weights: same seeds, same samples, so nothing gains. In this

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-import pytest
+import io
 
+import pytest
+from rich.console import Console
+
+from hpcrl_evaluate.cli import failures_table
 from hpcrl_evaluate.errors import (
     NO_INTRINSICS_HEADER,
     OTHER,
@@ -70,3 +74,28 @@ def test_only_compile_errors_are_counted() -> None:
         NO_INTRINSICS_HEADER: 1,
         OTHER: 2,
     }
+
+
+def test_the_failures_table_shows_each_versions_statuses_and_causes() -> None:
+    def version(number: int, samples: list[tuple[str, str]]) -> dict:
+        return {"version": number, "samples": [{"status": s, "error": e} for s, e in samples]}
+
+    macro = ("compile_error", "kernel.c:2:1: error: 'BM' undeclared (first use)")
+    report = {
+        "versions": [
+            version(0, [macro, ("stage_violation", "stage 3 forbids openmp"), ("success", "")]),
+            version(17, [macro, macro, ("success", "")]),
+        ]
+    }
+    out = io.StringIO()
+    Console(file=out, width=120, color_system=None).print(failures_table(report))
+    rows = {
+        cells[0]: cells[1:]
+        for line in out.getvalue().splitlines()
+        if (cells := [c.strip() for c in line.split("│")[1:-1]])
+    }
+    assert rows["compile_error"] == ["1", "2"]
+    assert rows[UNDEFINED_MACRO] == ["1", "2"]
+    assert rows[SYNTAX] == ["0", "0"]
+    assert rows["stage_violation"] == ["1", "0"]
+    assert "success" not in rows

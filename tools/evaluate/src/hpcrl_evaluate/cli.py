@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from hpcrl_common.task import TaskError, load_task
+from hpcrl_evaluate.errors import CAUSES, compile_error_causes
 from hpcrl_evaluate.evalset import SEED_SPECS, SPECS, build_set
 from hpcrl_evaluate.run import (
     METRICS,
@@ -237,6 +239,27 @@ def summary_table(report: dict[str, Any]) -> Table:
     return table
 
 
+def failures_table(report: dict[str, Any]) -> Table:
+    """Per version, how many samples failed each way, compile errors by gcc's first error."""
+    table = Table(title="failures: samples per status; compile errors by gcc's first error")
+    table.add_column("failure")
+    counts = []
+    for version in report["versions"]:
+        table.add_column(f"v{version['version']}", justify="right")
+        samples = [(s["status"], s["error"]) for s in version["samples"]]
+        statuses = Counter(status for status, _ in samples if status != "success")
+        causes = compile_error_causes(samples)
+        counts.append({**statuses, **{f"compile_error: {c}": n for c, n in causes.items()}})
+    rows = sorted({status for c in counts for status in c if ":" not in status})
+    for status in rows:
+        table.add_row(status, *(str(c.get(status, 0)) for c in counts))
+        if status == "compile_error":
+            for cause in CAUSES:
+                key = f"compile_error: {cause}"
+                table.add_row(f"  {cause}", *(str(c.get(key, 0)) for c in counts))
+    return table
+
+
 def prompt_table(report: dict[str, Any]) -> Table:
     """Per prompt and version: share correct, mean GFLOPS of the correct samples, best of K."""
     table = Table(title="per prompt: share correct / mean GFLOPS of correct samples / best")
@@ -287,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Console()
     out.print(summary_table(report))
     out.print(prompt_table(report))
+    out.print(failures_table(report))
     return 0
 
 
