@@ -35,9 +35,10 @@ kernels: their mix of prompts drifts with what the policy wrote. Printed:
    <runs>/retimed-<trained run>.json); the table shows the runs' own figures beside them
    (--no-retime judges on those);
 5. per seed and arm: the fixed set's compile errors of v0 and of the final version by gcc's
-   first error (undefined macro, undeclared variable, SIMD without <immintrin.h>, syntax,
-   other): a policy that stops writing what its own parents always carry (a tile size's
-   #define, the intrinsics header) for parents that lack it shows here;
+   first error (undefined macro, undeclared variable, SIMD without <immintrin.h>, an
+   intrinsic's arguments, syntax, other): a policy that stops writing what its own parents
+   always carry (a tile size's #define, the intrinsics header) for parents that lack it
+   shows here;
 6. per seed and arm: the children the run filed (its scheduler database), OpenMP, SIMD-only
    and scalar, in the first and the second half of the iterations: count, share correct, mean
    reward, median and best GFLOPS. A policy that buys correctness with speed shows here;

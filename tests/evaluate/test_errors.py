@@ -9,6 +9,7 @@ from rich.console import Console
 
 from hpcrl_evaluate.cli import failures_table
 from hpcrl_evaluate.errors import (
+    INTRINSIC_ARGUMENTS,
     NO_INTRINSICS_HEADER,
     OTHER,
     SYNTAX,
@@ -39,6 +40,16 @@ KERNELS = {
             for (int k = 0; k < K; k++)
                 c = _mm256_add_pd(c, _mm256_mul_pd(_mm256_set1_pd(A[i * K + k]),
                                                    _mm256_loadu_pd(&B[k * N + j])));
+            _mm256_storeu_pd(&C[i * N + j], c);
+        }}
+}}""",
+    INTRINSIC_ARGUMENTS: f"""#include <immintrin.h>
+{SIGNATURE} {{
+    for (int i = 0; i < M; i++)
+        for (int j = 0; j + 4 <= N; j += 4) {{
+            __m256d c = _mm256_setzero_pd();
+            for (int k = 0; k < K; k++)
+                c = _mm256_fmadd_pd(_mm256_set1_pd(A[i * K + k]), _mm256_loadu_pd(&B[k * N + j]));
             _mm256_storeu_pd(&C[i * N + j], c);
         }}
 }}""",

@@ -15,14 +15,24 @@ from collections.abc import Iterable
 UNDEFINED_MACRO = "undefined macro"
 UNDECLARED_VARIABLE = "undeclared variable"
 NO_INTRINSICS_HEADER = "SIMD without <immintrin.h>"
+INTRINSIC_ARGUMENTS = "intrinsic's arguments"
 SYNTAX = "syntax"
 OTHER = "other"
-CAUSES = (UNDEFINED_MACRO, UNDECLARED_VARIABLE, NO_INTRINSICS_HEADER, SYNTAX, OTHER)
+CAUSES = (
+    UNDEFINED_MACRO,
+    UNDECLARED_VARIABLE,
+    NO_INTRINSICS_HEADER,
+    INTRINSIC_ARGUMENTS,
+    SYNTAX,
+    OTHER,
+)
 
 _FIRST_ERROR = re.compile(r"\berror: (.*)")
 _UNDECLARED = re.compile(r"'(\w+)' undeclared")
 # What gcc says of an intrinsic or vector type without its header.
 _INTRINSIC = re.compile(r"(unknown type name|implicit declaration of function) '(_mm|__m)")
+# An intrinsic called with too few or too many arguments (a fused multiply-add given two).
+_INTRINSIC_CALL = re.compile(r"too (few|many) arguments to function '_mm")
 
 
 def compile_error_cause(error: str) -> str:
@@ -33,6 +43,8 @@ def compile_error_cause(error: str) -> str:
     message = match.group(1)
     if _INTRINSIC.match(message):
         return NO_INTRINSICS_HEADER
+    if _INTRINSIC_CALL.match(message):
+        return INTRINSIC_ARGUMENTS
     undeclared = _UNDECLARED.match(message)
     if undeclared is not None:
         name = undeclared.group(1)
