@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import re
 import secrets
 import shutil
@@ -49,6 +50,8 @@ SERVER = RABBIT_BIN / "rabbitmq-server"
 # Ports not to hand out: the shared node's AMQP and distribution ports, epmd, and the range
 # the CLI tools' own short-lived Erlang nodes listen on (RABBITMQ_CTL_DIST_PORT_MIN/MAX).
 _RESERVED_PORTS = {4369, 5671, 5672, 25672, *range(35672, 35693)}
+_LOWEST_DRAWN_PORT = 20000
+_HANDED_OUT: set[int] = set()
 
 Config = str | Callable[["RabbitNode"], str] | None
 _CONNECTION_NAME = re.compile(r'\{"connection_name","((?:[^"\\]|\\.)*)"\}')
@@ -65,13 +68,34 @@ def require_rabbitmq() -> None:
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nobody listens on now (the kernel's choice)."""
+    """A TCP port on 127.0.0.1 that nobody listens on now and this process has not handed out.
+
+    Drawn below the kernel's ephemeral range: a port the kernel picked for ``bind(0)`` can be
+    taken as the local end of any outgoing connection (a client's to a broker node) before the
+    service it was meant for binds it, and then that service fails with "Address already in
+    use". Ports below the range are only ever taken by an explicit bind."""
+    low = _ephemeral_range_start()
+    rng = random.Random()
     while True:
+        port = rng.randrange(_LOWEST_DRAWN_PORT, low) if low > _LOWEST_DRAWN_PORT + 1000 else 0
+        if port in _RESERVED_PORTS or port in _HANDED_OUT:
+            continue
         with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
             port = sock.getsockname()[1]
-        if port not in _RESERVED_PORTS:
+        if port not in _RESERVED_PORTS and port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
             return port
+
+
+def _ephemeral_range_start() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def new_cookie() -> str:
