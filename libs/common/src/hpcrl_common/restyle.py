@@ -10,7 +10,7 @@ restyled: the policy writes the house style it memorises best.
 Shared by the policy bootstrap (60 % of its prompts' parents) and the scheduler
 (``scheduler.restyle_parents``): in RL the parents are the policy's own programs, whose
 lines (a tile size's ``#define``, an ``#include``) a child can copy, so without restyling the
-policy stops writing them for parents that lack them. Measured in RL (seed 1, 2026-12-05)
+policy stops writing them for parents that lack them. Measured in RL (seeds 1 and 2, 2026-12-05)
 it did not help: the policy left more tile macros undefined, so the scheduler's share is 0
 by default.
 
