@@ -78,3 +78,45 @@ def test_benchmarker_installs_without_torch(tmp_path):
         check=True,
     ).stdout
     assert "serve" in help_text
+
+
+PRIORITY_PROBE = """
+import os, subprocess, sys, threading
+from hpcrl_common.service import apply_cpu_priority
+before = threading.Thread(target=threading.Event().wait, daemon=True)
+before.start()
+apply_cpu_priority(sys.argv[1])
+seen = {}
+after = threading.Thread(target=lambda: seen.update(after=os.sched_getscheduler(0)))
+after.start(); after.join()
+child = subprocess.run(
+    [sys.executable, "-c", "import os; print(os.sched_getscheduler(0))"],
+    capture_output=True, text=True, check=True,
+)
+policies = [os.sched_getscheduler(int(t)) for t in os.listdir("/proc/self/task")]
+print(sorted(set(policies)), seen["after"], int(child.stdout))
+"""
+
+
+@pytest.mark.parametrize(
+    ("priority", "policy"), [("idle", "SCHED_IDLE"), ("normal", "SCHED_OTHER")]
+)
+def test_cpu_priority_reaches_every_thread_and_child(priority, policy):
+    """A service's threads started before the setting applies, threads started after it, and
+    the processes it starts (vLLM's engine) all run under it."""
+    done = subprocess.run(
+        [sys.executable, "-c", PRIORITY_PROBE, priority], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    expected = getattr(__import__("os"), policy)
+    assert done.stdout.split() == [f"[{expected}]", str(expected), str(expected)]
+
+
+def test_cpu_priority_is_a_validated_setting_of_every_service():
+    from hpcrl_common.config import ConfigError, load_config
+    from hpcrl_learner.config import LearnerConfig
+
+    config = load_config(LearnerConfig, env={"HPCRL__LEARNER__CPU_PRIORITY": "idle"})
+    assert config.learner.cpu_priority == "idle"
+    with pytest.raises(ConfigError, match="cpu_priority"):
+        load_config(LearnerConfig, env={"HPCRL__LEARNER__CPU_PRIORITY": "low"})

@@ -10,7 +10,7 @@ import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import structlog
 from pydantic import Field
@@ -41,6 +41,13 @@ class ServiceSection(Section):
         "is left to another replica (keep it below the kill wait of what stops it: systemd's "
         "TimeoutStopSec, the lead of Slurm's --signal)",
     )
+    cpu_priority: Literal["normal", "idle"] = Field(
+        "normal",
+        description="idle: the service's threads and child processes run under Linux's "
+        "SCHED_IDLE, taking only CPU time nothing else wants; for a generator or learner "
+        "that shares its node with a benchmarker, so a kernel being timed gets the cores "
+        "first (its OpenMP threads were timed ~2x slow beside them)",
+    )
 
 
 def add_config_argument(parser: argparse.ArgumentParser) -> None:
@@ -52,6 +59,19 @@ def add_config_argument(parser: argparse.ArgumentParser) -> None:
         help=f"experiment config file (default: ${CONFIG_ENV}, else built-in defaults; "
         "HPCRL__SECTION__KEY environment variables override it)",
     )
+
+
+def apply_cpu_priority(priority: str) -> None:
+    """Put every thread of this process under ``priority`` (``ServiceSection.cpu_priority``);
+    threads and processes started afterwards inherit it. Called first thing in `serve`, so
+    the backends' thread pools and engine processes are born with it."""
+    if priority == "normal":
+        return
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            os.sched_setscheduler(int(tid), os.SCHED_IDLE, os.sched_param(0))
+    except (OSError, AttributeError) as exc:  # AttributeError: no SCHED_IDLE off Linux
+        raise SystemExit(f"error: cannot set cpu_priority = {priority!r}: {exc}") from None
 
 
 def load_or_exit(model: type[C], path: Path | None) -> C:

@@ -177,10 +177,11 @@ def _serve(args: argparse.Namespace) -> int:
     from hpcrl_benchmarker.service import build_consumer
     from hpcrl_benchmarker.steps import InternalError
     from hpcrl_common.logs import configure_logging
-    from hpcrl_common.service import load_or_exit, run_consumer
+    from hpcrl_common.service import apply_cpu_priority, load_or_exit, run_consumer
 
     config = load_or_exit(BenchmarkerConfig, args.config)
     section = config.benchmarker
+    apply_cpu_priority(section.cpu_priority)
     log = configure_logging("benchmarker", config.logging.level, config.logging.format)
     host = detect()
     try:

@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
 def serve(config_path: Path | None) -> int:
     from hpcrl_common.broker import Consumer
     from hpcrl_common.logs import configure_logging
-    from hpcrl_common.service import load_or_exit, run_consumer
+    from hpcrl_common.service import apply_cpu_priority, load_or_exit, run_consumer
     from hpcrl_generator.backends import make_sampler
     from hpcrl_generator.config import GeneratorConfig
     from hpcrl_generator.service import Generator
@@ -60,6 +60,7 @@ def serve(config_path: Path | None) -> int:
     config = load_or_exit(GeneratorConfig, config_path)
     log = configure_logging("generator", config.logging.level, config.logging.format)
     section = config.generator
+    apply_cpu_priority(section.cpu_priority)
     try:
         sampler = make_sampler(section)
     except (OSError, ValueError) as exc:

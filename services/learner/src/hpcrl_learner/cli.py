@@ -27,10 +27,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def serve(args: argparse.Namespace) -> int:
     from hpcrl_common.logs import configure_logging
-    from hpcrl_common.service import load_or_exit, run_consumer
+    from hpcrl_common.service import apply_cpu_priority, load_or_exit, run_consumer
     from hpcrl_learner.config import LearnerConfig
 
     config = load_or_exit(LearnerConfig, args.config)
+    apply_cpu_priority(config.learner.cpu_priority)
     log = configure_logging("learner", config.logging.level, config.logging.format)
     from transformers.utils import logging as hf_logging
 

@@ -10,7 +10,12 @@ from pathlib import Path
 
 from hpcrl_common.broker import Consumer
 from hpcrl_common.logs import configure_logging
-from hpcrl_common.service import add_config_argument, load_or_exit, run_consumer
+from hpcrl_common.service import (
+    add_config_argument,
+    apply_cpu_priority,
+    load_or_exit,
+    run_consumer,
+)
 from hpcrl_scheduler.config import SchedulerConfig
 from hpcrl_scheduler.scheduler import Scheduler, SchedulerError
 from hpcrl_scheduler.store import Store
@@ -63,6 +68,7 @@ def _open_read_only(args: argparse.Namespace) -> Store:
 
 def serve(args: argparse.Namespace) -> int:
     config = load_or_exit(SchedulerConfig, args.config)
+    apply_cpu_priority(config.scheduler.cpu_priority)
     progress = _progress() if sys.stderr.isatty() else None
     # Configured after the progress display starts, so log lines print above it.
     log = configure_logging("scheduler", config.logging.level, config.logging.format)
