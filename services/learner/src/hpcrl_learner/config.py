@@ -102,6 +102,15 @@ class LearnerSettings(ServiceSection, LossSettings):
         5e-7, ge=0, description="AdamW learning rate (0: the no-update baseline)"
     )
     warmup_steps: int = Field(0, ge=0, description="linear learning-rate warm-up steps")
+    decay_steps: int = Field(
+        0,
+        ge=0,
+        description="after the warm-up, decay the learning rate linearly to "
+        "learning_rate x min_lr_ratio over this many updates, then hold it there; 0: constant",
+    )
+    min_lr_ratio: float = Field(
+        0.1, ge=0, le=1, description="the decay's floor, as a share of learning_rate"
+    )
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     adam_betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
     max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping (global L2 norm)")

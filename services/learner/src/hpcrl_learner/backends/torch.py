@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import shutil
@@ -30,6 +31,7 @@ from hpcrl_learner.batches import (
 from hpcrl_learner.config import LearnerSettings
 from hpcrl_learner.grpo import LossSettings, LossStats, grpo_loss, token_logprobs_and_entropy
 from hpcrl_learner.replay import ReplayExample, load_replay, pick, read_examples, split_probe
+from hpcrl_learner.schedule import lr_factor
 
 log = structlog.get_logger("hpcrl.learner.trainer")
 
@@ -169,9 +171,14 @@ class TorchTrainer:
             betas=settings.adam_betas,
             weight_decay=settings.weight_decay,
         )
-        warmup = settings.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: min(1.0, (step + 1) / (warmup + 1))
+            self.optimizer,
+            functools.partial(
+                lr_factor,
+                warmup_steps=settings.warmup_steps,
+                decay_steps=settings.decay_steps,
+                min_lr_ratio=settings.min_lr_ratio,
+            ),
         )
         if optimizer_dir is not None and (optimizer_dir / OPTIMIZER_FILE).exists():
             saved = torch.load(

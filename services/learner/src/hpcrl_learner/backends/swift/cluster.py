@@ -51,9 +51,7 @@ def megatron_args(
         "temperature": settings.logprob_temperature,
         "micro_batch_size": settings.micro_batch_size,
         "lr": settings.learning_rate,
-        "min_lr": settings.learning_rate,
-        "lr_decay_style": "constant",
-        "lr_warmup_iters": settings.warmup_steps,
+        **_lr_schedule(settings),
         "weight_decay": settings.weight_decay,
         "adam_beta1": beta1,
         "adam_beta2": beta2,
@@ -89,6 +87,23 @@ def megatron_args(
     if extra:
         args.update(json.loads(extra))
     return {k: v for k, v in args.items() if v is not None}
+
+
+def _lr_schedule(settings: LearnerSettings) -> dict[str, Any]:
+    """``hpcrl_learner.schedule`` in Megatron's terms (its decay counts the warm-up in)."""
+    lr = settings.learning_rate
+    if settings.decay_steps == 0:
+        return {
+            "lr_decay_style": "constant",
+            "min_lr": lr,
+            "lr_warmup_iters": settings.warmup_steps,
+        }
+    return {
+        "lr_decay_style": "linear",
+        "min_lr": lr * settings.min_lr_ratio,
+        "lr_warmup_iters": settings.warmup_steps,
+        "lr_decay_iters": settings.warmup_steps + settings.decay_steps,
+    }
 
 
 def start(
