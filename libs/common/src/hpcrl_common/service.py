@@ -43,10 +43,10 @@ class ServiceSection(Section):
     )
     cpu_priority: Literal["normal", "idle"] = Field(
         "normal",
-        description="idle: the service's threads and child processes run under Linux's "
-        "SCHED_IDLE, taking only CPU time nothing else wants; for a generator or learner "
-        "that shares its node with a benchmarker, so a kernel being timed gets the cores "
-        "first (its OpenMP threads were timed ~2x slow beside them)",
+        description="idle: the service's threads and the processes it starts run under "
+        "Linux's SCHED_IDLE, taking only CPU time nothing else asks for (a generator or learner "
+        "on a benchmarker's node yields the cores to kernels being timed; "
+        "bench/timing_priority.py measures what that buys)",
     )
 
 
