@@ -755,16 +755,39 @@ def print_evaluation(evaluation: dict[str, Any] | None, kl: dict[str, Any] | Non
             f"[{gain['low']:+.3g}, {gain['high']:+.3g}]",
         )
     console.print(table)
-    console.print(learning_verdict(comparison["metrics"]["mean_reward"]))
+    console.print(learning_verdict(comparison, evaluation["metric_labels"]))
 
 
-def learning_verdict(gain: dict[str, float]) -> str:
-    interval = f"{gain['gain']:+.3g}, 95 % CI [{gain['low']:+.3g}, {gain['high']:+.3g}]"
-    if gain["low"] > 0:
-        return f"[green]learning helped:[/] the mean reward on the fixed set rose ({interval})"
-    if gain["high"] < 0:
-        return f"[red]the final policy is worse[/] on the fixed set ({interval})"
-    return f"no clear change on the fixed set: the interval contains 0 ({interval})"
+# What the verdict judges: the issue's figures, each 0 for a failure. The mean reward is shown
+# but not judged: its penalties weigh failure kinds unequally, so trading stage violations for
+# compile errors raised it in a run that gained nothing and lost three prompts.
+VERDICT_ROWS = ("share_correct", "mean_gflops")
+
+
+def learning_verdict(comparison: dict[str, Any], labels: dict[str, str]) -> str:
+    """One line on whether training helped on the fixed set: a figure of VERDICT_ROWS whose
+    95 % CI lies above (below) 0 rose (fell); a prompt lost when its share correct fell."""
+    metrics = comparison["metrics"]
+    rose = [labels[n] + " " + gain_text(metrics[n]) for n in VERDICT_ROWS if metrics[n]["low"] > 0]
+    fell = [labels[n] + " " + gain_text(metrics[n]) for n in VERDICT_ROWS if metrics[n]["high"] < 0]
+    lost = [
+        p["name"] for p in comparison["per_prompt"] if p["metrics"]["share_correct"]["high"] < 0
+    ]
+    lost_text = f"{len(lost)} prompt(s) lost share correct ({', '.join(lost)})"
+    if fell:
+        return "[red]the final policy is worse[/] on the fixed set: " + "; ".join(fell) + " fell"
+    if rose and not lost:
+        return (
+            "[green]learning helped[/] on the fixed set: "
+            + "; ".join(rose)
+            + " rose, and no prompt lost share correct"
+        )
+    if rose:
+        return "[yellow]mixed:[/] " + "; ".join(rose) + f" rose, but {lost_text}"
+    unclear = " and ".join(labels[n] for n in VERDICT_ROWS)
+    if lost:
+        return f"[yellow]no clear gain, some loss:[/] {unclear} contain 0 in their CI; {lost_text}"
+    return f"no clear change on the fixed set: the 95 % CIs of {unclear} contain 0"
 
 
 def _interrupt(_signum: int, _frame: object) -> None:

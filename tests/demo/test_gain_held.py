@@ -92,3 +92,34 @@ def test_the_headline_says_whether_the_gain_was_kept_and_which_prompts_lost(caps
     assert "share correct +0.2 [+0.1, +0.3] -> +0.25 [+0.1, +0.4] kept" in out
     assert "mean GFLOPS +5 [+2, +8] -> +3 [+1, +5] not kept" in out
     assert "below 0): deepen tiled@2" in out and "seed@1" not in out
+
+
+LABELS = {"share_correct": "share correct", "mean_gflops": "mean GFLOPS"}
+
+
+def verdict(share: dict, gflops: dict, per_prompt: list | None = None) -> str:
+    return " ".join(
+        demo.learning_verdict(comparison(17, share, gflops, per_prompt or []), LABELS).split()
+    )
+
+
+def test_the_verdict_calls_a_gain_help_only_when_no_prompt_lost():
+    lost = {"name": "improve prefetch@5", "metrics": {"share_correct": gain(-0.6, -0.8, -0.4)}}
+    helped = verdict(gain(0.2, 0.1, 0.3), gain(4.0, -1.0, 9.0))
+    assert "learning helped" in helped and "share correct +0.2 [+0.1, +0.3] rose" in helped
+    assert "mean GFLOPS" not in helped  # its CI contains 0: not counted as a rise
+    mixed = verdict(gain(0.2, 0.1, 0.3), gain(4.0, 1.0, 9.0), [lost])
+    assert mixed.startswith("[yellow]mixed:[/]") and "1 prompt(s) lost share correct" in mixed
+    assert "improve prefetch@5" in mixed and "helped" not in mixed
+
+
+def test_the_verdict_does_not_read_a_gain_into_intervals_that_contain_zero():
+    """The Zen 5 demo of 2026-12-06: mean reward +8.9 [+2.3, +15.3] was called "learning
+    helped" while share correct and mean GFLOPS held still and three prompts fell."""
+    lost = {"name": "deepen omp@4->5", "metrics": {"share_correct": gain(-0.5, -0.7, -0.2)}}
+    flat = verdict(gain(0.016, -0.05, 0.09), gain(-0.49, -3.2, 2.3), [lost])
+    assert "no clear gain, some loss" in flat and "deepen omp@4->5" in flat
+    assert "helped" not in flat
+    assert "no clear change" in verdict(gain(0.016, -0.05, 0.09), gain(-0.49, -3.2, 2.3))
+    worse = verdict(gain(-0.1, -0.2, -0.05), gain(3.0, 1.0, 5.0))
+    assert "worse" in worse and "share correct -0.1 [-0.2, -0.05] fell" in worse
