@@ -81,12 +81,14 @@ def test_six_row_avx2_blocks_leave_no_row_to_scalar_code(tmp_path) -> None:
     for kernel in kernels:
         leftover = kernel.source.split("i = i_main" if kernel.spec.tile else "i = M_main")[1]
         assert "_mm256_set1_pd" in leftover and "_mm256_storeu_pd" in leftover
-        # The shape is named once; the loops and steps say MR and NV, never 6 or 2 (with
-        # literals, the policy wrote blocks whose declaration and loops disagreed).
+        # The shape is named once, at the top of the function body (a policy copies its
+        # parent's head, which may lack it); the loops and steps say MR and NV, never 6 or 2
+        # (with literals, the policy wrote blocks whose declaration and loops disagreed).
         source = kernel.source
-        assert "#define MR 6" in source and "#define NV 2" in source
-        assert "c[MR][NV]" in source and "i += MR" in source and "j += NV * 4" in source
-        assert not re.search(r"[<+%] [26]\b|\[[26]\]", source.split("#define NV 2")[1])
+        head, body = source.split("enum { MR = 6, NV = 2 };")
+        assert head.rstrip().endswith(") {") and "MR" not in head
+        assert "c[MR][NV]" in body and "i += MR" in body and "j += NV * 4" in body
+        assert not re.search(r"[<+%] [26]\b|\[[26]\]", body)
     measured, _ = catalogue.measure(kernels, load_task("matmul"), "O3", tmp_path)
     assert [(m.status, m.generalizes) for m in measured] == [("success", True)] * 3, [
         m.error[:200] for m in measured

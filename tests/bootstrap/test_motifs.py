@@ -32,12 +32,12 @@ def plan(request: pytest.FixtureRequest) -> catalogue.Plan:
 
 # Pinned so that no change to the other tasks moves GEMM's: a GEMM policy cached under
 # data/policy/bootstrap-<hash>/ stays valid, and its rebuild would be the same model. The
-# catalogue is that of build format 10 (vector blocks of several rows as loops over
-# c[MR][NV], leftover rows as vector code, a 6x8 AVX2 block); the hash and examples are
-# format 12's (answers close their fence with a newline: corpus.completion_text).
-DEFAULT_KEYS = {"avx512": "482e3a7aa5fe", "avx2": "2e8d3426cce6"}
-MATMUL_PLAN = {"avx512": "f742fefcc98d05d6", "avx2": "34cd45900e9e56ab"}
-MATMUL_EXAMPLES = {"avx512": "57287d58cfc32744", "avx2": "0e74d56adb1bc609"}
+# catalogue is that of build format 13 (vector blocks of several rows as loops over
+# c[MR][NV] with the shape named at the top of the function body, leftover rows as vector
+# code, a 6x8 AVX2 block; answers close their fence with a newline).
+DEFAULT_KEYS = {"avx512": "625c4049d05f", "avx2": "443b932a5c66"}
+MATMUL_PLAN = {"avx512": "cbfbc03f6128f473", "avx2": "bb86201fef19c882"}
+MATMUL_EXAMPLES = {"avx512": "efb861c91c0f97ca", "avx2": "3282203f980591f3"}
 
 
 @pytest.mark.parametrize("isa", ISAS)

@@ -382,12 +382,16 @@ def render(spec: KernelSpec) -> str:
             head.append("")
         bm, bn, bk = spec.tile
         head += [f"#define BM {bm}", f"#define BN {bn}", f"#define BK {bk}"]
-    if spec.simd and spec.family == "block" and spec.block_rows > 1:
-        head += ["", f"#define MR {spec.block_rows}", f"#define NV {spec.block_vectors}"]
     code = _Code()
     if spec.style % 3 == 2:
         code.line(f"/* {describe(spec)} */")
     code.open(SIGNATURE)
+    if _shaped(spec):
+        # The block's shape is named where the block is written, not in the head: a policy
+        # copies a parent's head, and on parents whose head lacked `#define MR`/`NV` it
+        # wrote the c[MR][NV] loops with the names undefined (most of a Zen 5 run's compile
+        # errors, bench/records/2026-12-05-measurements.md, sixth section).
+        code.line(f"enum {{ MR = {spec.block_rows}, NV = {spec.block_vectors} }};")
     if spec.family == "loops":
         _loops(code, ctx)
     else:
@@ -671,6 +675,12 @@ def _block(code: _Code, ctx: _Ctx) -> None:
         )
 
 
+def _shaped(spec: KernelSpec) -> bool:
+    """Whether the register block is written as loops over ``c[MR][NV]`` (a vector block of
+    several rows) rather than one named accumulator per row and vector."""
+    return spec.simd is not None and spec.family == "block" and spec.block_rows > 1
+
+
 def _register_block(
     code: _Code,
     ctx: _Ctx,
@@ -683,7 +693,7 @@ def _register_block(
     """Register-blocked C[irange, jrange] (+)= A[irange, krange] * B[krange, jrange]."""
     spec = ctx.spec
     vec = _VECS.get(spec.simd or "")
-    shaped = vec is not None and spec.block_rows > 1  # the block's shape as MR and NV
+    shaped = _shaped(spec)
     block_rows: int | str = "MR" if shaped else spec.block_rows
     cols: int | str = f"NV * {spec.width}" if shaped else spec.block_vectors * spec.width
     i0, i1 = irange
@@ -802,12 +812,13 @@ def _array_block(
     accumulate: bool,
     race_pragma: bool,
 ) -> None:
-    """The block at (i, j) as loops over ``c[MR][NV]``, its shape named once (``#define MR``,
-    ``NV``): gcc -O3 unrolls the loops, loads each B vector once and keeps every accumulator
-    in a register, as with one named variable per accumulator, in far fewer tokens (a 6x8
-    AVX2 kernel named accumulator by accumulator ran to ~1,500), and a small policy copies
-    two names instead of keeping a block's size consistent in a dozen literals (with the
-    sizes as literals, its 6x8 kernels declared ``c[6][2]`` and looped over 4 rows)."""
+    """The block at (i, j) as loops over ``c[MR][NV]``, its shape named once (``enum { MR,
+    NV }`` at the top of the function): gcc -O3 unrolls the loops, loads each B vector once
+    and keeps every accumulator in a register, as with one named variable per accumulator,
+    in far fewer tokens (a 6x8 AVX2 kernel named accumulator by accumulator ran to ~1,500),
+    and a small policy copies two names instead of keeping a block's size consistent in a
+    dozen literals (with the sizes as literals, its 6x8 kernels declared ``c[6][2]`` and
+    looped over 4 rows)."""
     spec, index = ctx.spec, ctx.index
     cj = f"j + v * {spec.width}"
     code.line(f"{vec.type} c[MR][NV];")
