@@ -13,6 +13,7 @@ import pytest
 
 from hpcrl_common.config import load_config
 from hpcrl_common.task import load_task
+from hpcrl_learner.config import LearnerConfig
 from hpcrl_scheduler.config import SchedulerConfig
 from tests.support.scripts import ROOT, load_script
 
@@ -46,6 +47,16 @@ def test_the_multitask_experiment_names_the_four_tasks_apart_from_the_gemm_demo(
         assert getattr(multi.experiment, key) != getattr(gemm.experiment, key)
     assert multi.broker.namespace != gemm.broker.namespace
     assert multi.db_path != gemm.db_path
+
+
+def test_the_multitask_experiment_decays_the_learning_rate_over_its_own_longer_run():
+    multi = load_config(LearnerConfig, MULTITASK, env={}).learner
+    gemm = load_config(LearnerConfig, ROOT / "deploy" / "local" / "demo.toml", env={}).learner
+    assert multi.learning_rate == gemm.learning_rate
+    assert multi.min_lr_ratio == gemm.min_lr_ratio
+    # 12 groups an iteration against the GEMM demo's 9, 4 a step: more steps to decay over.
+    assert gemm.decay_steps > 0
+    assert multi.decay_steps > gemm.decay_steps
 
 
 def test_the_bootstrap_is_asked_for_every_task_only_in_a_run_of_several():
