@@ -71,7 +71,6 @@ def test_six_row_avx2_blocks_leave_no_row_to_scalar_code(tmp_path) -> None:
             block_rows=6,
             block_vectors=2,
             simd="avx2",
-            fma=False,
             tile=(30, 48, 16),
             tile_order="ijk",
             omp="dynamic",

@@ -13,6 +13,7 @@ import torch
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from hpcrl_bootstrap import cli
 from hpcrl_bootstrap.build import (
     CORPUS_FILE,
     INFO_FILE,
@@ -22,7 +23,7 @@ from hpcrl_bootstrap.build import (
     ensure_model,
     is_ready,
 )
-from hpcrl_bootstrap.cli import main
+from hpcrl_bootstrap.cli import build_parser, main, settings_from_args
 from hpcrl_bootstrap.train import (
     IGNORE,
     Encoded,
@@ -211,3 +212,27 @@ def test_module_entry_point_has_truthful_help() -> None:
     assert done.stdout.startswith("usage: hpcrl-bootstrap")
     for flag in ("--data-dir", "--out", "--steps", "--seed", "--force", "--evaluate", "--tasks"):
         assert flag in done.stdout
+    assert "--isa {auto,avx2,avx512}" in done.stdout
+
+
+def test_isa_names_the_fleet_the_policy_is_built_for() -> None:
+    """--isa avx2 on any host builds (and hashes) what an AVX2 node builds with auto."""
+    for isa in ("avx2", "avx512"):
+        args = build_parser().parse_args(["--isa", isa])
+        settings = settings_from_args(args, "matmul")
+        assert settings.resolved().isa == isa
+        assert settings.key() == BootstrapSettings(isa=isa).key()
+    auto = settings_from_args(build_parser().parse_args([]), "matmul")
+    assert auto.resolved().isa == cli.host_isa()
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--isa", "sse2"])
+
+
+def test_isa_avx512_on_a_host_without_it_is_refused_before_any_work(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    # Which ISA this host has cannot be chosen here: the host is said to be AVX2-only.
+    monkeypatch.setattr(cli, "host_isa", lambda: "avx2")
+    assert main(["--isa", "avx512", "--data-dir", str(tmp_path)]) == 2
+    assert "--isa avx512 needs a host with AVX-512F" in capsys.readouterr().err
+    assert not (tmp_path / "policy").exists()

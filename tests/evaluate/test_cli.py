@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from hpcrl_common.checkpoints import CheckpointStore
+from hpcrl_evaluate import cli
 from hpcrl_evaluate.cli import main
 from hpcrl_evaluate.evalset import parent_source
 from hpcrl_evaluate.run import METRICS, SampleRecord, compare, make_judge, summarise
@@ -174,6 +175,27 @@ def test_bad_arguments_exit_2(policy, tmp_path: Path, capsys) -> None:
             main(argv)
         assert exit_info.value.code == 2, argv
         assert message in capsys.readouterr().err, argv
+
+
+def test_isa_chooses_the_prompts_fleet(
+    policy, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    model, _ = policy
+    parser = cli.build_parser()
+    for isa, vector in (("avx2", "__m256d"), ("avx512", "__m512d")):
+        if isa == "avx512" and cli.host_isa() != "avx512":
+            continue  # an AVX2 host cannot run AVX-512 kernels: refused below
+        evaluation = cli.setup(parser.parse_args(["--model", str(model), "--isa", isa]), parser)
+        assert evaluation.isa == isa
+        assert vector in "".join(m.content for p in evaluation.prompts for m in p.messages)
+    auto = cli.setup(parser.parse_args(["--model", str(model)]), parser)
+    assert auto.isa == cli.host_isa()
+    # Which ISA this host has cannot be chosen here: the host is said to be AVX2-only.
+    monkeypatch.setattr(cli, "host_isa", lambda: "avx2")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--model", str(model), "--isa", "avx512"])
+    assert exit_info.value.code == 2
+    assert "no AVX-512F" in capsys.readouterr().err
 
 
 def _record(

@@ -10,7 +10,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hpcrl_bootstrap.build import BootstrapSettings, default_dir, ensure_model, is_ready
+from hpcrl_bootstrap.build import (
+    BootstrapSettings,
+    default_dir,
+    ensure_model,
+    host_isa,
+    is_ready,
+)
 from hpcrl_bootstrap.motifs import TASKS
 from hpcrl_common.config import ServiceConfig
 from hpcrl_common.logs import configure_logging
@@ -76,6 +82,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=_DEFAULTS.learning_rate,
         help=f"peak learning rate (default {_DEFAULTS.learning_rate:g})",
+    )
+    parser.add_argument(
+        "--isa",
+        choices=("auto", "avx2", "avx512"),
+        default=_DEFAULTS.isa,
+        help="the ISA the corpus, the catalogue and the prompts target (default auto: this "
+        "host's, avx512 where it has AVX-512F, else avx2); avx2 on an AVX-512 host builds the "
+        "policy of an AVX2 fleet; avx512 needs a host with AVX-512F (the catalogue runs its "
+        "kernels)",
     )
     parser.add_argument(
         "--seed",
@@ -155,6 +170,7 @@ def settings_from_args(
     return BootstrapSettings(
         seed=args.seed,
         task=task,
+        isa=args.isa,
         tasks=tasks,
         examples=args.examples,
         kernels_per_stage=args.kernels_per_stage,
@@ -175,6 +191,13 @@ def run(args: argparse.Namespace) -> int:
         except argparse.ArgumentTypeError as exc:
             print(f"hpcrl-bootstrap: the config's experiment tasks: {exc}", file=sys.stderr)
             return 2
+    if args.isa == "avx512" and host_isa() != "avx512":
+        print(
+            "hpcrl-bootstrap: --isa avx512 needs a host with AVX-512F: the catalogue runs the "
+            "kernels it teaches (this host: avx2; build there with --isa auto or avx2)",
+            file=sys.stderr,
+        )
+        return 2
     settings = settings_from_args(args, config.experiment.task, names)
     data_dir = args.data_dir if args.data_dir is not None else config.experiment.data_dir
     out = args.out if args.out is not None else default_dir(data_dir, settings)

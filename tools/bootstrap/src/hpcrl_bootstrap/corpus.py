@@ -69,7 +69,6 @@ class KernelSpec:
     block_rows: int = 1  # register block: rows
     block_vectors: int = 1  # register block: vectors (or scalars) per row
     simd: str | None = None  # None, "avx2", "avx512"
-    fma: bool = True
     tile: tuple[int, int, int] | None = None  # cache tile (BM, BN, BK)
     tile_order: str = "ikj"  # order of the tile loops
     unroll: int = 1
@@ -174,7 +173,6 @@ def sample_spec(rng: random.Random, target_stage: int, isa: str, styles: int = 6
             block_vectors=block_vectors,
             simd=isa,
             style=style,
-            fma=isa == "avx512" or rng.random() < 0.85,
         )
     elif rng.random() < 0.5:
         block_rows, block_vectors = rng.choice(_SCALAR_BLOCKS)
@@ -215,7 +213,7 @@ def downgrade(rng: random.Random, spec: KernelSpec, to_stage: int) -> KernelSpec
         spec = replace(spec, omp=None)
     if to_stage < 3 and spec.simd:
         block_vectors = spec.block_vectors if spec.block_rows * spec.block_vectors > 1 else 2
-        spec = replace(spec, simd=None, block_vectors=block_vectors, fma=True)
+        spec = replace(spec, simd=None, block_vectors=block_vectors)
     if to_stage < 2:
         spec = replace(spec, tile=None)
     return spec
@@ -791,10 +789,8 @@ def _named_block(
             acc = names[r][v]
             if vec is None:
                 code.line(f"{acc} += a{r} * b{v};")
-            elif spec.fma:
-                code.line(f"{acc} = {vec.fma}(a{r}, b{v}, {acc});")
             else:
-                code.line(f"{acc} = {vec.add}({acc}, {vec.mul}(a{r}, b{v}));")
+                code.line(f"{acc} = {vec.fma}(a{r}, b{v}, {acc});")
     code.close()
     for r in range(block_rows):
         for v in range(spec.block_vectors):
@@ -835,7 +831,7 @@ def _array_block(
     code.open("for (int r = 0; r < MR; r++)")
     code.line(f"{vec.type} a = {vec.set1}({index.a('i + r', 'k')});")
     code.open("for (int v = 0; v < NV; v++)")
-    code.line(_vector_update(spec, vec, "c[r][v]", f"{vec.load}(&{index.b('k', cj)})"))
+    code.line(_vector_update(vec, "c[r][v]", f"{vec.load}(&{index.b('k', cj)})"))
     code.close()
     code.close()
     code.close()
@@ -846,10 +842,11 @@ def _array_block(
     code.close()
 
 
-def _vector_update(spec: KernelSpec, vec: _Vec, acc: str, b: str) -> str:
-    if spec.fma:
-        return f"{acc} = {vec.fma}(a, {b}, {acc});"
-    return f"{acc} = {vec.add}({acc}, {vec.mul}(a, {b}));"
+def _vector_update(vec: _Vec, acc: str, b: str) -> str:
+    """Always one FMA: every ISA the system targets has it, and with a second form taught
+    (``add(acc, mul(a, b))``, 15 % of the AVX2 kernels up to format 13) the policy crossed
+    them, ``fmadd(acc, mul(a, b))`` with two arguments: a quarter of its AVX2 compile errors."""
+    return f"{acc} = {vec.fma}(a, {b}, {acc});"
 
 
 def _vector_row(
@@ -872,7 +869,7 @@ def _vector_row(
     code.open(f"for (int k = {krange[0]}; k < {krange[1]}; k++)")
     code.line(f"{vec.type} a = {vec.set1}({index.a(row, 'k')});")
     code.open("for (int v = 0; v < NV; v++)")
-    code.line(_vector_update(spec, vec, "t[v]", f"{vec.load}(&{index.b('k', cj)})"))
+    code.line(_vector_update(vec, "t[v]", f"{vec.load}(&{index.b('k', cj)})"))
     code.close()
     code.close()
     code.open("for (int v = 0; v < NV; v++)")

@@ -101,6 +101,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--opt-level", default="O3", help="gcc optimisation level (default O3)")
     parser.add_argument("--task", default="matmul", help="task name or TOML (default matmul)")
     parser.add_argument(
+        "--isa",
+        choices=("auto", "avx2", "avx512"),
+        default="auto",
+        help="the ISA the prompts name (default auto: this host's, avx512 where it has "
+        "AVX-512F, else avx2); avx2 on an AVX-512 host evaluates an AVX2 fleet's policy",
+    )
+    parser.add_argument(
         "--prompts",
         default=None,
         metavar="I,J,...",
@@ -183,7 +190,9 @@ def setup(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Evaluati
         task.compile_flags(args.opt_level)
     except (VersionError, TaskError, ValueError) as exc:
         parser.error(str(exc))
-    isa = host_isa()
+    isa = host_isa() if args.isa == "auto" else args.isa
+    if isa == "avx512" and host_isa() != "avx512":
+        parser.error("--isa avx512: this host has no AVX-512F, so it cannot run the kernels")
     every = build_set(task, isa)
     prompts = [every[i] for i in _prompt_indices(args.prompts, len(every), parser)]
     return Evaluation(
