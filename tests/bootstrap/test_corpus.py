@@ -69,6 +69,20 @@ def test_every_vector_update_is_one_fma(corpus: list[cp.Kernel]) -> None:
         assert "_mul_pd(" not in kernel.source and "_add_pd(" not in kernel.source, kernel.source
 
 
+def test_tiled_simd_kernels_deepen_from_plain_loop_nests_and_from_blocks() -> None:
+    """The parents a run and the evaluation set give a stage-3 deepen are mostly plain tiled
+    loop nests: the pairs teach those beside scalar register blocks (format 15)."""
+    rng = random.Random("deepen-into-3")
+    specs = [cp.sample_spec(rng, 3, isa) for isa in cp.ISAS for _ in range(200)]
+    parents = [(spec, cp.downgrade(rng, spec, 2)) for spec in specs if spec.tile and spec.simd]
+    families = Counter(parent.family for _, parent in parents)
+    assert families["loops"] >= len(parents) // 4 and families["block"] >= len(parents) // 4
+    for spec, parent in parents:
+        assert parent.simd is None and parent.tile == spec.tile and parent.min_stage == 2
+        source = cp.render_kernel(parent, 2, spec.simd).source
+        assert "__m" not in source and "BM" in source, source
+
+
 def test_correct_kernels_use_their_stage_and_nothing_it_forbids(corpus: list[cp.Kernel]) -> None:
     for kernel in (k for k in corpus if k.correct):
         detected = detect_techniques(kernel.source)

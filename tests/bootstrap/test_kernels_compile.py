@@ -4,6 +4,7 @@ their stage, its broken twins really are broken, and the verdicts are cached per
 from __future__ import annotations
 
 import json
+import random
 import re
 
 import pytest
@@ -90,5 +91,24 @@ def test_six_row_avx2_blocks_leave_no_row_to_scalar_code(tmp_path) -> None:
         assert not re.search(r"[<+%] [26]\b|\[[26]\]", body)
     measured, _ = catalogue.measure(kernels, load_task("matmul"), "O3", tmp_path)
     assert [(m.status, m.generalizes) for m in measured] == [("success", True)] * 3, [
+        m.error[:200] for m in measured
+    ]
+
+
+def test_plain_tiled_parents_of_simd_kernels_are_correct_stage_2_code(tmp_path) -> None:
+    """A tiled SIMD kernel's stage-2 parent may be a plain tiled loop nest (format 15): that
+    parent is judged correct and of stage 2 by the benchmarker, for both ISAs."""
+    parents = []
+    for isa in ("avx2", "avx512"):
+        rng = random.Random(f"plain-parents/{isa}")
+        for _ in range(200):
+            spec = cp.sample_spec(rng, 3, isa)
+            parent = cp.downgrade(rng, spec, 2) if spec.tile else None
+            if parent is not None and parent.family == "loops":
+                parents.append(cp.render_kernel(parent, 2, isa))
+                break
+    assert len(parents) == 2
+    measured, _ = catalogue.measure(parents, load_task("matmul"), "O3", tmp_path)
+    assert [(m.status, m.generalizes) for m in measured] == [("success", True)] * 2, [
         m.error[:200] for m in measured
     ]
