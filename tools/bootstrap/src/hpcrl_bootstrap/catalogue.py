@@ -86,16 +86,65 @@ def plan(
                 seen.add(kernel.source)
                 targets.append(kernel)
                 found += 1
-    parents = {
-        index: kernels.render_kernel(kernels.downgrade(rng, k.spec, k.stage - 1), k.stage - 1, isa)
-        for index, k in enumerate(targets)
-        if k.stage > 1
-    }
+    parents: dict[int, Kernel] = {}
+    for index, kernel in enumerate(targets):
+        parent = _parent_at_label(kernels, rng, kernel, isa)
+        if parent is not None:
+            parents[index] = parent
+    _top_up_deepen_pairs(kernels, rng, isa, counts, targets, parents, seen)
     broken = {
         index: kernels.render_kernel(kernels.with_mistake(rng, k.spec, k.stage, isa), k.stage, isa)
         for index, k in enumerate(targets)
     }
     return Plan(targets, parents, broken)
+
+
+def _parent_at_label(
+    kernels: motifs.Corpus, rng: random.Random, target: Kernel, isa: str
+) -> Kernel | None:
+    """``target`` without its stage's technique, if that is code of the stage below.
+
+    Up to format 15 every target had a parent, labelled one stage down whatever it was: an
+    untiled SIMD target's parent was a stage-1 register block labelled stage 2, and a
+    stage-5 target without OpenMP gave a stage-3 SIMD kernel labelled stage 4. The policy
+    learned to add two stages' techniques at once (OpenMP asked for stage 3, prefetch at
+    stage 4: 36 of 192 v0 answers on a Zen 4, format 15)."""
+    if target.stage == 1:
+        return None
+    spec = kernels.downgrade(rng, target.spec, target.stage - 1)
+    if spec.min_stage != target.stage - 1:
+        return None
+    return kernels.render_kernel(spec, target.stage - 1, isa)
+
+
+def _top_up_deepen_pairs(
+    kernels: motifs.Corpus,
+    rng: random.Random,
+    isa: str,
+    counts: dict[int, int],
+    targets: list[Kernel],
+    parents: dict[int, Kernel],
+    seen: set[str],
+) -> None:
+    """Draw more targets until every stage has as many deepen pairs as it has targets.
+
+    The extra targets are those whose parent is of its label (a tiled stage-3 kernel, a
+    stage-4 one with SIMD, a stage-5 one with OpenMP); they join the stage's other targets."""
+    for number in range(2, LAST_STAGE + 1):
+        missing = counts.get(number, 0) - sum(targets[i].stage == number for i in parents)
+        for _ in range(max(missing, 0) * 40):  # bounded, as in ``plan``
+            if missing <= 0:
+                break
+            kernel = kernels.render_kernel(kernels.sample_spec(rng, number, isa), number, isa)
+            if kernel.source in seen:
+                continue
+            parent = _parent_at_label(kernels, rng, kernel, isa)
+            if parent is None:
+                continue
+            seen.add(kernel.source)
+            targets.append(kernel)
+            parents[len(targets) - 1] = parent
+            missing -= 1
 
 
 def cache_key(host_class: str, opt_level: str, task: TaskSpec) -> str:
