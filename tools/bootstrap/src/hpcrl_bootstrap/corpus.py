@@ -710,8 +710,20 @@ def _register_block(
     j0, j1 = jrange
     bounded = ctx.mistake != NO_BOUNDARY
     tiled = i0 != "0"
-    i_main = _main_bound(code, "i_main", (i0, i1), block_rows, tiled) if bounded else i1
-    j_main = _main_bound(code, "j_main", (j0, j1), cols, tiled) if bounded else j1
+    if bounded and spec.block_rows > 1:
+        i_main = "i_main" if tiled else "M_main"
+        span = f"({i1} - {i0})" if tiled else i1
+        base = f"{i0} + " if tiled else ""
+        code.line(f"int {i_main} = {base}{span} - {span} % {block_rows};")
+    else:
+        i_main = i1
+    if bounded and spec.block_vectors * spec.width > 1:
+        j_main = "j_main" if tiled else "N_main"
+        span = f"({j1} - {j0})" if tiled else j1
+        base = f"{j0} + " if tiled else ""
+        code.line(f"int {j_main} = {base}{span} - {span} % {_paren(str(cols))};")
+    else:
+        j_main = j1
     pragma = outer_pragma and spec.omp and ctx.mistake != RACE
     if pragma:
         code.line(_omp_pragma(spec))
@@ -749,27 +761,6 @@ def _register_block(
         _scalar_dot(code, ctx, "i", "j", krange, accumulate)
         code.close()
         code.close()
-
-
-def _main_bound(
-    code: _Code, name: str, bounds: tuple[str, str], step: int | str, tiled: bool
-) -> str:
-    """Where whole blocks of ``step`` end in ``bounds``: a variable inside a tile, an
-    expression in the loop header otherwise.
-
-    Up to format 16 the untiled bounds were declared too (``int M_main = M - M % 2;``,
-    ``int N_main = ...``) ahead of the ``#pragma omp``; on the evaluation set's OpenMP
-    parents, which declare one bound there, v0 wrote one and used both: 16 of format 16's
-    35 compile errors on an Intel Xeon were ``'N_main' undeclared``. A bound written where it
-    is used cannot be left undeclared."""
-    if step == 1:
-        return bounds[1]
-    low, high = bounds
-    if not tiled:
-        return f"{high} - {high} % {_paren(str(step))}"
-    span = f"({high} - {low})"
-    code.line(f"int {name} = {low} + {span} - {span} % {_paren(str(step))};")
-    return name
 
 
 def _named_block(
