@@ -31,7 +31,7 @@ MARKER = "BOOTSTRAP_READY"
 INFO_FILE = "bootstrap.json"
 CORPUS_FILE = "corpus.json"  # the measured catalogue: source, stage, status, GFLOPS
 # Bump when the corpus, prompts or training change in a way the settings do not show.
-FORMAT_VERSION = 16  # 11 was a catalogue change tried and reverted
+FORMAT_VERSION = 16  # 11 and 17 were catalogue changes tried and reverted
 
 log = structlog.get_logger("hpcrl.learner.bootstrap")
 
