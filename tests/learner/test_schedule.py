@@ -36,7 +36,8 @@ def test_the_factor_never_leaves_floor_to_one_after_the_warm_up(step, warmup, de
     factor = lr_factor(step, warmup, decay, floor)
     assert 0 < factor <= 1 if step < warmup else min(floor, 1.0) - 1e-12 <= factor <= 1.0
     later = lr_factor(step + 1, warmup, decay, floor)
-    assert (later >= factor - 1e-12) if step + 1 < warmup else (later <= factor + 1e-12)
+    # From the last warm-up step to the first after it the factor still rises (to its peak).
+    assert (later >= factor - 1e-12) if step < warmup else (later <= factor + 1e-12)
 
 
 def test_the_trainer_decays_and_a_resumed_trainer_goes_on_where_it_stopped(tiny_model, tmp_path):
