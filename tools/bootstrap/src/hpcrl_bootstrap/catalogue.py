@@ -126,7 +126,7 @@ def _top_up_deepen_pairs(
     parents: dict[int, Kernel],
     seen: set[str],
 ) -> None:
-    """Draw more targets until every stage has as many deepen pairs as it has targets.
+    """Draw more targets until every stage s >= 2 has ``counts[s]`` deepen pairs.
 
     The extra targets are those whose parent is of its label (a tiled stage-3 kernel, a
     stage-4 one with SIMD, a stage-5 one with OpenMP); they join the stage's other targets."""
