@@ -216,7 +216,8 @@ def print_report(builds: list[Build], before: list[Build] | None) -> None:
         )
     spread = overall(builds)
     console.print(
-        f"over {len(builds)} builds: share correct {spread['mean']:.3f} "
+        f"over {len(builds)} build{'s' if len(builds) > 1 else ''}: "
+        f"share correct {spread['mean']:.3f} "
         f"(sd {spread['sd']:.3f}, {spread['min']:.3f}-{spread['max']:.3f})"
     )
     every = all(b.at_target == len(b.per_prompt) for b in builds)
