@@ -6,8 +6,9 @@ half the samples of every fixed-set prompt), but one build is one draw: two buil
 16 and 17 on one node moved single prompts by up to 0.56 either way. This bench builds the
 policy with each ``--seeds`` value (``hpcrl-bootstrap --seed S``: the corpus, the examples and
 the initial weights; a finished build is reused from its hashed directory under --data-dir),
-evaluates each build's version 0 with the demo's sampling (``hpcrl-evaluate``; one JSON per
-build under --runs), and prints:
+evaluates each build's version 0 with the demo's sampling (``hpcrl-evaluate`` with the
+sampling and engine settings of deploy/local/demo.toml; one JSON per build under --runs), and
+prints:
 
 1. per prompt: each build's share correct, their mean and range, and in how many builds the
    prompt reached the target (>= 0.5);
@@ -39,6 +40,7 @@ from rich.console import Console
 from rich.table import Table
 
 ROOT = Path(__file__).resolve().parents[1]
+DEMO_CONFIG = ROOT / "deploy/local/demo.toml"
 TARGET = 0.5  # issue 26: version 0 correct on at least half the samples of every prompt
 console = Console()
 
@@ -140,38 +142,35 @@ def build(seed: int, args: argparse.Namespace) -> Path:
     return Path(done.stdout.strip().splitlines()[-1])
 
 
+def demo_sampling(config: Path = DEMO_CONFIG) -> list[str]:
+    """``hpcrl-evaluate``'s sampling and engine options as the demo sets them (its config
+    file, without the environment's overrides), so version 0 is judged as the demo judges it."""
+    from hpcrl_common.config import load_config
+    from hpcrl_generator.config import GeneratorConfig
+    from hpcrl_scheduler.config import SchedulerConfig
+
+    scheduler = load_config(SchedulerConfig, config, env={})
+    generator = load_config(GeneratorConfig, config, env={}).generator
+    sampling = scheduler.scheduler
+    return [
+        *("--temperature", repr(sampling.temperature)),
+        *("--top-p", repr(sampling.top_p)),
+        *("--max-tokens", str(sampling.max_tokens)),
+        *("--opt-level", scheduler.experiment.opt_level),
+        *("--backend", "vllm"),
+        *("--dtype", generator.dtype),
+        *("--max-model-len", str(generator.max_model_len)),
+        *("--kv-cache-gib", str(generator.kv_cache_space_gib)),
+    ]
+
+
 def evaluate(seed: int, model: Path, out: Path, args: argparse.Namespace) -> dict[str, Any]:
     """Version 0 of ``model`` on the fixed set with the demo's sampling; its JSON report."""
     command = [
-        sys.executable,
-        "-m",
-        "hpcrl_evaluate",
-        "--model",
-        str(model),
-        "--isa",
-        args.isa,
-        "--samples",
-        str(args.samples),
-        "--seed",
-        str(args.eval_seed),
-        "--temperature",
-        "0.8",
-        "--top-p",
-        "1.0",
-        "--max-tokens",
-        "1536",
-        "--backend",
-        "vllm",
-        "--opt-level",
-        "O3",
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "3072",
-        "--kv-cache-gib",
-        "1",
-        "--json",
-        str(out),
+        *(sys.executable, "-m", "hpcrl_evaluate", "--model", str(model), "--isa", args.isa),
+        *("--samples", str(args.samples), "--seed", str(args.eval_seed)),
+        *demo_sampling(),
+        *("--json", str(out)),
     ]
     console.print(f"--- evaluate build seed {seed}: {model}")
     done = subprocess.run(command, cwd=ROOT, check=False)

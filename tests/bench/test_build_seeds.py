@@ -89,3 +89,13 @@ def test_bad_arguments_are_refused(tmp_path: Path) -> None:
         bench.parse_args(["--samples", "0"])
     with pytest.raises(SystemExit):
         bench.parse_args(["--against", str(tmp_path / "missing")])
+
+
+def test_builds_are_judged_with_the_demos_own_sampling() -> None:
+    options = bench.demo_sampling()
+    given = dict(zip(options[::2], options[1::2], strict=True))
+    # deploy/local/demo.toml: what the demo samples its groups and judges its versions with.
+    assert given["--temperature"] == "0.8"
+    assert given["--max-tokens"] == "1536"
+    assert given["--max-model-len"] == "3072"
+    assert given["--opt-level"] == "O3"
