@@ -711,17 +711,11 @@ def _register_block(
     bounded = ctx.mistake != NO_BOUNDARY
     tiled = i0 != "0"
     if bounded and spec.block_rows > 1:
-        i_main = "i_main" if tiled else "M_main"
-        span = f"({i1} - {i0})" if tiled else i1
-        base = f"{i0} + " if tiled else ""
-        code.line(f"int {i_main} = {base}{span} - {span} % {block_rows};")
+        i_main = _main_bound(code, "i_main" if tiled else "M_main", irange, str(block_rows))
     else:
         i_main = i1
     if bounded and spec.block_vectors * spec.width > 1:
-        j_main = "j_main" if tiled else "N_main"
-        span = f"({j1} - {j0})" if tiled else j1
-        base = f"{j0} + " if tiled else ""
-        code.line(f"int {j_main} = {base}{span} - {span} % {_paren(str(cols))};")
+        j_main = _main_bound(code, "j_main" if tiled else "N_main", jrange, _paren(str(cols)))
     else:
         j_main = j1
     pragma = outer_pragma and spec.omp and ctx.mistake != RACE
@@ -761,6 +755,17 @@ def _register_block(
         _scalar_dot(code, ctx, "i", "j", krange, accumulate)
         code.close()
         code.close()
+
+
+def _main_bound(code: _Code, name: str, bounds: tuple[str, str], multiple: str) -> str:
+    """Declares ``name``, the end of the part of [lo, hi) that whole blocks of ``multiple``
+    cover (the leftover loop runs from there to hi), and returns it."""
+    lo, hi = bounds
+    tiled = lo != "0"
+    span = f"({hi} - {lo})" if tiled else hi
+    base = f"{lo} + " if tiled else ""
+    code.line(f"int {name} = {base}{span} - {span} % {multiple};")
+    return name
 
 
 def _named_block(
