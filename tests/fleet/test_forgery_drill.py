@@ -268,8 +268,7 @@ class Drill:
         for service in services:
             proc = self.procs[service]
             if proc.frozen:
-                self.fleet.signal(proc, signal.SIGCONT)
-                proc.frozen = False
+                self.fleet.thaw(proc)
 
     def lap(self, name: str) -> None:
         self.timings[name] = round(time.monotonic() - self.started, 1)

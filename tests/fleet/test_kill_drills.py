@@ -240,12 +240,10 @@ def kill_the_scheduler_holding_results(fleet: Fleet, procs: dict[str, Proc], kil
         wait_for(lambda: store.count_unsent() == 0, 30, "its request to be confirmed")
         fleet.freeze(procs["scheduler"])
         stored = store.count_results(target.id)
-        fleet.signal(procs["generator"], signal.SIGCONT)
-        procs["generator"].frozen = False
+        fleet.thaw(procs["generator"])
         if stored == 0:
             break
-        fleet.signal(procs["scheduler"], signal.SIGCONT)
-        procs["scheduler"].frozen = False
+        fleet.thaw(procs["scheduler"])
     assert stored == 0, "the generator was never frozen in time"
     kill_holding(
         fleet,
@@ -543,8 +541,7 @@ def test_benchmarker_replica_added_and_another_removed_mid_run(fleet_factory):
         )[0]
         if held:
             break
-        fleet.signal(a, signal.SIGCONT)
-        a.frozen = False
+        fleet.thaw(a)
     assert held >= 1, "the broker never gave replica A a candidate"
     done_at_removal = fleet.done()
     assert fleet.iteration() < fleet.iterations - 1, "no iteration left to plan after A"
@@ -556,14 +553,12 @@ def test_benchmarker_replica_added_and_another_removed_mid_run(fleet_factory):
     removed_at = time.monotonic()
     a.retired = True
     fleet.signal(a, signal.SIGTERM)  # removed, gracefully
-    fleet.signal(a, signal.SIGCONT)
-    a.frozen = False
+    fleet.thaw(a)
     # Within its stop grace (30 s) and a margin: a stop never waits on work left running.
     code_a = fleet.terminate(a, grace_s=45)
     exited_at = time.time()
     stop_s = time.monotonic() - removed_at
-    fleet.signal(scheduler, signal.SIGCONT)
-    scheduler.frozen = False
+    fleet.thaw(scheduler)
     assert code_a == 0, fleet.tail(a)
     assert not done_at_removal, "the run ended before replica A could be removed"
 
