@@ -916,6 +916,11 @@ def main(argv: list[str] | None = None) -> int:
         "HPCRL__LEARNER__CHECKPOINT_DIR": str(checkpoints),
         "HPCRL__EXPERIMENT__DATA_DIR": str(data_dir),
         "HPCRL__SCHEDULER__ISA": "avx512" if has_avx512() else "avx2",
+        # Where anchor nodes (scheduler.anchor_nodes) take their parents: this policy's
+        # measured catalogue.
+        "HPCRL__SCHEDULER__ANCHOR_CORPUS": os.environ.get(
+            "HPCRL__SCHEDULER__ANCHOR_CORPUS", str(model_dir / "corpus.json")
+        ),
     }
     # Where to scrape each service; a metrics_port of 0 becomes a free port chosen here.
     probe = OverlapProbe.for_services(args.config.resolve(), env)

@@ -70,6 +70,19 @@ class SchedulerSection(ServiceSection):
         "program unchanged), as the bootstrap shows three in five of its parents; repair "
         "prompts never (0 = every parent as written)",
     )
+    anchor_nodes: int = Field(
+        0,
+        ge=0,
+        description="nodes of each iteration whose parent is a correct kernel of "
+        "anchor_corpus (parents the policy did not write), deepened or improved at every stage "
+        "in turn; taken out of node_budget; their children are trained on but do not join the "
+        "pool (0 = off; one task only)",
+    )
+    anchor_corpus: Path | None = Field(
+        None,
+        description="the anchors' kernels: a corpus.json as hpcrl-bootstrap writes it beside "
+        "the policy (rows of stage, status, source); the demo sets it to its policy's",
+    )
     isa: Literal["avx512", "avx2"] = Field(
         "avx512", description="the benchmark hosts' best ISA, named in prompts"
     )
@@ -208,6 +221,11 @@ class SchedulerSection(ServiceSection):
     def _ratios(self) -> SchedulerSection:
         if self.ratio_deepen + self.ratio_improve + self.ratio_repair <= 0:
             raise ValueError("ratio_deepen + ratio_improve + ratio_repair must be positive")
+        if self.node_budget and self.anchor_nodes >= self.node_budget:
+            raise ValueError(
+                f"anchor_nodes ({self.anchor_nodes}) must be below node_budget "
+                f"({self.node_budget}): anchors come out of the budget, SQD needs the rest"
+            )
         return self
 
 

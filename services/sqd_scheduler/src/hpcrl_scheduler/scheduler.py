@@ -40,6 +40,7 @@ from hpcrl_common.stages import FIRST_STAGE
 from hpcrl_common.task import TaskError, TaskSpec, load_task, seed_program
 from hpcrl_common.topology import BENCH_RESULTS, CODE_TO_BENCH, GENERATE_REQUESTS, ROLLOUT_BATCHES
 from hpcrl_scheduler import commitments, confirm, metrics
+from hpcrl_scheduler.anchors import AnchorError, is_anchor, load_anchor_corpus, select_anchors
 from hpcrl_scheduler.config import SchedulerConfig
 from hpcrl_scheduler.groups import Parent, close_group, majority_class
 from hpcrl_scheduler.pacing import PacingState, hold_reason, outstanding
@@ -135,6 +136,7 @@ class Scheduler:
             )
         # The task of a run of one (kept for callers that know only one).
         self.task: TaskSpec = next(iter(self.tasks.values()))
+        self.anchors = self._load_anchors()
         templates_path = self.section.prompt_templates
         self.templates: Templates = load_templates(str(templates_path) if templates_path else None)
         self.ratios = Ratios(
@@ -175,10 +177,33 @@ class Scheduler:
                 )
             s.set("iterations", self.section.iterations)
             s.set("reward_mode", self.section.reward_mode)
+            # Stored so that a group's parent is found like any other (kept if a restart
+            # changes the corpus: groups already planned still name them).
+            for anchor in self.anchors:
+                s.add_program(anchor, None)
             # Time spent down does not count against a group's deadline, nor against a held
             # result's wait for its commitment.
             s.restart_deadlines(self.clock())
             s.restart_holds(self.clock())
+
+    def _load_anchors(self) -> list[Program]:
+        if self.section.anchor_nodes <= 0:
+            return []
+        if self.several:
+            raise SchedulerError(
+                "scheduler.anchor_nodes works on a run of one task; this experiment has "
+                f"several ({', '.join(self.tasks)})"
+            )
+        if self.section.anchor_corpus is None:
+            raise SchedulerError(
+                "scheduler.anchor_nodes is set but scheduler.anchor_corpus is not: name the "
+                "policy's corpus.json (hpcrl-bootstrap writes it beside the model)"
+            )
+        name, task = next(iter(self.tasks.items()))
+        try:
+            return load_anchor_corpus(self.section.anchor_corpus, name, corpus_task=task.name)
+        except AnchorError as exc:
+            raise SchedulerError(str(exc)) from exc
 
     def _seed_of(self, name: str, task: TaskSpec) -> Program:
         path = self.section.seed_program
@@ -237,15 +262,22 @@ class Scheduler:
         pools: dict[str, list[Program]] = {}
         for program in pool:
             pools.setdefault(program.task, []).append(program)
+        anchors = select_anchors(
+            self.anchors, self.section.anchor_nodes, iteration=t, seed=exp.seed
+        )
+        budget = self.section.node_budget
         nodes = select_tasks(
             pools,
             store.seed_programs(),
             self.weights,
             iteration=t,
-            budget=self.section.node_budget,
+            # Anchors come out of the budget, so a run costs what it cost without them.
+            budget=max(budget - len(anchors), 1) if budget > 0 else 0,
             ratios=self.ratios,
             seed=exp.seed,
         )
+        # Last, so that the pool's nodes keep their ordinals and sampling seeds.
+        nodes += anchors
         for ordinal, node in enumerate(nodes):
             prompt = build_prompt(
                 self.tasks[node.task],
@@ -276,7 +308,13 @@ class Scheduler:
         if self.several:
             extra["tasks"] = {task: sum(n.task == task for n in nodes) for task in self.tasks}
         log.info(
-            "iteration planned", iteration=t, nodes=len(nodes), pool=len(pool), **modes, **extra
+            "iteration planned",
+            iteration=t,
+            nodes=len(nodes),
+            pool=len(pool),
+            anchors=len(anchors),
+            **modes,
+            **extra,
         )
 
     def _shown_parent(self, node: Node, iteration: int, ordinal: int) -> str:
@@ -1032,27 +1070,31 @@ class Scheduler:
             parent=parent_of(s.program(group.parent_id)),
             success_scale=self.section.success_scale,
         )
+        # An anchor's children are trained on but stay out of the pool: SQD's lineage is the
+        # policy's own.
+        joins_pool = not is_anchor(group.parent_id)
         for result in closed.kept:
             reward = closed.rewards[result.id]
             s.record_reward(result.id, reward)
-            s.add_program(
-                Program(
-                    id=result.id,
-                    stage=group.target_stage,
-                    status=result.status,
-                    source=result.source,
-                    gflops=result.gflops,
-                    reward=reward,
-                    error=result.error,
-                    parent_id=group.parent_id,
-                    mode=group.mode,
-                    iteration=group.iteration,
-                    host_class=result.host.host_class,
-                    techniques=tuple(result.techniques),
-                    task=group.task,
-                ),
-                group.id,
-            )
+            if joins_pool:
+                s.add_program(
+                    Program(
+                        id=result.id,
+                        stage=group.target_stage,
+                        status=result.status,
+                        source=result.source,
+                        gflops=result.gflops,
+                        reward=reward,
+                        error=result.error,
+                        parent_id=group.parent_id,
+                        mode=group.mode,
+                        iteration=group.iteration,
+                        host_class=result.host.host_class,
+                        techniques=tuple(result.techniques),
+                        task=group.task,
+                    ),
+                    group.id,
+                )
             if result.gflops is not None:
                 metrics.GFLOPS.labels(self.task_label(group.task), str(group.target_stage)).observe(
                     result.gflops

@@ -346,8 +346,8 @@ class Store:
         return seed
 
     def seed_programs(self) -> dict[str, Program]:
-        """Task → its seed program (the programs outside every iteration: iteration -1)."""
-        rows = self._query("SELECT * FROM programs WHERE iteration < 0 ORDER BY id")
+        """Task → its seed program (iteration -1; anchors, -2, are not seeds)."""
+        rows = self._query("SELECT * FROM programs WHERE iteration = -1 ORDER BY id")
         return {p.task: p for p in (program_of(r, self._legacy_task) for r in rows)}
 
     def pool(self, iteration: int) -> list[Program]:
