@@ -55,6 +55,7 @@ kernels: their mix of prompts drifts with what the policy wrote. Printed:
     .venv/bin/python bench/learning.py --seeds 0 --variant nokl:learner.beta=0     # a sweep
     .venv/bin/python bench/learning.py --variants-only --variant clip02:learner.max_grad_norm=0.2
     .venv/bin/python bench/learning.py --seeds 1 2 --variant restyle:scheduler.restyle_parents=0.6
+    .venv/bin/python bench/learning.py --seeds 0 --variant anchor2:scheduler.anchor_nodes=2
 
 With several reward modes, learning rates or variants, every trained arm is compared with the
 same lr-0 run of its seed: at learning rate 0 the weights never move, whatever the rewards.
