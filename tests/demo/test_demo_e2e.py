@@ -28,6 +28,8 @@ def test_reduced_demo_runs_end_to_end(broker_settings, tmp_path):
         "HPCRL__SCHEDULER__ITERATIONS": "1",
         "HPCRL__SCHEDULER__GROUP_SIZE": "2",
         "HPCRL__SCHEDULER__NODE_BUDGET": "1",
+        # One node is all SQD gets here, so none is an anchor (tests/scheduler/test_anchors.py).
+        "HPCRL__SCHEDULER__ANCHOR_NODES": "0",
         "HPCRL__SCHEDULER__MAX_TOKENS": "256",
         "HPCRL__SCHEDULER__INITIAL_GROUPS_PER_STEP": "1",
         "HPCRL__LEARNER__GROUPS_PER_STEP": "1",
