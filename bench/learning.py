@@ -6,9 +6,9 @@ By default: the demo's nine SQD iterations (`deploy/local/demo.toml`, scheduler.
 seeds 0, 1, 2 x {no update (lr 0), trained (the demo's settings: learning rate, reward mode,
 anchor nodes, replay)}, the two arms of a seed with the same sampling seeds. Runs
 `deploy/local/demo.py` (the four real services over the real broker) once per (arm, seed), each
-as its own experiment (own namespace, data dir and run dir under --runs). About 15-22 min per
+as its own experiment (own namespace, data dir and run dir under --runs). About 15-25 min per
 run (with its evaluation) on an idle 2-core AVX-512 node with the policy cached, by the node, so
-the default 6 runs take 1.5-2 h; --reuse resumes an interrupted bench.
+the default 6 runs take 1.5-2.5 h; --reuse resumes an interrupted bench.
 
 Every run ends with the demo's own evaluation (`hpcrl-evaluate`: version 0 and the final version
 sample the same fixed prompts with the same seeds; `evaluation.json`) and its report
@@ -48,7 +48,7 @@ kernels: their mix of prompts drifts with what the policy wrote. Printed:
    NLL climbs above it forgets how to extend parents it did not write, which its own KL does
    not show.
 
-    .venv/bin/python bench/learning.py                 # Experiment 2: 3 seeds x 2 arms, 1.5-2 h
+    .venv/bin/python bench/learning.py                 # Experiment 2: 3 seeds x 2 arms, 1.5-2.5 h
     .venv/bin/python bench/learning.py --reuse         # resume it, or print its report again
     .venv/bin/python bench/learning.py --reward-modes parent_relative group_normalized
     .venv/bin/python bench/learning.py --seeds 0 --iterations 2 --eval-samples 4   # quicker
@@ -976,7 +976,7 @@ def main() -> int:
     console.print(
         f"[bold]Experiment 2:[/] {args.iterations_total} iterations x seeds "
         f"{' '.join(map(str, args.seeds))} x {{{', '.join(a.label for a in runs)}}}: "
-        f"{len(args.seeds) * len(runs)} runs, about 15-22 min each on an idle 2-core node"
+        f"{len(args.seeds) * len(runs)} runs, about 15-25 min each on an idle 2-core node"
     )
     for seed in args.seeds:  # seed by seed, so an interrupted bench has whole seeds
         for arm in runs:
