@@ -214,3 +214,36 @@ def test_config_defaults_env_overrides_and_a_missing_model(tmp_path):
         load_config(GeneratorConfig, None, env={"HPCRL__GENERATOR__BACKEND": "vllm"})
     with pytest.raises(ConfigError, match=r"generator\.backend"):
         load_config(GeneratorConfig, path, env={"HPCRL__GENERATOR__BACKEND": "tgi"})
+
+
+def test_cpu_threads_ask_vllm_for_unpinned_threads_and_zero_keeps_its_binding():
+    from hpcrl_generator.backends.vllm import cpu_thread_environment
+
+    assert cpu_thread_environment(0) == {}
+    assert cpu_thread_environment(1) == {
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "OMP_NUM_THREADS": "1",
+    }
+    with pytest.raises(ValueError, match="cpu_threads"):
+        cpu_thread_environment(-1)
+    from hpcrl_generator.config import GeneratorSection
+
+    assert GeneratorSection(model_path="m").cpu_threads == 0
+    with pytest.raises(ValueError, match="cpu_threads"):
+        GeneratorSection(model_path="m", cpu_threads=-1)
+
+
+def test_thread_settings_last_only_while_the_engine_starts_and_win_over_the_shells(
+    monkeypatch,
+):
+    import os
+
+    from hpcrl_generator.backends.vllm import _environment_while
+
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    with _environment_while({"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}):
+        assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+        assert os.environ["OMP_NUM_THREADS"] == "1"
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ
+    assert os.environ["OMP_NUM_THREADS"] == "2"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -50,8 +51,34 @@ def start_engine(model: Path, **lora: bool | int) -> VLLMSampler:
         max_model_len=MAX_MODEL_LEN,
         max_num_seqs=8,
         kv_cache_space_gib=1,
+        cpu_threads=1,  # as the demo runs it
         **lora,
     )
+
+
+def engine_workers() -> list[int]:
+    """Pids of the vLLM worker processes this test process started (at any depth)."""
+    parents: dict[int, int] = {}
+    names: dict[int, str] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # it ended meanwhile
+            continue
+        # "pid (comm) state ppid ...": comm may hold spaces and parentheses
+        names[int(entry.name)] = stat[stat.index("(") + 1 : stat.rindex(")")]
+        parents[int(entry.name)] = int(stat[stat.rindex(")") + 2 :].split()[1])
+
+    def descends(pid: int) -> bool:
+        while pid > 1:
+            pid = parents.get(pid, 0)
+            if pid == os.getpid():
+                return True
+        return False
+
+    return [pid for pid, name in names.items() if name.startswith("VLLM::Worker") and descends(pid)]
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +91,25 @@ def engine(tiny_models):
 @pytest.fixture(scope="module")
 def reference(tiny_models):
     return {name: TransformersSampler(tiny_models[name]) for name in ("v0", "v1")}
+
+
+def test_cpu_threads_give_the_worker_that_many_threads_on_every_core(engine):
+    """generator.cpu_threads = 1: vLLM's own binding would pin the worker to one core."""
+    workers = engine_workers()
+    assert workers, "no vLLM worker process found below this test process"
+    every_core = os.sched_getaffinity(0)
+    for pid in workers:
+        environ = dict(
+            item.split("=", 1)
+            for item in Path(f"/proc/{pid}/environ").read_text().split("\0")
+            if "=" in item
+        )
+        assert environ.get("OMP_NUM_THREADS") == "1"
+        assert environ.get("VLLM_CPU_OMP_THREADS_BIND") == "nobind"
+        for thread in Path(f"/proc/{pid}/task").iterdir():
+            assert os.sched_getaffinity(int(thread.name)) == every_core
+    # The settings lasted only while the engine started.
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ
 
 
 def test_greedy_output_and_logprobs_match_transformers(engine, reference):

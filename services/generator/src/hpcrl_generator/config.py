@@ -53,6 +53,13 @@ class GeneratorSection(ServiceSection):
     kv_cache_space_gib: int = Field(
         4, ge=1, description="vLLM on CPU: KV cache size (sets VLLM_CPU_KVCACHE_SPACE)"
     )
+    cpu_threads: int = Field(
+        0,
+        ge=0,
+        description="vLLM on CPU: engine threads. 0: vLLM's own binding (a thread pinned to "
+        "each core); N: N threads the OS places freely (VLLM_CPU_OMP_THREADS_BIND=nobind, "
+        "OMP_NUM_THREADS=N), for a node whose cores other services share",
+    )
     enforce_eager: bool = Field(
         True,
         description="vLLM: no CUDA graphs / torch.compile (fast start, slower "

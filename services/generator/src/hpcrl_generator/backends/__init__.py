@@ -30,6 +30,7 @@ def make_sampler(section: GeneratorSection) -> Sampler:
         tensor_parallel_size=section.tensor_parallel_size,
         gpu_memory_utilization=section.gpu_memory_utilization,
         kv_cache_space_gib=section.kv_cache_space_gib,
+        cpu_threads=section.cpu_threads,
         enforce_eager=section.enforce_eager,
         enable_lora=section.enable_lora,
         max_lora_rank=section.max_lora_rank,

@@ -8,7 +8,8 @@ first (:func:`hpcrl_generator.weights.validate`).
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 from hpcrl_common.messages import SamplingParams
@@ -31,6 +32,7 @@ class VLLMSampler:
         tensor_parallel_size: int = 1,
         gpu_memory_utilization: float = 0.9,
         kv_cache_space_gib: int = 4,
+        cpu_threads: int = 0,
         enforce_eager: bool = True,
         enable_lora: bool = False,
         max_lora_rank: int = 64,
@@ -46,19 +48,21 @@ class VLLMSampler:
         self.enable_lora = enable_lora
         extra = {"max_lora_rank": max_lora_rank} if enable_lora else {}
         extra.update(_cpu_scheduling(max_num_seqs, max_model_len))
-        self.llm = LLM(
-            model=str(self.model_path),
-            dtype=dtype,
-            max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs,
-            tensor_parallel_size=tensor_parallel_size,
-            gpu_memory_utilization=gpu_memory_utilization,
-            enforce_eager=enforce_eager,
-            enable_lora=enable_lora,
-            seed=seed,
-            worker_extension_cls=EXTENSION,
-            **extra,
-        )
+        # The engine's processes read their thread settings when they start, inside LLM().
+        with _environment_while(cpu_thread_environment(cpu_threads)):
+            self.llm = LLM(
+                model=str(self.model_path),
+                dtype=dtype,
+                max_model_len=max_model_len,
+                max_num_seqs=max_num_seqs,
+                tensor_parallel_size=tensor_parallel_size,
+                gpu_memory_utilization=gpu_memory_utilization,
+                enforce_eager=enforce_eager,
+                enable_lora=enable_lora,
+                seed=seed,
+                worker_extension_cls=EXTENSION,
+                **extra,
+            )
         self._tokenizer = self.llm.get_tokenizer()
         require_chat_template(self._tokenizer, str(self.model_path))
         self._lora = None
@@ -138,6 +142,39 @@ class VLLMSampler:
         shutdown = getattr(getattr(engine, "engine_core", None), "shutdown", None)
         if callable(shutdown):
             shutdown()
+
+
+def cpu_thread_environment(cpu_threads: int) -> dict[str, str]:
+    """The environment that gives vLLM's CPU engine ``cpu_threads`` unpinned threads (0: none
+    needed, vLLM pins one thread to each core itself).
+
+    vLLM's own binding suits a node the engine has to itself. On a node whose cores the
+    learner and the benchmarker share, a pinned thread whose core is busy holds up every
+    parallel region, and its partner spins at the barrier meanwhile: one thread the OS can
+    move to whichever core is free decodes faster there (README, Measurements).
+    """
+    if cpu_threads < 0:
+        raise ValueError(f"cpu_threads must be 0 or more, not {cpu_threads}")
+    if cpu_threads == 0:
+        return {}
+    return {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(cpu_threads)}
+
+
+@contextmanager
+def _environment_while(values: Mapping[str, str]) -> Iterator[None]:
+    """``values`` in the environment for the duration, then whatever was there before: the
+    setting is the configuration's (a shell's OMP_NUM_THREADS does not undo it), and a
+    second engine in the same process starts from the process's own environment."""
+    before = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _cpu_scheduling(max_num_seqs: int, max_model_len: int) -> dict[str, int]:
