@@ -28,15 +28,18 @@ GROUPS, GROUP_SIZE, MAX_TOKENS, TEMPERATURE = 8, 8, 1536, 0.8
 SPIN = "while True: pass"
 
 
-def newest_policy() -> Path | None:
-    built = sorted(Path("data/policy").glob("bootstrap-*/BOOTSTRAP_READY"), key=os.path.getmtime)
-    return built[-1].parent if built else None
+def demo_policy() -> Path | None:
+    """The policy `make demo` uses on this host (its default build), if it is built."""
+    from hpcrl_bootstrap.build import BootstrapSettings, default_dir, is_ready
+
+    path = default_dir(Path("data"), BootstrapSettings())
+    return path if is_ready(path) else None
 
 
 def measure_child(model: Path, cpu_threads: int, calls: int) -> dict[str, list[float]]:
     """Start one engine; time ``calls`` calls idle, then as many beside a busy process."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    from hpcrl_benchmarker.host import has_avx512
+    from hpcrl_bootstrap.build import host_isa
     from hpcrl_common.messages import SamplingParams
     from hpcrl_common.task import load_task
     from hpcrl_evaluate.evalset import build_set
@@ -52,7 +55,7 @@ def measure_child(model: Path, cpu_threads: int, calls: int) -> dict[str, list[f
         kv_cache_space_gib=1,
         cpu_threads=cpu_threads,
     )
-    prompts = build_set(load_task("matmul"), "avx512" if has_avx512() else "avx2")[:GROUPS]
+    prompts = build_set(load_task("matmul"), host_isa())[:GROUPS]
     jobs = [
         GroupJob(
             render_prompt(sampler.tokenizer, p.messages),
@@ -108,7 +111,7 @@ def main() -> None:
         "--model",
         type=Path,
         default=None,
-        help="policy directory (default: the newest bootstrapped policy)",
+        help="policy directory (default: the one `make demo` uses on this host)",
     )
     parser.add_argument(
         "--cpu-threads",
@@ -120,7 +123,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=1, help="calls per load per engine")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    model = args.model or newest_policy()
+    model = args.model or demo_policy()
     if model is None or not (model / "config.json").exists():
         parser.error("no policy: build one (hpcrl-bootstrap) or pass --model")
     if args.child:
